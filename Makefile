@@ -1,0 +1,81 @@
+# deepep_cupy: make test | bench | install | clean | distclean | which
+#
+# Which Python runs things:
+#   * $(PYTHON) (default python3) itself, when it can already import cupy, mpi4py, numpy and
+#     pytest (e.g. a GPU machine set up by hand, maybe offline): nothing is installed and the
+#     checkout is put on PYTHONPATH;
+#   * otherwise a virtual environment $(VENV), made from $(PYTHON), into which
+#     `pip install -e .[$(EXTRAS)]` runs once (and again whenever pyproject.toml changes).
+# An existing $(VENV) is used when PYTHON is not given. Force a choice with USE_VENV=1 or 0.
+#
+# Examples: make test PYTEST_ARGS='-k comm'   make bench BENCH_ARGS='--help'
+#           make test PYTHON=python3.12       make install EXTRAS=cuda13,test
+
+PYTHON      ?= python3
+VENV        ?= .venv
+EXTRAS      ?= cuda12,test
+PYTEST_ARGS ?=
+BENCH_ARGS  ?=
+PIP_FLAGS   ?=
+
+REPO    := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+VENV_PY := $(VENV)/bin/python
+STAMP   := $(VENV)/.deepep-cupy-installed
+PROBE   := import cupy, mpi4py, numpy, pytest
+
+ifndef USE_VENV
+  ifeq ($(origin PYTHON),file)
+    ifneq ($(wildcard $(VENV_PY)),)
+      USE_VENV := 1
+    endif
+  endif
+endif
+ifndef USE_VENV
+  USE_VENV := $(if $(shell $(PYTHON) -c '$(PROBE)' >/dev/null 2>&1 && echo ok),0,1)
+endif
+
+ifeq ($(USE_VENV),1)
+  PY    := $(VENV_PY)
+  SETUP := $(STAMP)
+else
+  PY    := $(PYTHON)
+  SETUP :=
+endif
+
+# The checkout comes first on the import path (no install needed, and it wins over stale installs).
+export PYTHONPATH := $(REPO)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: test bench install clean distclean which
+
+test: $(SETUP)
+	$(PY) -m pytest -q -ra tests $(PYTEST_ARGS)
+
+bench: $(SETUP)
+	$(PY) -m deepep_cupy.bench $(BENCH_ARGS)
+
+ifeq ($(USE_VENV),1)
+install: $(STAMP)
+	@echo "deepep_cupy is installed (editable, extras $(EXTRAS)) in $(VENV)"
+else
+# Offline-safe: the dependencies are already there; setuptools builds the editable install.
+install:
+	$(PY) -m pip install --no-deps --no-build-isolation $(PIP_FLAGS) -e .
+endif
+
+$(VENV_PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(VENV_PY) pyproject.toml
+	$(VENV_PY) -m pip install $(PIP_FLAGS) -e '.[$(EXTRAS)]'
+	@touch $@
+
+which:
+	@echo "python: $(PY) (USE_VENV=$(USE_VENV))"
+	@echo "PYTHONPATH: $(PYTHONPATH)"
+
+clean:
+	rm -rf build dist .whl wheelhouse .eggs .pytest_cache *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

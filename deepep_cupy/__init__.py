@@ -1,0 +1,21 @@
+"""deepep-cupy: expert-parallel dispatch and combine over NVLink, with CuPy and mpi4py.
+
+Public surface (DeepEP-compatible names): :class:`Buffer`, :class:`Config`,
+:class:`EventOverlap`, :func:`get_dispatch_config`, :func:`get_combine_config`,
+:func:`get_nvl_buffer_size_hint`, and the exceptions. ``deepep_cupy.reference`` is the NumPy
+model every GPU result is checked against.
+"""
+
+from .buffer import Buffer, DispatchHandle
+from .comm import Group, MPIGroup, as_group
+from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
+from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from .events import EventOverlap
+
+__all__ = [
+    "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "as_group",
+    "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
+    "DeepEPError", "DeepEPTimeoutError", "RankMismatchError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,639 @@
+"""Buffer: the user API of intranode expert-parallel dispatch and combine."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from . import kernels, layout
+from .arrays import ITEMSIZE, as_cupy, caller_stream, check_array, to_framework
+from .comm import Group, as_group
+from .config import MAX_LOCAL_EXPERTS, MAX_TOPK, Config, get_combine_config, get_dispatch_config
+from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from .events import EventOverlap
+from .ipc import MappedInts, NvlBuffer
+
+# Host-mapped counters (int32 indices).
+_ERROR_RECORD = 0          # 8 ints, see kernels/common.cuh
+_RECV_COUNTER = 8          # tokens this rank receives (-1 until notify_dispatch publishes it)
+_VERDICT = 9               # settings check of notify_dispatch (0 = all ranks agree)
+_SIGNATURE = 16            # 7 ints this rank's settings (+1 written on the device)
+_EXPERT_COUNTERS = 32      # per local expert receive counts
+_MAPPED_INTS = _EXPERT_COUNTERS + MAX_LOCAL_EXPERTS
+
+_KERNEL_NAMES = {
+    1: "barrier", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch sender",
+    5: "dispatch receiver", 6: "cached_notify_combine", 7: "combine sender", 8: "combine receiver",
+}
+
+_COMBINE_ELEMENT = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
+_DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
+_SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per token", "num_experts",
+                     "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
+
+
+class DispatchHandle(tuple):
+    """The layout of one dispatch, reusable by cached dispatch and by combine.
+
+    A tuple ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+    is_token_in_rank, send_head)`` in the caller's array type (shapes/dtypes in DESIGN.md), that
+    also remembers the Buffer and channel count it was made with.
+    """
+
+    def __new__(cls, arrays: Tuple[Any, ...], framework: str, owner: int):
+        self = super().__new__(cls, tuple(to_framework(a, str(a.dtype), framework) for a in arrays))
+        self.arrays = arrays
+        self.owner = owner
+        return self
+
+    @property
+    def num_channels(self) -> int:
+        return self.arrays[1].shape[1]
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return self.arrays[3].shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arrays[4].shape[0]
+
+
+class Buffer:
+    """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
+
+    Created collectively by every rank of the group, one rank per GPU (or, in one process, one
+    thread per rank). Operations run on the Buffer's own communication stream; without
+    ``async_finish`` the caller's current stream waits for them.
+
+    Args:
+        comm: an mpi4py communicator, or a :class:`deepep_cupy.comm.Group`.
+        num_nvl_bytes: bytes of this rank's NVLink buffer (same on every rank); see
+            :func:`deepep_cupy.get_nvl_buffer_size_hint`.
+        timeout_s: how long a rank waits for its peers (in kernels and on the host) before it
+            raises :class:`deepep_cupy.DeepEPTimeoutError`.
+        device: the CUDA device id (default: CuPy's current device).
+    """
+
+    def __init__(self, comm: Any, num_nvl_bytes: int, *, timeout_s: float = 100.0,
+                 device: Optional[int] = None):
+        import cupy
+
+        if not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
+            raise ValueError(f"num_nvl_bytes: expected a positive int, got {num_nvl_bytes!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        self.group: Group = as_group(comm)
+        self.rank = self.group.rank
+        self.num_ranks = self.group.size
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.timeout_s = float(timeout_s)
+        self._device = cupy.cuda.Device(device)
+        self._nvl: Optional[NvlBuffer] = None
+        self._mapped: Optional[MappedInts] = None
+        self._failed: Optional[str] = None
+        self._epoch = 0
+
+        with self._device:
+            self._check_group(cupy)
+            self._nvl = NvlBuffer(self.group, self.num_nvl_bytes)
+            try:
+                self._mapped = MappedInts(_MAPPED_INTS)
+                self._comm_stream = cupy.cuda.Stream(non_blocking=True)
+                kernels.warm_up(self.num_ranks)
+            except BaseException:
+                self.destroy()
+                raise
+        self.group.barrier()
+
+    # -----------------------------------------------------------------------------------------
+    # Lifetime
+
+    def _check_group(self, cupy) -> None:
+        if not 2 <= self.num_ranks <= kernels.MAX_RANKS:
+            raise ValueError(f"comm: expected 2..{kernels.MAX_RANKS} ranks, got {self.num_ranks}")
+        me = {"host": self.group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self._device.id),
+              "bytes": self.num_nvl_bytes}
+        everyone = self.group.allgather(me)
+        hosts = sorted({e["host"] for e in everyone})
+        if len(hosts) > 1:
+            raise ValueError(f"comm: all ranks must run on one node (intranode NVLink), got nodes {hosts}")
+        sizes = [e["bytes"] for e in everyone]
+        if len(set(sizes)) > 1:
+            raise RankMismatchError(f"num_nvl_bytes: ranks disagree, got {sizes} (rank order)")
+        buses = [e["bus"] for e in everyone]
+        if not self.group.in_process and len(set(buses)) < len(buses):
+            raise ValueError(
+                f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
+                "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")
+
+    def destroy(self) -> None:
+        """Free the NVLink buffer, unmap the peers' and free the host counters (idempotent).
+
+        Every rank must call it (it ends with a group barrier only when the Buffer was complete).
+        """
+        if self._nvl is None and self._mapped is None:
+            return
+        with self._device:
+            try:
+                self._device.synchronize()
+            except Exception:
+                pass
+            complete = self._nvl is not None and self._mapped is not None
+            if complete:
+                # No peer may still write into our buffer when it is freed.
+                try:
+                    self.group.barrier()
+                except Exception:
+                    pass
+            if self._nvl is not None:
+                self._nvl.close()
+                self._nvl = None
+            if self._mapped is not None:
+                self._mapped.free()
+                self._mapped = None
+        self._failed = "the Buffer was destroyed"
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def __del__(self):  # pragma: no cover - a safety net; destroy() is the contract
+        try:
+            if self._nvl is not None:
+                self._nvl.close()
+            if self._mapped is not None:
+                self._mapped.free()
+        except Exception:
+            pass
+
+    # -----------------------------------------------------------------------------------------
+    # Helpers shared by the operations
+
+    @property
+    def _timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    def _next_epoch(self, barriers: int) -> int:
+        """Barrier numbers for a kernel that runs ``barriers`` cross-rank barriers."""
+        start = self._epoch + 1
+        self._epoch += barriers
+        return start
+
+    def _ensure_usable(self) -> None:
+        if self._failed is not None:
+            raise DeepEPError(f"rank {self.rank}: Buffer unusable: {self._failed}")
+        self._raise_kernel_error()
+
+    def _raise_kernel_error(self) -> None:
+        record = self._mapped.values[_ERROR_RECORD:_ERROR_RECORD + 8]
+        if record[0] <= 0:
+            return
+        kernel = _KERNEL_NAMES.get(int(record[1]), f"kernel {int(record[1])}")
+        rank, channel, peer, detail = (int(v) for v in record[2:6])
+        where = f"channel {channel}" if channel >= 0 else "whole rank"
+        message = (f"rank {rank}: {kernel} timed out after {self.timeout_s:g} s waiting for rank {peer} "
+                   f"({where}, detail {detail}); a peer did not join or died. The Buffer is unusable: "
+                   "destroy it and create a new one on every rank")
+        self._failed = message
+        raise DeepEPTimeoutError(message, rank=rank, kernel=kernel, channel=None if channel < 0 else channel,
+                                 peer=peer)
+
+    def _wait_mapped(self, index: int) -> int:
+        """Poll a host-mapped counter until a kernel sets it (>= 0), a kernel error, or the timeout."""
+        values = self._mapped.values
+        # Let the device report its own timeout first: it names the stage and the peer.
+        deadline = time.monotonic() + self.timeout_s + 1.0
+        polls = 0
+        while True:
+            value = int(values[index])
+            if value >= 0:
+                return value
+            if values[_ERROR_RECORD] > 0:
+                self._raise_kernel_error()
+            polls += 1
+            if polls > 1000 or self.group.in_process:
+                # Give the GIL to other ranks' threads and stop burning a core.
+                time.sleep(0 if polls < 100000 else 1e-4)
+                if time.monotonic() > deadline:
+                    self._failed = "a host wait timed out"
+                    raise DeepEPTimeoutError(
+                        f"rank {self.rank}: waited {self.timeout_s:g} s on the host for notify_dispatch "
+                        "to publish the receive counts", rank=self.rank, kernel="host wait")
+
+    def _begin(self, framework: str, previous_event: Optional[EventOverlap]):
+        """Order the communication stream after the caller's work; return the caller's stream."""
+        caller = caller_stream(framework)
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._comm_stream.wait_event(caller.record())
+        return caller
+
+    def _finish(self, caller, framework: str, async_finish: bool, keep: Tuple[Any, ...]) -> EventOverlap:
+        event = self._comm_stream.record()
+        if async_finish:
+            return EventOverlap(event, keep, framework)
+        caller.wait_event(event)
+        return EventOverlap(None, (), framework)
+
+    def _alloc_stream(self, caller, allocate_on_comm_stream: bool):
+        return self._comm_stream if allocate_on_comm_stream else caller
+
+    def _require_room(self, needed: int, what: str) -> None:
+        if needed > self.num_nvl_bytes:
+            raise ValueError(
+                f"num_nvl_bytes: {what} needs {needed} bytes of NVLink buffer with this config, the Buffer "
+                f"has {self.num_nvl_bytes}; create it with deepep_cupy.get_nvl_buffer_size_hint(...) bytes "
+                "or use smaller num_sms / num_max_nvl_chunked_recv_tokens")
+
+    def _config(self, config: Optional[Config], default) -> Config:
+        if config is None:
+            return default(self.num_ranks)
+        if not isinstance(config, Config):
+            raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
+        return config
+
+    # -----------------------------------------------------------------------------------------
+    # Layout
+
+    def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Count, per rank and per expert, the tokens routed by ``topk_idx``.
+
+        Args:
+            topk_idx: int64 ``[num_tokens, num_topk]``, expert ids in ``[0, num_experts)`` or -1.
+            num_experts: experts in total, a multiple of the rank count.
+
+        Returns:
+            ``(num_tokens_per_rank int32 [R], None, num_tokens_per_expert int32 [E],
+            is_token_in_rank bool [num_tokens, R], event)``. The ``None`` stands where DeepEP returns
+            its RDMA counts (internode only).
+        """
+        import cupy
+
+        self._ensure_usable()
+        with self._device:
+            topk, _, framework = as_cupy(topk_idx, "topk_idx", self._device.id)
+            check_array(topk, "topk_idx", ("int64",), 2)
+            self._check_num_experts(num_experts)
+            if topk.shape[1] > MAX_TOPK:
+                raise ValueError(f"topk_idx: expected at most {MAX_TOPK} columns, got {topk.shape[1]}")
+            num_tokens = topk.shape[0]
+            caller = self._begin(framework, previous_event)
+            with self._alloc_stream(caller, allocate_on_comm_stream):
+                per_rank = cupy.empty(self.num_ranks, dtype=np.int32)
+                per_expert = cupy.empty(num_experts, dtype=np.int32)
+                in_rank = cupy.empty((num_tokens, self.num_ranks), dtype=np.bool_)
+            with self._comm_stream:
+                # The kernel adds its counts into these.
+                per_rank.fill(0)
+                per_expert.fill(0)
+                if num_tokens and bool(((topk < -1) | (topk >= num_experts)).any()):
+                    bad = cupy.asnumpy(topk[(topk < -1) | (topk >= num_experts)][:4]).tolist()
+                    raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got values such as {bad}")
+            if num_tokens:
+                grid = min(math.ceil(num_tokens / kernels.BLOCK_THREADS["dispatch_layout_kernel"]), 264)
+                kernels.launch("dispatch_layout_kernel", grid, self._comm_stream,
+                               shared_mem=4 * (num_experts + self.num_ranks),
+                               topk_idx=topk, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                               is_token_in_rank=in_rank, num_tokens=num_tokens, num_topk=topk.shape[1],
+                               num_experts=num_experts, num_ranks=self.num_ranks)
+            event = self._finish(caller, framework, async_finish, (topk, per_rank, per_expert, in_rank))
+            return (to_framework(per_rank, "int32", framework), None,
+                    to_framework(per_expert, "int32", framework),
+                    to_framework(in_rank, "bool", framework), event)
+
+    def _check_num_experts(self, num_experts: int) -> None:
+        if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
+            raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts: expected a multiple of the rank count {self.num_ranks}, got {num_experts}")
+        if num_experts // self.num_ranks > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"num_experts: at most {MAX_LOCAL_EXPERTS} experts per rank, got "
+                             f"{num_experts // self.num_ranks}")
+        if num_experts > 8192:
+            raise ValueError(f"num_experts: at most 8192, got {num_experts}")
+
+    # -----------------------------------------------------------------------------------------
+    # Dispatch
+
+    def _parse_x(self, x) -> Tuple[Any, Optional[Any], str, str]:
+        """``x`` or ``(x_fp8, x_scales)`` -> (rows, scales or None, dtype name, framework)."""
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise TypeError(f"x: expected an array or a tuple (x_fp8, x_scales), got a tuple of {len(x)}")
+            rows, name, framework = as_cupy(x[0], "x[0]", self._device.id)
+            check_array(rows, "x[0]", ("float8_e4m3fn",), 2)
+            scales, _, _ = as_cupy(x[1], "x[1]", self._device.id)
+            if scales.ndim == 1:
+                check_array(scales, "x[1]", ("float32",), 1, (rows.shape[0],))
+            else:
+                check_array(scales, "x[1]", ("float32",), 2, (rows.shape[0], None))
+        else:
+            rows, name, framework = as_cupy(x, "x", self._device.id)
+            check_array(rows, "x", _DISPATCH_DTYPES, 2)
+            scales = None
+        row_bytes = rows.shape[1] * rows.itemsize
+        if row_bytes % 16:
+            raise ValueError(f"x: row bytes must be a multiple of 16, got hidden {rows.shape[1]} x "
+                             f"{rows.itemsize} B = {row_bytes} B")
+        return rows, scales, name, framework
+
+    def dispatch(self, x, handle: Optional[DispatchHandle] = None, num_tokens_per_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token once to every rank that owns one of its experts.
+
+        Args:
+            x: ``[num_tokens, hidden]`` BF16 (CuPy uint16 bits / torch.bfloat16), FP16 or FP32; or
+                ``(x_fp8 [num_tokens, hidden] uint8 / torch.float8_e4m3fn, x_scales float32
+                [num_tokens, hidden // 128] or [num_tokens])``. Row bytes must be a multiple of 16.
+            handle: a handle from an earlier dispatch with the same routing (cached mode: the
+                layout arguments and top-k are not needed and not returned).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from
+                :meth:`get_dispatch_layout` (int32 [R], bool [num_tokens, R], int32 [E]).
+            topk_idx: int64 ``[num_tokens, num_topk]`` or None; topk_weights: float32, same shape.
+            expert_alignment: round each local expert's receive count up to a multiple of this.
+            config: :class:`Config` (default: :func:`get_dispatch_config`).
+            previous_event: make the communication wait for this event instead of the caller's stream.
+            async_finish: return an event instead of making the caller's stream wait.
+            allocate_on_comm_stream: allocate outputs on the communication stream.
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+            event)``: ``recv_x`` like ``x`` (a tuple for FP8), rows grouped by source rank and in
+            source order; ``recv_topk_idx`` int64 with local expert ids (-1 elsewhere) and
+            ``recv_topk_weights`` float32 (0 where the id is -1), both None without top-k;
+            the expert counts as a Python list (None in cached mode).
+        """
+        self._ensure_usable()
+        config = self._config(config, get_dispatch_config)
+        with self._device:
+            if handle is not None:
+                return self._cached_dispatch(x, handle, config, previous_event, async_finish,
+                                             allocate_on_comm_stream)
+            return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                        topk_idx, topk_weights, expert_alignment, config, previous_event,
+                                        async_finish, allocate_on_comm_stream)
+
+    def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                        topk_weights, expert_alignment, config, previous_event, async_finish,
+                        allocate_on_comm_stream):
+        import cupy
+
+        R, dev = self.num_ranks, self._device.id
+        rows, scales, dtype_name, framework = self._parse_x(x)
+        num_tokens = rows.shape[0]
+        for arg, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                           ("num_tokens_per_expert", num_tokens_per_expert)):
+            if value is None:
+                raise ValueError(f"{arg}: required without a handle (from Buffer.get_dispatch_layout)")
+        per_rank, _, _ = as_cupy(num_tokens_per_rank, "num_tokens_per_rank", dev)
+        check_array(per_rank, "num_tokens_per_rank", ("int32",), 1, (R,))
+        in_rank, _, _ = as_cupy(is_token_in_rank, "is_token_in_rank", dev)
+        check_array(in_rank, "is_token_in_rank", ("bool",), 2, (num_tokens, R))
+        per_expert, _, _ = as_cupy(num_tokens_per_expert, "num_tokens_per_expert", dev)
+        check_array(per_expert, "num_tokens_per_expert", ("int32",), 1)
+        num_experts = per_expert.shape[0]
+        self._check_num_experts(num_experts)
+        if not isinstance(expert_alignment, (int, np.integer)) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
+        topk = weights = None
+        num_topk = 0
+        if topk_idx is not None:
+            topk, _, _ = as_cupy(topk_idx, "topk_idx", dev)
+            check_array(topk, "topk_idx", ("int64",), 2, (num_tokens, None))
+            num_topk = topk.shape[1]
+            if num_topk > MAX_TOPK:
+                raise ValueError(f"topk_idx: expected at most {MAX_TOPK} columns, got {num_topk}")
+            if topk_weights is not None:
+                weights, _, _ = as_cupy(topk_weights, "topk_weights", dev)
+                check_array(weights, "topk_weights", ("float32",), 2, (num_tokens, num_topk))
+        elif topk_weights is not None:
+            raise ValueError("topk_weights: given without topk_idx")
+        num_scales = 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
+        row_bytes = rows.shape[1] * rows.itemsize
+        plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                      row_bytes, num_topk, num_scales, num_experts // R)
+        self._require_room(plan.total_bytes, "dispatch")
+
+        caller = self._begin(framework, previous_event)
+        mapped = self._mapped.values
+        mapped[_RECV_COUNTER] = -1
+        mapped[_VERDICT] = 0
+        mapped[_SIGNATURE:_SIGNATURE + 7] = (row_bytes, 2 * num_topk + (weights is not None), num_scales,
+                                             num_experts, config.num_sms,
+                                             config.num_max_nvl_chunked_send_tokens,
+                                             config.num_max_nvl_chunked_recv_tokens)
+        C = config.num_channels
+        with self._comm_stream:
+            rank_prefix_matrix = cupy.empty((R, R), dtype=np.int32)
+            channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
+            invalid = None
+            if topk is not None and num_tokens:
+                invalid = ((topk < -1) | (topk >= num_experts)).any()
+        kernels.launch(
+            "notify_dispatch_kernel", 1 + R, self._comm_stream,
+            num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
+            rank_prefix_matrix=rank_prefix_matrix, channel_prefix_matrix=channel_prefix_matrix,
+            recv_counter=self._mapped.device_ptr(_RECV_COUNTER), mismatch_flag=self._mapped.device_ptr(_VERDICT),
+            signature=self._mapped.device_ptr(_SIGNATURE),
+            recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), invalid_input=invalid,
+            num_tokens=num_tokens, num_experts=num_experts, num_channels=C, expert_alignment=expert_alignment,
+            buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R, rank=self.rank, epoch=self._next_epoch(3),
+            notify_off=plan.notify_off, zero_off=plan.meta_off, zero_count=plan.zero_count,
+            timeout_ns=self._timeout_ns, error_record=self._mapped.device_ptr(_ERROR_RECORD))
+        num_recv = self._wait_mapped(_RECV_COUNTER)
+        self._check_verdict(int(mapped[_VERDICT]), topk, num_experts)
+        experts_per_rank = num_experts // R
+        per_expert_list = mapped[_EXPERT_COUNTERS:_EXPERT_COUNTERS + experts_per_rank].tolist()
+
+        with self._alloc_stream(caller, allocate_on_comm_stream):
+            recv_rows = cupy.empty((num_recv, rows.shape[1]), dtype=rows.dtype)
+            recv_scales = None if scales is None else cupy.empty((num_recv,) + scales.shape[1:], dtype=np.float32)
+            recv_src_idx = cupy.empty(num_recv, dtype=np.int32)
+            recv_topk = None if topk is None else cupy.empty((num_recv, num_topk), dtype=np.int64)
+            recv_weights = None if weights is None else cupy.empty((num_recv, num_topk), dtype=np.float32)
+            recv_channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
+            send_head = cupy.empty((num_tokens, R), dtype=np.int32)
+        self._launch_dispatch(config, plan, rows, scales, topk, weights, in_rank, channel_prefix_matrix,
+                              rank_prefix_matrix, num_experts, recv_rows, recv_scales, recv_src_idx, recv_topk,
+                              recv_weights, recv_channel_prefix_matrix, send_head)
+        handle = DispatchHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                                 recv_src_idx, in_rank, send_head), framework, id(self))
+        keep = (rows, scales, topk, weights, per_rank, per_expert, in_rank, invalid, recv_rows, recv_scales,
+                recv_topk, recv_weights, handle.arrays)
+        event = self._finish(caller, framework, async_finish, keep)
+        recv_x = to_framework(recv_rows, dtype_name, framework)
+        if scales is not None:
+            recv_x = (recv_x, to_framework(recv_scales, "float32", framework))
+        return (recv_x, to_framework(recv_topk, "int64", framework),
+                to_framework(recv_weights, "float32", framework), per_expert_list, handle, event)
+
+    def _check_verdict(self, verdict: int, topk, num_experts: int) -> None:
+        if verdict == 0:
+            return
+        if verdict < 0:
+            bad_rank = -verdict - 1
+            detail = ""
+            if bad_rank == self.rank and topk is not None:
+                import cupy
+                bad = cupy.asnumpy(topk[(topk < -1) | (topk >= num_experts)][:4]).tolist()
+                detail = f": values such as {bad}"
+            raise ValueError(f"topk_idx: rank {bad_rank} passed expert ids outside [-1, {num_experts}){detail}; "
+                             "no tokens were moved")
+        other = verdict - 1
+        raise RankMismatchError(
+            f"rank {self.rank}: dispatch settings differ between rank 0 and rank {other} (compared: "
+            f"{', '.join(_SIGNATURE_FIELDS)}); mine are {self._mapped.values[_SIGNATURE:_SIGNATURE + 7].tolist()}; "
+            "no tokens were moved")
+
+    def _launch_dispatch(self, config, plan, rows, scales, topk, weights, in_rank, channel_prefix_matrix,
+                         rank_prefix_matrix, num_experts, recv_rows, recv_scales, recv_src_idx, recv_topk,
+                         recv_weights, recv_channel_prefix_matrix, send_head) -> None:
+        kernels.launch(
+            "dispatch_kernel", config.num_sms, self._comm_stream, template_args=(self.num_ranks,),
+            recv_x=recv_rows, recv_x_scales=recv_scales, recv_src_idx=recv_src_idx, recv_topk_idx=recv_topk,
+            recv_topk_weights=recv_weights, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
+            send_head=send_head, x=rows, x_scales=scales, topk_idx=topk, topk_weights=weights,
+            is_token_in_rank=in_rank, channel_prefix_matrix=channel_prefix_matrix,
+            rank_prefix_matrix=rank_prefix_matrix, num_tokens=rows.shape[0],
+            hidden_int4=rows.shape[1] * rows.itemsize // 16, num_topk=0 if topk is None else topk.shape[1],
+            num_experts=num_experts, num_scales=0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1]),
+            buffer_ptrs=self._nvl.peer_ptrs, rank=self.rank, meta_off=plan.meta_off, x_off=plan.x_off,
+            src_idx_off=plan.src_idx_off, topk_idx_off=plan.topk_idx_off, topk_weights_off=plan.topk_weights_off,
+            scales_off=plan.scales_off, max_send_tokens=config.num_max_nvl_chunked_send_tokens,
+            queue_tokens=config.num_max_nvl_chunked_recv_tokens, timeout_ns=self._timeout_ns,
+            error_record=self._mapped.device_ptr(_ERROR_RECORD))
+
+    def _handle_arrays(self, handle, config: Config) -> Tuple[Any, ...]:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
+        if handle.owner != id(self):
+            raise ValueError("handle: it was made by another Buffer; a handle is only valid on the Buffer "
+                             "whose dispatch returned it")
+        if handle.num_channels != config.num_channels:
+            raise ValueError(f"config: the handle was made with num_sms={2 * handle.num_channels}, got "
+                             f"num_sms={config.num_sms}; dispatch and combine must use the same num_sms")
+        return handle.arrays
+
+    def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream):
+        import cupy
+
+        rows, scales, dtype_name, framework = self._parse_x(x)
+        (rank_prefix_matrix, channel_prefix_matrix, _, recv_src_idx, in_rank, _) = self._handle_arrays(handle, config)
+        if rows.shape[0] != handle.num_tokens:
+            raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {rows.shape[0]}")
+        num_scales = 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
+        plan = layout.dispatch_layout(self.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                      rows.shape[1] * rows.itemsize, 0, num_scales, 0)
+        self._require_room(plan.total_bytes, "dispatch")
+        num_recv = handle.num_recv_tokens
+        caller = self._begin(framework, previous_event)
+        kernels.launch("cached_notify_dispatch_kernel", 1, self._comm_stream, buffer_ptrs=self._nvl.peer_ptrs,
+                       num_ranks=self.num_ranks, rank=self.rank, epoch=self._next_epoch(2),
+                       zero_off=plan.meta_off, zero_count=plan.zero_count, timeout_ns=self._timeout_ns,
+                       error_record=self._mapped.device_ptr(_ERROR_RECORD))
+        with self._alloc_stream(caller, allocate_on_comm_stream):
+            recv_rows = cupy.empty((num_recv, rows.shape[1]), dtype=rows.dtype)
+            recv_scales = None if scales is None else cupy.empty((num_recv,) + scales.shape[1:], dtype=np.float32)
+        self._launch_dispatch(config, plan, rows, scales, None, None, in_rank, channel_prefix_matrix,
+                              rank_prefix_matrix, 0, recv_rows, recv_scales, None, None, None, None, None)
+        event = self._finish(caller, framework, async_finish, (rows, scales, recv_rows, recv_scales, handle.arrays))
+        recv_x = to_framework(recv_rows, dtype_name, framework)
+        if scales is not None:
+            recv_x = (recv_x, to_framework(recv_scales, "float32", framework))
+        return recv_x, None, None, None, handle, event
+
+    # -----------------------------------------------------------------------------------------
+    # Combine
+
+    def combine(self, x, handle: DispatchHandle, topk_weights=None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send every received token back to its owner, which sums the copies.
+
+        Args:
+            x: ``[num_recv_tokens, hidden]`` BF16/FP16/FP32, rows in the receive order of the
+                dispatch that made ``handle``.
+            handle: the handle returned by that dispatch.
+            topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``.
+            config: :class:`Config` with the dispatch's ``num_sms`` (default: :func:`get_combine_config`).
+
+        Returns:
+            ``(combined_x [num_tokens, hidden] like x, combined_topk_weights float32 or None, event)``:
+            ``combined_x[t]`` is the float32 sum, over the ranks the token went to in ascending
+            order, of their rows, rounded to x's dtype (0 for tokens sent nowhere).
+        """
+        import cupy
+
+        self._ensure_usable()
+        config = self._config(config, get_combine_config)
+        with self._device:
+            rows, dtype_name, framework = as_cupy(x, "x", self._device.id)
+            check_array(rows, "x", tuple(_COMBINE_ELEMENT), 2)
+            (rank_prefix_matrix, _, recv_channel_prefix_matrix, _, _, send_head) = self._handle_arrays(handle, config)
+            if rows.shape[0] != handle.num_recv_tokens:
+                raise ValueError(f"x: expected {handle.num_recv_tokens} rows (the tokens the handle's dispatch "
+                                 f"received), got {rows.shape[0]}")
+            row_bytes = rows.shape[1] * rows.itemsize
+            if row_bytes % 16:
+                raise ValueError(f"x: row bytes must be a multiple of 16, got {row_bytes}")
+            weights = None
+            num_topk = 0
+            if topk_weights is not None:
+                weights, _, _ = as_cupy(topk_weights, "topk_weights", self._device.id)
+                check_array(weights, "topk_weights", ("float32",), 2, (rows.shape[0], None))
+                num_topk = weights.shape[1]
+                if num_topk > MAX_TOPK:
+                    raise ValueError(f"topk_weights: expected at most {MAX_TOPK} columns, got {num_topk}")
+            plan = layout.combine_layout(self.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                         row_bytes, num_topk)
+            self._require_room(plan.total_bytes, "combine")
+            num_tokens = handle.num_tokens
+            caller = self._begin(framework, previous_event)
+            with self._comm_stream:
+                combine_head = cupy.empty((num_tokens, self.num_ranks), dtype=np.int32)
+            with self._alloc_stream(caller, allocate_on_comm_stream):
+                combined = cupy.empty((num_tokens, rows.shape[1]), dtype=rows.dtype)
+                combined_weights = None if weights is None else cupy.empty((num_tokens, num_topk), dtype=np.float32)
+            kernels.launch("cached_notify_combine_kernel", 1 + config.num_channels, self._comm_stream,
+                           buffer_ptrs=self._nvl.peer_ptrs, num_ranks=self.num_ranks, rank=self.rank,
+                           epoch=self._next_epoch(2), zero_off=plan.meta_off, zero_count=plan.zero_count,
+                           send_head=send_head, combine_head=combine_head, num_tokens=num_tokens,
+                           num_channels=config.num_channels, timeout_ns=self._timeout_ns,
+                           error_record=self._mapped.device_ptr(_ERROR_RECORD))
+            kernels.launch(
+                "combine_kernel", config.num_sms, self._comm_stream,
+                template_args=(_COMBINE_ELEMENT[dtype_name], self.num_ranks),
+                combined_x=combined, combined_topk_weights=combined_weights, x=rows, topk_weights=weights,
+                rank_prefix_matrix=rank_prefix_matrix, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
+                combine_head=combine_head, num_tokens=num_tokens, hidden_int4=row_bytes // 16, num_topk=num_topk,
+                buffer_ptrs=self._nvl.peer_ptrs, rank=self.rank, meta_off=plan.meta_off, x_off=plan.x_off,
+                topk_weights_off=plan.topk_weights_off, max_send_tokens=config.num_max_nvl_chunked_send_tokens,
+                queue_tokens=config.num_max_nvl_chunked_recv_tokens, timeout_ns=self._timeout_ns,
+                error_record=self._mapped.device_ptr(_ERROR_RECORD))
+            event = self._finish(caller, framework, async_finish,
+                                 (rows, weights, combined, combined_weights, combine_head, handle.arrays))
+            return (to_framework(combined, dtype_name, framework),
+                    to_framework(combined_weights, "float32", framework), event)
+
+    # -----------------------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """A device-side barrier of all ranks on the communication stream; the host waits for it."""
+        self._ensure_usable()
+        with self._device:
+            kernels.launch("barrier_kernel", 1, self._comm_stream, buffer_ptrs=self._nvl.peer_ptrs,
+                           num_ranks=self.num_ranks, rank=self.rank, epoch=self._next_epoch(1),
+                           timeout_ns=self._timeout_ns, error_record=self._mapped.device_ptr(_ERROR_RECORD))
+            self._comm_stream.synchronize()
+            self._raise_kernel_error()

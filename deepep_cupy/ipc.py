@@ -1,0 +1,116 @@
+"""The NVLink buffer: one device allocation per rank, mapped by every peer.
+
+Across processes the allocation's CUDA IPC handle is exchanged with the group's ``allgather``
+and opened by every peer (``cudaIpcOpenMemHandle``). Inside one process (the thread group)
+ranks exchange the raw device pointers and enable peer access instead. Either way each rank ends
+with ``peer_ptrs``: a device array of R pointers, entry r valid on this rank's device and naming
+rank r's buffer (entry ``rank`` its own).
+
+Also here: host-mapped pinned memory (``cudaHostAlloc(..., Mapped)``) through which kernels hand
+small results (receive counts, error records) to a host that polls them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import List
+
+import numpy as np
+
+from .comm import Group
+
+
+def _runtime():
+    from cupy.cuda import runtime
+    return runtime
+
+
+class MappedInts:
+    """``count`` int32 in pinned host memory that kernels read and write directly.
+
+    ``values`` is a NumPy view the host reads without any CUDA call; ``device_ptr(i)`` is the
+    address of entry ``i`` for kernels (unified addressing makes it the host address).
+    """
+
+    def __init__(self, count: int):
+        runtime = _runtime()
+        self._ptr = runtime.hostAlloc(count * 4, runtime.hostAllocMapped | runtime.hostAllocPortable)
+        self.values = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(self._ptr))
+        self.values[:] = 0
+
+    def device_ptr(self, index: int) -> int:
+        return self._ptr + 4 * index
+
+    def free(self) -> None:
+        if self._ptr:
+            self.values = None
+            _runtime().freeHost(self._ptr)
+            self._ptr = 0
+
+
+def _enable_peer_access(peer_devices: List[int], device_id: int) -> None:
+    runtime = _runtime()
+    for peer in set(peer_devices) - {device_id}:
+        if not runtime.deviceCanAccessPeer(device_id, peer):
+            raise RuntimeError(f"deepep_cupy: GPU {device_id} cannot access GPU {peer} as a peer (no NVLink/P2P path)")
+        try:
+            runtime.deviceEnablePeerAccess(peer)
+        except runtime.CUDARuntimeError as exc:
+            if "PeerAccessAlreadyEnabled" not in str(exc):
+                raise
+
+
+class NvlBuffer:
+    """This rank's NVLink buffer and its mapping of every peer's.
+
+    Args:
+        group: the rank group (every rank must construct its NvlBuffer collectively).
+        num_bytes: size of each rank's buffer (identical on every rank).
+    """
+
+    def __init__(self, group: Group, num_bytes: int):
+        import cupy
+
+        runtime = _runtime()
+        self.num_bytes = num_bytes
+        self.rank = group.rank
+        self.device_id = cupy.cuda.Device().id
+        self._opened: List[int] = []
+        self.local_ptr = runtime.malloc(num_bytes)
+        try:
+            # The barrier words must start at zero, and stale queue flags must not look valid.
+            runtime.memset(self.local_ptr, 0, num_bytes)
+            runtime.deviceSynchronize()
+            if group.in_process:
+                entries = group.allgather((self.local_ptr, self.device_id))
+                _enable_peer_access([d for _, d in entries], self.device_id)
+                ptrs = [p for p, _ in entries]
+            else:
+                handles = group.allgather(runtime.ipcGetMemHandle(self.local_ptr))
+                ptrs = []
+                for r, handle in enumerate(handles):
+                    if r == self.rank:
+                        ptrs.append(self.local_ptr)
+                    else:
+                        ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+                        self._opened.append(ptr)
+                        ptrs.append(ptr)
+            self.ptrs = ptrs
+            self.peer_ptrs = cupy.asarray(np.array(ptrs, dtype=np.uint64))
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Unmap the peers' buffers and free this rank's (idempotent)."""
+        runtime = _runtime()
+        for ptr in self._opened:
+            try:
+                runtime.ipcCloseMemHandle(ptr)
+            except Exception:
+                pass
+        self._opened = []
+        self.peer_ptrs = None
+        if self.local_ptr:
+            runtime.free(self.local_ptr)
+            self.local_ptr = 0

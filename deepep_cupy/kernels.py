@@ -1,0 +1,206 @@
+"""Finding, compiling and launching the project's CUDA kernels.
+
+The CUDA C++ sources live in ``kernels/`` (shipped in the wheel as ``deepep_cupy/_kernels``).
+Each ``.cu`` file is one stage; its template instances are listed in :data:`SOURCES` and
+compiled together by ``cupy.RawModule(name_expressions=...)`` for the device's own
+architecture. Local ``#include "x.cuh"`` lines are inlined here, before compiling, so that
+CuPy's on-disk kernel cache (keyed by the source text) sees header edits too.
+
+Every launch goes through :func:`launch`, which packs arguments by the kernel's declared
+signature: the one place where Python values become C types.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import Dict, Iterable, Sequence, Tuple
+
+import numpy as np
+
+MAX_RANKS = 8
+RANK_COUNTS = tuple(range(2, MAX_RANKS + 1))
+
+#: C element type of each combine dtype name (the tag types are defined in kernels/common.cuh).
+COMBINE_DTYPES = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
+
+#: Template instances compiled from each source file.
+SOURCES: Dict[str, Tuple[str, ...]] = {
+    "layout.cu": ("dispatch_layout_kernel",),
+    "notify.cu": ("notify_dispatch_kernel", "cached_notify_dispatch_kernel",
+                  "cached_notify_combine_kernel", "barrier_kernel"),
+    "dispatch.cu": tuple(f"dispatch_kernel<{r}>" for r in RANK_COUNTS),
+    "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
+}
+
+#: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
+NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def kernel_dir() -> Path:
+    """The folder holding the ``.cu``/``.cuh`` sources (source checkout or installed wheel)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_kernels", here.parent / "kernels"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"deepep_cupy: CUDA sources not found next to {here}")
+
+
+def read_source(name: str) -> str:
+    """Return the text of ``name`` with every local ``#include "..."`` inlined (each header once)."""
+    seen: set = set()
+
+    def expand(file_name: str) -> str:
+        if file_name in seen:
+            return ""
+        seen.add(file_name)
+        text = (kernel_dir() / file_name).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def source_of(name_expression: str) -> str:
+    """The source file that holds ``name_expression``."""
+    for file_name, expressions in SOURCES.items():
+        if name_expression in expressions:
+            return file_name
+    raise KeyError(f"deepep_cupy: no kernel instance named {name_expression!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-time compilation (needs a GPU)
+
+_modules: Dict[Tuple[int, str], object] = {}
+_modules_lock = threading.Lock()
+
+
+def get_kernel(name_expression: str):
+    """Return the ``cupy.RawKernel`` for ``name_expression`` on the current device.
+
+    Each instance is its own module, compiled on first use (CuPy caches the binary on disk), so
+    a 2-rank job never pays for the 8-rank instances.
+    """
+    import cupy
+
+    key = (cupy.cuda.Device().id, name_expression)
+    with _modules_lock:
+        module = _modules.get(key)
+        if module is None:
+            module = cupy.RawModule(code=read_source(source_of(name_expression)), options=NVRTC_OPTIONS,
+                                    name_expressions=(name_expression,))
+            _modules[key] = module
+    return module.get_function(name_expression)
+
+
+def warm_up(num_ranks: int) -> None:
+    """Compile (or load from CuPy's cache) what a ``num_ranks`` group uses on its hot path:
+    the untemplated kernels, dispatch and the BF16 combine (other dtypes compile on first use)."""
+    for expressions in SOURCES.values():
+        for expression in expressions:
+            if "<" not in expression:
+                get_kernel(expression)
+    get_kernel(name_expression("dispatch_kernel", (num_ranks,)))
+    get_kernel(name_expression("combine_kernel", (COMBINE_DTYPES["bfloat16"], num_ranks)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument packing
+
+_PACKERS = {
+    "i32": np.int32,
+    "i64": np.int64,
+    "f32": np.float32,
+}
+
+
+def _pointer(value) -> np.uint64:
+    if value is None:
+        return np.uint64(0)
+    if isinstance(value, (int, np.integer)):
+        return np.uint64(value)
+    data = getattr(value, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return np.uint64(data.ptr if value.size else 0)
+    raise TypeError(f"deepep_cupy: cannot pass {type(value).__name__} as a device pointer")
+
+
+def pack_args(signature: Sequence[Tuple[str, str]], values: Dict[str, object]) -> tuple:
+    """Convert ``values`` to the C types of ``signature`` (``[(name, 'ptr'|'i32'|'i64'|'f32')]``)."""
+    missing = [name for name, _ in signature if name not in values]
+    extra = set(values) - {name for name, _ in signature}
+    if missing or extra:
+        raise TypeError(f"deepep_cupy: kernel arguments missing {missing}, unexpected {sorted(extra)}")
+    packed = []
+    for name, kind in signature:
+        value = values[name]
+        packed.append(_pointer(value) if kind == "ptr" else _PACKERS[kind](value))
+    return tuple(packed)
+
+
+def _signature(text: str) -> Tuple[Tuple[str, str], ...]:
+    return tuple(tuple(item.split(":")) for item in text.split())
+
+
+#: Each kernel's parameters in order, as ``name:kind`` (kind: ptr, i32, i64, f32); they mirror
+#: the ``__global__`` declarations in kernels/*.cu.
+SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "dispatch_layout_kernel": _signature(
+        "topk_idx:ptr num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
+        "num_tokens:i32 num_topk:i32 num_experts:i32 num_ranks:i32"),
+    "notify_dispatch_kernel": _signature(
+        "num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
+        "rank_prefix_matrix:ptr channel_prefix_matrix:ptr recv_counter:ptr mismatch_flag:ptr "
+        "signature:ptr recv_expert_counter:ptr invalid_input:ptr num_tokens:i32 num_experts:i32 "
+        "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 "
+        "notify_off:i64 zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
+    "cached_notify_dispatch_kernel": _signature(
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 zero_off:i64 zero_count:i32 "
+        "timeout_ns:i64 error_record:ptr"),
+    "barrier_kernel": _signature(
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 timeout_ns:i64 error_record:ptr"),
+    "cached_notify_combine_kernel": _signature(
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 zero_off:i64 zero_count:i32 "
+        "send_head:ptr combine_head:ptr num_tokens:i32 num_channels:i32 timeout_ns:i64 error_record:ptr"),
+    "dispatch_kernel": _signature(
+        "recv_x:ptr recv_x_scales:ptr recv_src_idx:ptr recv_topk_idx:ptr recv_topk_weights:ptr "
+        "recv_channel_prefix_matrix:ptr send_head:ptr x:ptr x_scales:ptr topk_idx:ptr topk_weights:ptr "
+        "is_token_in_rank:ptr channel_prefix_matrix:ptr rank_prefix_matrix:ptr num_tokens:i32 "
+        "hidden_int4:i32 num_topk:i32 num_experts:i32 num_scales:i32 buffer_ptrs:ptr rank:i32 "
+        "meta_off:i64 x_off:i64 src_idx_off:i64 topk_idx_off:i64 topk_weights_off:i64 scales_off:i64 "
+        "max_send_tokens:i32 queue_tokens:i32 timeout_ns:i64 error_record:ptr"),
+    "combine_kernel": _signature(
+        "combined_x:ptr combined_topk_weights:ptr x:ptr topk_weights:ptr rank_prefix_matrix:ptr "
+        "recv_channel_prefix_matrix:ptr combine_head:ptr num_tokens:i32 hidden_int4:i32 num_topk:i32 "
+        "buffer_ptrs:ptr rank:i32 meta_off:i64 x_off:i64 topk_weights_off:i64 max_send_tokens:i32 "
+        "queue_tokens:i32 timeout_ns:i64 error_record:ptr"),
+}
+
+#: Threads per block of each kernel (the transfer kernels' counts are fixed in their sources).
+BLOCK_THREADS = {
+    "dispatch_layout_kernel": 256,
+    "notify_dispatch_kernel": 256,
+    "cached_notify_dispatch_kernel": 256,
+    "barrier_kernel": 32,
+    "cached_notify_combine_kernel": 32 * MAX_RANKS,
+    "dispatch_kernel": 512,
+    "combine_kernel": 768,
+}
+
+
+def name_expression(kernel: str, template_args: Sequence[object] = ()) -> str:
+    """``kernel<arg, ...>`` as listed in :data:`SOURCES` (the bare name for non-templates)."""
+    return f"{kernel}<{', '.join(str(a) for a in template_args)}>" if template_args else kernel
+
+
+def launch(kernel: str, grid: int, stream, *, template_args: Sequence[object] = (),
+           shared_mem: int = 0, **values) -> None:
+    """Launch ``kernel`` (with ``template_args``) on ``stream``, packing ``values`` by its signature."""
+    compiled = get_kernel(name_expression(kernel, template_args))
+    args = pack_args(SIGNATURES[kernel], values)
+    # RawKernel launches on CuPy's current stream.
+    with stream:
+        compiled((grid,), (BLOCK_THREADS[kernel],), args, shared_mem=shared_mem)

@@ -1,0 +1,101 @@
+"""Where everything lives inside a rank's NVLink buffer.
+
+This module is the one place that carves the buffer; the kernels receive the byte offsets it
+computes. Every rank computes the same offsets (the settings are checked to agree), so an offset
+is valid in a peer's buffer too. All regions start on 128-byte boundaries.
+
+    [0, 128)            int signals[8]      barrier words; slot s written only by rank s (never reset)
+    [128, ...)          the region of the running operation, one of:
+
+    dispatch            int signature[R][8], rank_counts[R][R], expert_counts[R][E/R]   (notify)
+                        int start[C*R], end[C*R], head[C*R], tail[C*R]                 (queue metadata)
+                        x[C*R][Q][row_bytes]
+                        int src_idx[C*R][Q]
+                        int topk_idx[C*R][Q][K]
+                        float topk_weights[C*R][Q][K]
+                        float scales[C*R][Q][S]
+
+    combine             int head[C*R], tail[C*R]
+                        x[C*R][Q][row_bytes]
+                        float topk_weights[C*R][Q][K]
+
+Queue q = channel * R + sender lives in the receiver's buffer. C = channels (num_sms / 2),
+Q = queue slots (``num_max_nvl_chunked_recv_tokens``), K = top-k, S = scales per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIGNMENT = 128
+SIGNAL_BYTES = 128
+SIGNATURE_INTS = 8
+INT_BYTES = 4
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+class _Carver:
+    """Hands out consecutive aligned regions starting at ``start``."""
+
+    def __init__(self, start: int):
+        self.offset = _align(start)
+
+    def take(self, num_bytes: int) -> int:
+        begin = self.offset
+        self.offset = _align(begin + num_bytes)
+        return begin
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    notify_off: int
+    meta_off: int
+    x_off: int
+    src_idx_off: int
+    topk_idx_off: int
+    topk_weights_off: int
+    scales_off: int
+    total_bytes: int
+    #: the queue metadata that must be zero before a dispatch: ints from meta_off
+    zero_count: int
+
+
+@dataclass(frozen=True)
+class CombineLayout:
+    meta_off: int
+    x_off: int
+    topk_weights_off: int
+    total_bytes: int
+    zero_count: int
+
+
+def dispatch_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_bytes: int,
+                    num_topk: int, num_scales: int, experts_per_rank: int) -> DispatchLayout:
+    """Offsets of a dispatch's regions (see the module docstring)."""
+    queues = num_channels * num_ranks
+    slots = queues * queue_tokens
+    carve = _Carver(SIGNAL_BYTES)
+    notify_off = carve.take(INT_BYTES * num_ranks * (SIGNATURE_INTS + num_ranks + experts_per_rank))
+    meta_off = carve.take(INT_BYTES * 4 * queues)
+    x_off = carve.take(slots * row_bytes)
+    src_idx_off = carve.take(INT_BYTES * slots)
+    topk_idx_off = carve.take(INT_BYTES * slots * num_topk)
+    topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
+    scales_off = carve.take(INT_BYTES * slots * num_scales)
+    return DispatchLayout(notify_off, meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off,
+                          scales_off, carve.offset, 4 * queues)
+
+
+def combine_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_bytes: int,
+                   num_topk: int) -> CombineLayout:
+    """Offsets of a combine's regions (see the module docstring)."""
+    queues = num_channels * num_ranks
+    slots = queues * queue_tokens
+    carve = _Carver(SIGNAL_BYTES)
+    meta_off = carve.take(INT_BYTES * 2 * queues)
+    x_off = carve.take(slots * row_bytes)
+    topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
+    return CombineLayout(meta_off, x_off, topk_weights_off, carve.offset, 2 * queues)

@@ -1,0 +1,256 @@
+// Shared device helpers for the deepep-cupy kernels.
+//
+// No system headers: every source must compile with NVRTC alone (the CPU-only CI has no CUDA
+// toolkit headers), so fixed-width types, memory-order primitives and the 16-bit float
+// conversions are written here with inline PTX.
+#pragma once
+
+typedef long long int64_t_;
+typedef unsigned long long uint64_t_;
+
+#define DEEPEP_MAX_RANKS 8
+
+// ---------------------------------------------------------------------------------------------
+// Error record (host-mapped pinned memory, int[8]), written by the first thread that gives up.
+//   [0] code (0 = fine, 1 = timeout)   [1] kernel id   [2] rank   [3] channel   [4] peer rank
+//   [5] detail (tokens still expected, or the value waited for)
+// The host reads it after a wait and raises a Python exception naming rank, kernel and channel.
+enum KernelId {
+    KERNEL_BARRIER = 1,
+    KERNEL_NOTIFY_DISPATCH = 2,
+    KERNEL_CACHED_NOTIFY_DISPATCH = 3,
+    KERNEL_DISPATCH_SENDER = 4,
+    KERNEL_DISPATCH_RECEIVER = 5,
+    KERNEL_CACHED_NOTIFY_COMBINE = 6,
+    KERNEL_COMBINE_SENDER = 7,
+    KERNEL_COMBINE_RECEIVER = 8,
+};
+
+#define ERROR_TIMEOUT 1
+
+__device__ __forceinline__ uint64_t_ now_ns() {
+    uint64_t_ t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void report_error(int* error_record, int code, int kernel, int rank,
+                                             int channel, int peer, int detail) {
+    if (error_record == nullptr)
+        return;
+    // Only the first failure is kept: later ones are usually consequences of it.
+    if (atomicCAS(error_record, 0, -1) == 0) {
+        error_record[1] = kernel;
+        error_record[2] = rank;
+        error_record[3] = channel;
+        error_record[4] = peer;
+        error_record[5] = detail;
+        __threadfence_system();
+        atomicExch(error_record, code);
+        __threadfence_system();
+    }
+}
+
+// A deadline for one spin loop; `timeout_ns <= 0` never expires.
+struct Deadline {
+    uint64_t_ start, limit;
+    __device__ __forceinline__ explicit Deadline(int64_t_ timeout_ns)
+        : start(now_ns()), limit(timeout_ns > 0 ? (uint64_t_)timeout_ns : 0) {}
+    __device__ __forceinline__ bool expired() const {
+        return limit != 0 && now_ns() - start > limit;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Memory-order primitives. Peer buffers are reached over NVLink, so the flags that order a
+// peer's data writes against our reads use system scope.
+
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    int v;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+    asm volatile("st.release.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// Streaming 16-byte load that bypasses L1: ring slots are rewritten by peers, so a line must
+// never be served from a stale L1 copy.
+__device__ __forceinline__ int4 ld_stream(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int ld_stream(const int* p) {
+    int v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float ld_stream(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void st_stream(int4* p, const int4& v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// One warp copies `n` 16-byte words. Each lane keeps kUnroll loads in flight before storing,
+// which is what keeps an NVLink write stream busy.
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
+    int i = lane;
+    for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
+        int4 v[kUnroll];
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            v[u] = ld_stream(src + i + u * 32);
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            st_stream(dst + i + u * 32, v[u]);
+    }
+    for (; i < n; i += 32)
+        st_stream(dst + i, ld_stream(src + i));
+}
+
+// Named barrier over `num_threads` threads of the block (id 0 is __syncthreads').
+__device__ __forceinline__ void group_sync(int barrier_id, int num_threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(barrier_id), "r"(num_threads) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work split: a rank's tokens are cut into `num_channels` contiguous ranges, one per channel.
+__device__ __forceinline__ void channel_task_range(int num_tokens, int num_channels, int channel,
+                                                   int& begin, int& end) {
+    int per_channel = (num_tokens + num_channels - 1) / num_channels;
+    begin = min(per_channel * channel, num_tokens);
+    end = min(begin + per_channel, num_tokens);
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-rank barrier on per-peer signal words.
+//
+// Every rank's NVLink buffer starts with `int signals[DEEPEP_MAX_RANKS]`; slot `src` is written
+// only by rank `src`. A barrier with number `epoch` stores `epoch` into slot `rank` of every
+// peer, then waits until each local slot has reached `epoch`. Epochs grow by one per barrier on
+// every rank in the same order, so the words never need resetting (wrap-safe comparison).
+// Called by all threads of a block; returns false on every thread if any peer timed out.
+__device__ __forceinline__ bool rank_barrier(void* const* buffer_ptrs, int num_ranks, int rank,
+                                             int epoch, int64_t_ timeout_ns, int* error_record,
+                                             int kernel) {
+    __threadfence_system();
+    __syncthreads();
+    bool ok = true;
+    int peer = threadIdx.x;
+    if (peer < num_ranks) {
+        st_release_sys(reinterpret_cast<int*>(buffer_ptrs[peer]) + rank, epoch);
+        const int* mine = reinterpret_cast<const int*>(buffer_ptrs[rank]) + peer;
+        Deadline deadline(timeout_ns);
+        while (ld_acquire_sys(mine) - epoch < 0) {
+            if (deadline.expired()) {
+                report_error(error_record, ERROR_TIMEOUT, kernel, rank, -1, peer, epoch);
+                ok = false;
+                break;
+            }
+        }
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit floating-point element types for combine, converted with PTX (no cuda_bf16.h).
+struct bf16_t { unsigned short bits; };
+struct fp16_t { unsigned short bits; };
+
+template <typename T> struct Elem;
+
+template <> struct Elem<float> {
+    static constexpr int kPerInt4 = 4;
+    __device__ __forceinline__ static void unpack(const int4& v, float* out) {
+        out[0] = __int_as_float(v.x); out[1] = __int_as_float(v.y);
+        out[2] = __int_as_float(v.z); out[3] = __int_as_float(v.w);
+    }
+    __device__ __forceinline__ static int4 pack(const float* in) {
+        return make_int4(__float_as_int(in[0]), __float_as_int(in[1]),
+                         __float_as_int(in[2]), __float_as_int(in[3]));
+    }
+};
+
+__device__ __forceinline__ unsigned short float_to_bf16(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ unsigned short float_to_fp16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float fp16_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+template <> struct Elem<bf16_t> {
+    static constexpr int kPerInt4 = 8;
+    __device__ __forceinline__ static void unpack(const int4& v, float* out) {
+        const unsigned int w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = __uint_as_float(w[i] << 16);
+            out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+    __device__ __forceinline__ static int4 pack(const float* in) {
+        unsigned int w[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i)
+            w[i] = (unsigned)float_to_bf16(in[2 * i]) | ((unsigned)float_to_bf16(in[2 * i + 1]) << 16);
+        return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+    }
+};
+
+template <> struct Elem<fp16_t> {
+    static constexpr int kPerInt4 = 8;
+    __device__ __forceinline__ static void unpack(const int4& v, float* out) {
+        const unsigned int w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = fp16_to_float((unsigned short)(w[i] & 0xffffu));
+            out[2 * i + 1] = fp16_to_float((unsigned short)(w[i] >> 16));
+        }
+    }
+    __device__ __forceinline__ static int4 pack(const float* in) {
+        unsigned int w[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i)
+            w[i] = (unsigned)float_to_fp16(in[2 * i]) | ((unsigned)float_to_fp16(in[2 * i + 1]) << 16);
+        return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+    }
+};

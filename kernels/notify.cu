@@ -1,0 +1,187 @@
+// The small kernels around the bulk transfers: the cross-rank barrier, the exchange of receive
+// counts before a dispatch, and the queue resets before a cached dispatch or a combine.
+#include "common.cuh"
+
+#define SIGNATURE_INTS 8
+
+// Notify area of a dispatch, at `notify_off` in every rank's NVLink buffer; row `src` of each
+// table is written only by rank `src`:
+//   int signature[R][SIGNATURE_INTS]     the settings every rank must share; the last int is
+//                                        instead 1 when the rank found its own input invalid
+//   int rank_counts[R][R]                [src][dst] = tokens src sends to dst
+//   int expert_counts[R][E / R]          [src][e]   = tokens src sends to local expert e
+//
+// Block 0 exchanges the tables between two barriers, sums them into the rank prefix matrix and
+// the receive counts (published to host-mapped memory for the host to size the outputs), and
+// zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints) before the last barrier so
+// that no sender writes into a queue that is not yet reset. Blocks 1..R count, per destination
+// rank, the tokens of each channel (the sender-side channel prefix matrix).
+extern "C" __global__ void notify_dispatch_kernel(
+        const int* num_tokens_per_rank, const int* num_tokens_per_expert, const bool* is_token_in_rank,
+        int* rank_prefix_matrix, int* channel_prefix_matrix,
+        int* recv_counter, int* mismatch_flag, const int* signature, int* recv_expert_counter,
+        const bool* invalid_input, int num_tokens, int num_experts, int num_channels, int expert_alignment,
+        void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
+        int64_t_ notify_off, int64_t_ zero_off, int zero_count,
+        int64_t_ timeout_ns, int* error_record) {
+    const int thread = threadIdx.x, num_threads = blockDim.x;
+    const int experts_per_rank = num_experts / num_ranks;
+
+    if (blockIdx.x == 0) {
+        if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
+                          KERNEL_NOTIFY_DISPATCH))
+            return;
+
+        // Scatter this rank's row of every table into every peer's notify area.
+        const int row_ints = SIGNATURE_INTS + num_ranks + experts_per_rank;
+        for (int i = thread; i < num_ranks * row_ints; i += num_threads) {
+            const int peer = i / row_ints, j = i % row_ints;
+            int* area = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[peer]) + notify_off);
+            int* rank_counts = area + num_ranks * SIGNATURE_INTS;
+            int* expert_counts = rank_counts + num_ranks * num_ranks;
+            if (j < SIGNATURE_INTS - 1)
+                area[rank * SIGNATURE_INTS + j] = signature[j];
+            else if (j == SIGNATURE_INTS - 1)
+                area[rank * SIGNATURE_INTS + j] = invalid_input != nullptr && *invalid_input ? 1 : 0;
+            else if (j < SIGNATURE_INTS + num_ranks)
+                rank_counts[rank * num_ranks + (j - SIGNATURE_INTS)] = num_tokens_per_rank[j - SIGNATURE_INTS];
+            else {
+                const int e = j - SIGNATURE_INTS - num_ranks;
+                expert_counts[rank * experts_per_rank + e] = num_tokens_per_expert[peer * experts_per_rank + e];
+            }
+        }
+        if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
+                          KERNEL_NOTIFY_DISPATCH))
+            return;
+
+        const int* area = reinterpret_cast<const int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + notify_off);
+        const int* rank_counts = area + num_ranks * SIGNATURE_INTS;
+        const int* expert_counts = rank_counts + num_ranks * num_ranks;
+        __shared__ int num_recv_tokens;
+        // Verdict, identical on every rank since all compare the same tables:
+        // 0 = agreed, p + 1 = rank p's settings differ, -(p + 1) = rank p's input was invalid.
+        if (thread == 0) {
+            int verdict = 0;
+            for (int peer = 0; peer < num_ranks && verdict == 0; ++peer) {
+                const int* row = area + peer * SIGNATURE_INTS;
+                if (row[SIGNATURE_INTS - 1] != 0)
+                    verdict = -(peer + 1);
+                for (int j = 0; j < SIGNATURE_INTS - 1 && verdict == 0; ++j)
+                    if (row[j] != area[j])
+                        verdict = peer + 1;
+            }
+            *reinterpret_cast<volatile int*>(mismatch_flag) = verdict;
+        }
+        if (thread < num_ranks) {
+            int running = 0;
+            for (int src = 0; src < num_ranks; ++src) {
+                running += rank_counts[src * num_ranks + thread];
+                rank_prefix_matrix[src * num_ranks + thread] = running;
+            }
+            if (thread == rank)
+                num_recv_tokens = running;
+        }
+        for (int e = thread; e < experts_per_rank; e += num_threads) {
+            int sum = 0;
+            for (int src = 0; src < num_ranks; ++src)
+                sum += expert_counts[src * experts_per_rank + e];
+            sum = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
+            reinterpret_cast<volatile int*>(recv_expert_counter)[e] = sum;
+        }
+        int* zero_base = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + zero_off);
+        for (int i = thread; i < zero_count; i += num_threads)
+            zero_base[i] = 0;
+        __syncthreads();
+        if (thread == 0) {
+            // The count goes last: the host reads the expert counts once it sees it.
+            __threadfence_system();
+            *reinterpret_cast<volatile int*>(recv_counter) = num_recv_tokens;
+        }
+        rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 2, timeout_ns, error_record,
+                     KERNEL_NOTIFY_DISPATCH);
+    } else {
+        const int dst = blockIdx.x - 1;
+        const int lane = thread % 32, warp = thread / 32, num_warps = num_threads / 32;
+        for (int channel = warp; channel < num_channels; channel += num_warps) {
+            int begin, end;
+            channel_task_range(num_tokens, num_channels, channel, begin, end);
+            int count = 0;
+            for (int token = begin + lane; token < end; token += 32)
+                count += is_token_in_rank[(int64_t_)token * num_ranks + dst] ? 1 : 0;
+            count = warp_sum(count);
+            if (lane == 0)
+                channel_prefix_matrix[dst * num_channels + channel] = count;
+        }
+        __syncthreads();
+        if (thread == 0)
+            for (int channel = 1; channel < num_channels; ++channel)
+                channel_prefix_matrix[dst * num_channels + channel] +=
+                    channel_prefix_matrix[dst * num_channels + channel - 1];
+    }
+}
+
+// Before a cached dispatch: the layout is known, only the queue metadata needs resetting,
+// between two barriers (nobody may still use the old queues, nobody may start before the reset).
+extern "C" __global__ void cached_notify_dispatch_kernel(
+        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ zero_off, int zero_count,
+        int64_t_ timeout_ns, int* error_record) {
+    if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
+                      KERNEL_CACHED_NOTIFY_DISPATCH))
+        return;
+    int* zero_base = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + zero_off);
+    for (int i = threadIdx.x; i < zero_count; i += blockDim.x)
+        zero_base[i] = 0;
+    rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
+                 KERNEL_CACHED_NOTIFY_DISPATCH);
+}
+
+extern "C" __global__ void barrier_kernel(void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
+                                          int64_t_ timeout_ns, int* error_record) {
+    rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record, KERNEL_BARRIER);
+}
+
+// Before a combine. Block 0 resets the combine queues between two barriers. Blocks 1..C derive
+// `combine_head` from the dispatch's `send_head` for their channel, one warp per rank:
+//   combine_head[t][r] = send_head[t][r]        where token t was sent to r (its queue slot), else
+//                      = -(next slot) - 1        next slot = that of the next token of the channel
+//                                                sent to r, or 2^30 when none follows.
+// A combine receiver that meets a token not sent to r can then still tell the sender of r how
+// far the queue has been consumed.
+extern "C" __global__ void cached_notify_combine_kernel(
+        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ zero_off, int zero_count,
+        const int* send_head, int* combine_head, int num_tokens, int num_channels,
+        int64_t_ timeout_ns, int* error_record) {
+    if (blockIdx.x == 0) {
+        if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
+                          KERNEL_CACHED_NOTIFY_COMBINE))
+            return;
+        int* zero_base = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + zero_off);
+        for (int i = threadIdx.x; i < zero_count; i += blockDim.x)
+            zero_base[i] = 0;
+        rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
+                     KERNEL_CACHED_NOTIFY_COMBINE);
+        return;
+    }
+    const int channel = blockIdx.x - 1;
+    const int lane = threadIdx.x % 32, peer = threadIdx.x / 32;
+    if (peer >= num_ranks)
+        return;
+    int begin, end;
+    channel_task_range(num_tokens, num_channels, channel, begin, end);
+    int next_slot = 1 << 30;
+    // Walk the channel backwards, 32 tokens at a time: lane L holds token (chunk_end - 1 - L),
+    // so the tokens after lane L's are the lanes below it.
+    for (int chunk_end = end; chunk_end > begin; chunk_end -= 32) {
+        const int token = chunk_end - 1 - lane;
+        const bool valid = token >= begin;
+        const int slot = valid ? send_head[(int64_t_)token * num_ranks + peer] : -1;
+        const unsigned sent = __ballot_sync(0xffffffffu, slot >= 0);
+        const unsigned sent_after = sent & ((1u << lane) - 1u);
+        const int nearest = __shfl_sync(0xffffffffu, slot, sent_after ? 31 - __clz(sent_after) : 0);
+        if (valid)
+            combine_head[(int64_t_)token * num_ranks + peer] =
+                slot >= 0 ? slot : -(sent_after ? nearest : next_slot) - 1;
+        if (sent)
+            next_slot = __shfl_sync(0xffffffffu, slot, 31 - __clz(sent));
+    }
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One GPU-machine session: environment, GPU tests, quick timings. Logs under $OUT.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/deepep_out}; mkdir -p "$OUT"
+STAGES=${STAGES:-"env worker perf"}
+for stage in $STAGES; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    env)
+      nvidia-smi -L; nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; head -5 "$OUT/topo.txt"
+      python3 -c "import cupy, mpi4py; print('cupy', cupy.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount(), 'mpi4py', mpi4py.__version__)";;
+    worker)
+      DEEPEP_TEST_TIMEOUT_S=${DEEPEP_TEST_TIMEOUT_S:-15} timeout ${WORKER_TIMEOUT:-400} \
+        mpirun -n 2 python3 tests/workers/gpu_worker.py ${SCENARIOS:-} > "$OUT/worker.log" 2>&1
+      echo "worker exit $?"
+      python3 - "$OUT/worker.log" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("RESULT "):
+        e = json.loads(line[7:])
+        status = "ok" if e["ok"] else "FAIL " + (e["error"] or "").splitlines()[0][:300]
+        print(f"r{e['rank']} {e['scenario']:32s} {e['seconds']:7.2f}s {status}")
+PY
+      grep -v "^RESULT" "$OUT/worker.log" | tail -30;;
+    perf)
+      timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_SMS:-24} 2>&1 | tee "$OUT/perf.log" | tail -20;;
+    test)
+      timeout ${TEST_TIMEOUT:-500} make test 2>&1 | tee "$OUT/test.log" | tail -40;;
+    bench)
+      timeout ${BENCH_TIMEOUT:-300} python3 -m deepep_cupy.bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80;;
+  esac
+done

@@ -1,0 +1,148 @@
+"""Helpers shared by the tests: how many GPUs there are, and how to run a script under MPI."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Sequence
+
+#: The checkout's root (the folder holding ``deepep_cupy/`` and ``kernels/``).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: Worker scripts started by the MPI tests.
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+#: Environment every MPI run gets (values already set by the caller win, see :func:`mpi_env`).
+MPI_ENV_DEFAULTS: Dict[str, str] = {
+    # Open MPI refuses to start as root without these (CI and the GPU machine run as root).
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    # NVLink SHARP (multicast) is not available on the lent machines.
+    "NCCL_NVLS_ENABLE": "0",
+    # Workers print JSON lines that the tests read: do not let them sit in a buffer.
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> int:
+    """The number of CUDA devices visible to this process; 0 when CuPy or the driver is missing."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def find_mpiexec() -> Optional[str]:
+    """The MPI launcher to use, or None.
+
+    Order: ``$MPIEXEC``; ``mpiexec``/``mpirun`` next to ``sys.executable`` (the mpich wheel puts
+    them in the virtual environment's ``bin/``); ``mpiexec``/``mpirun`` on ``PATH``.
+    """
+    explicit = os.environ.get("MPIEXEC")
+    if explicit:
+        return explicit
+    bin_dir = Path(sys.executable).parent  # not resolved: a venv's python is a symlink
+    for name in ("mpiexec", "mpirun"):
+        candidate = bin_dir / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def mpi_env(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """``os.environ`` plus ``env``, with :data:`MPI_ENV_DEFAULTS` and the repo on ``PYTHONPATH``."""
+    merged = dict(os.environ)
+    if env:
+        merged.update(env)
+    for key, value in MPI_ENV_DEFAULTS.items():
+        merged.setdefault(key, value)
+    path = merged.get("PYTHONPATH", "")
+    parts = [p for p in path.split(os.pathsep) if p]
+    if str(REPO_ROOT) not in parts:
+        parts.insert(0, str(REPO_ROOT))
+    merged["PYTHONPATH"] = os.pathsep.join(parts)
+    return merged
+
+
+def run_mpi(n: int, args: Sequence[str], timeout: float,
+            env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n python args...`` and return its CompletedProcess (text, output captured).
+
+    The launcher runs in its own process group; when ``timeout`` seconds pass, the whole group is
+    killed and an AssertionError carrying the output so far is raised (a hang never stays a hang).
+    """
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise AssertionError("no mpiexec/mpirun found (set MPIEXEC, or install the 'test' extra: mpich)")
+    cmd = [mpiexec, "-n", str(n), sys.executable, *[str(a) for a in args]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=mpi_env(env), cwd=str(REPO_ROOT), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop(proc)
+        raise AssertionError(
+            f"timed out after {timeout:g} s: {' '.join(cmd)}\n"
+            f"--- stdout ---\n{stdout or ''}\n--- stderr ---\n{stderr or ''}") from None
+    except BaseException:
+        _stop(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 5.0):
+    """End a launcher and everything it started; return the output it had written.
+
+    The launcher is asked first (SIGTERM), so that it can stop and reap its own children; then
+    the whole process group is killed, which takes care of anything left over.
+    """
+    try:
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = None, None
+    _kill_group(proc.pid)
+    try:
+        more_out, more_err = proc.communicate(timeout=grace)
+    except (subprocess.TimeoutExpired, ValueError):  # pragma: no cover - ignores SIGKILL / closed
+        more_out, more_err = "", ""
+    return (stdout or more_out or ""), (stderr or more_err or "")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    """A failure message showing a finished run's command, exit code and output."""
+    return (f"command: {' '.join(result.args)}\nexit code: {result.returncode}\n"
+            f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}")
+
+
+def on_ci() -> bool:
+    """True under CI (``CI=true``), where a missing tool is a failure, not a reason to skip."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip the current test with a loud ``reason``; under CI, fail with it instead."""
+    import pytest
+
+    if on_ci():
+        pytest.fail(f"{reason} (CI=true: this must work on CI)", pytrace=False)
+    pytest.skip(f"!!! {reason}")

@@ -1,0 +1,335 @@
+"""CPU tests of deepep_cupy.bench: arguments, accounting, tables, JSON, configs, the NCCL index build."""
+
+import importlib
+import importlib.util
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def _load_bench():
+    try:
+        return importlib.import_module("deepep_cupy.bench")
+    except Exception:  # the package __init__ may be unfinished: load the module by path
+        path = Path(__file__).resolve().parents[1] / "deepep_cupy" / "bench.py"
+        spec = importlib.util.spec_from_file_location("deepep_cupy_bench_standalone", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+bench = _load_bench()
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+def test_import_touches_no_gpu_stack():
+    # importing the module must not need cupy, MPI or NCCL (it is loaded above already)
+    assert hasattr(bench, "main")
+    for name in ("time_op", "format_table", "results_to_json", "dispatch_bytes", "gbps", "build_parser",
+                 "parse_args", "build_send_index", "copy_ceiling", "run_nccl_baseline"):
+        assert callable(getattr(bench, name))
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+def test_defaults_are_the_reference_workload():
+    a = bench.parse_args([])
+    assert (a.num_tokens, a.hidden, a.num_topk, a.num_experts) == (4096, 7168, 8, 256)
+    assert a.routing == "uniform" and a.dtype == "both"
+    assert a.num_sms == 24 and a.send_chunk is None and a.recv_chunk is None
+    assert (a.warmup, a.iters) == (20, 100)
+    assert a.num_ranks is None and a.launcher == "auto"
+    assert a.check and a.flush_l2 and a.copy and not a.tune
+    assert a.nccl == "auto"
+    assert a.tokens_sweep is None and a.plot is None and a.json is None and a.save_config is None
+    assert a.tune_sms == [8, 16, 24, 32, 48]
+    assert a.tune_send == [4, 6, 8, 12, 16, 24, 32]
+    assert a.tune_recv == [128, 256, 512]
+
+
+def test_options_parse():
+    a = bench.parse_args(["--num-tokens", "512", "--hidden", "2048", "--num-topk", "4", "--num-experts", "64",
+                          "--routing", "skewed", "--skew", "2.5", "--dtype", "fp8", "--num-sms", "32",
+                          "--send-chunk", "8", "--recv-chunk", "512", "--warmup", "3", "--iters", "7",
+                          "--seed", "11", "--num-ranks", "4", "--tokens-sweep", "256, 512,1024",
+                          "--tune", "--save-config", "c.json", "--json", "r.json", "--nccl", "cupy",
+                          "--no-copy", "--no-check", "--no-flush-l2", "--launcher", "local"])
+    assert (a.num_tokens, a.hidden, a.num_topk, a.num_experts) == (512, 2048, 4, 64)
+    assert (a.routing, a.skew, a.dtype, a.num_sms, a.send_chunk, a.recv_chunk) == ("skewed", 2.5, "fp8", 32, 8, 512)
+    assert (a.warmup, a.iters, a.seed, a.num_ranks) == (3, 7, 11, 4)
+    assert a.tokens_sweep == [256, 512, 1024]
+    assert a.tune and a.save_config == "c.json" and a.json == "r.json" and a.nccl == "cupy"
+    assert not a.copy and not a.check and not a.flush_l2 and a.launcher == "local"
+
+
+def test_plot_implies_default_sweep():
+    a = bench.parse_args(["--plot", "x.png"])
+    assert a.tokens_sweep == list(bench.DEFAULT_TOKENS_SWEEP)
+    assert bench.parse_args(["--plot", "x.png", "--tokens-sweep", "64"]).tokens_sweep == [64]
+
+
+@pytest.mark.parametrize("argv", [["--hidden", "100"], ["--iters", "0"], ["--save-config", "c.json"],
+                                  ["--dtype", "fp16"], ["--tokens-sweep", "a,b"], ["--num-topk", "300"],
+                                  ["--tune-sms", "0,8"]])
+def test_bad_arguments_are_rejected(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+
+
+def test_detect_launcher():
+    a = bench.parse_args([])
+    assert bench.detect_launcher(a, {}) == "local"
+    assert bench.detect_launcher(a, {"OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"
+    assert bench.detect_launcher(a, {"PMI_SIZE": "8"}) == "mpi"
+    assert bench.detect_launcher(a, {"OMPI_COMM_WORLD_SIZE": "1"}) == "local"
+    assert bench.detect_launcher(bench.parse_args(["--launcher", "mpi"]), {}) == "mpi"
+    assert bench.detect_launcher(bench.parse_args(["--launcher", "local"]), {"PMI_SIZE": "2"}) == "local"
+
+
+# ---------------------------------------------------------------------------------------------- accounting
+
+def test_dispatch_bytes_bf16_and_fp8():
+    assert bench.dispatch_bytes(4096, 7168, "bf16") == 4096 * 7168 * 2
+    assert bench.FP8_FACTOR == pytest.approx((1 + 4 / 128) / 2)
+    assert bench.dispatch_bytes(4096, 7168, "fp8") == pytest.approx(4096 * 7168 * 2 * (1 + 4 / 128) / 2)
+    # FP8 = one byte per value + one float32 scale per 128 values
+    assert bench.dispatch_bytes(10, 7168, "fp8") == pytest.approx(10 * (7168 + 7168 // 128 * 4))
+    assert bench.dispatch_bytes(0, 7168, "bf16") == 0
+    with pytest.raises(ValueError):
+        bench.dispatch_bytes(1, 128, "fp32")
+
+
+def test_gbps():
+    assert bench.gbps(2e9, 1.0) == pytest.approx(2.0)
+    assert bench.gbps(340e9 * 344e-6, 344e-6) == pytest.approx(340.0)
+    assert math.isnan(bench.gbps(1.0, 0.0))
+
+
+def test_cross_gpu_bytes_from_rank_prefix_matrix():
+    # 3 ranks; sends[i][j] = tokens rank i sends to rank j
+    sends = np.array([[5, 2, 0],
+                      [1, 7, 3],
+                      [4, 0, 6]])
+    rpm = np.cumsum(sends, axis=0)  # inclusive prefix over senders
+    for rank in range(3):
+        total, cross = bench.recv_token_counts(rpm, rank)
+        assert total == sends[:, rank].sum()
+        assert cross == sends[:, rank].sum() - sends[rank, rank]
+        assert bench.cross_gpu_bytes(rpm, rank, 256, "bf16") == cross * 256 * 2
+        assert bench.cross_gpu_bytes(rpm, rank, 256, "fp8") == pytest.approx(cross * 256 * (1 + 4 / 128))
+    assert bench.recv_token_counts(rpm, 1) == (9, 2)
+
+
+# ---------------------------------------------------------------------------------------------- summaries
+
+def _stats(times_s, nbytes, cross):
+    return bench.op_stats(times_s, nbytes, cross)
+
+
+def test_summarize_op_takes_slowest_rank_time_and_min_rate():
+    r0 = _stats([100e-6, 120e-6, 110e-6], 1e6, 5e5)     # mean 110 us
+    r1 = _stats([200e-6, 180e-6], 2e6, 1e6)             # mean 190 us
+    row = bench.summarize_op("dispatch BF16", [r0, r1])
+    assert row["time_mean_us"] == pytest.approx(190.0)
+    assert row["time_min_us"] == pytest.approx(180.0)      # max over ranks of the per-rank minimum
+    g0, g1 = 1e6 / 110e-6 / 1e9, 2e6 / 190e-6 / 1e9
+    assert row["gbps"] == pytest.approx(min(g0, g1))
+    assert row["gbps_avg"] == pytest.approx((g0 + g1) / 2)
+    assert row["xgpu_gbps"] == pytest.approx(min(g0, g1) / 2)
+    no_bytes = bench.summarize_op("layout", [_stats([1e-6], None, None)] * 2)
+    assert no_bytes["gbps"] is None and no_bytes["xgpu_gbps"] is None
+
+
+def test_format_table_contains_the_figures():
+    # mean 342 us, min 340 us; bytes chosen for 300 GB/s overall and 150 GB/s cross-GPU
+    row = bench.summarize_op("dispatch BF16", [_stats([344e-6, 340e-6], 300e9 * 342e-6, 150e9 * 342e-6)])
+    layout = bench.summarize_op("layout", [_stats([12.5e-6], None, None)])
+    text = bench.format_table([row, layout], title="deepep_cupy")
+    assert text.splitlines()[0] == "deepep_cupy"
+    for s in ("dispatch BF16", "layout", "342.0", "340.0", "300.0", "150.0", "GB/s", "xGPU", "12.5",
+              "mean us", "min us"):
+        assert s in text
+    lines = text.splitlines()
+    assert len({len(l) for l in lines[1:]}) == 1  # aligned columns
+    assert "-" in lines[-1]  # missing rates print as '-'
+
+
+def test_format_settings_line():
+    s = {"num_ranks": 2, "mode": "in-process", "num_tokens": 4096, "hidden": 7168, "num_topk": 8,
+         "num_experts": 256, "routing": "uniform", "device_name": "NVIDIA H200",
+         "dispatch_config": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6,
+                             "num_max_nvl_chunked_recv_tokens": 256},
+         "combine_config": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 4,
+                            "num_max_nvl_chunked_recv_tokens": 256}}
+    line = bench.format_settings(s)
+    for part in ("ranks=2", "tokens/rank=4096", "hidden=7168", "topk=8", "experts=256", "routing=uniform",
+                 "num_sms=24", "6/256", "4/256", "NVIDIA H200"):
+        assert part in line
+
+
+# ---------------------------------------------------------------------------------------------- JSON
+
+def test_results_json_round_trips_with_all_settings(tmp_path):
+    args = bench.parse_args(["--tokens-sweep", "512,1024", "--tune"])
+    settings = {k: v for k, v in vars(args).items()}
+    settings.update(num_ranks=2, device_name="NVIDIA H200", mode="in-process",
+                    dispatch_config={"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6,
+                                     "num_max_nvl_chunked_recv_tokens": 256})
+    ops = [bench.summarize_op("dispatch BF16", [_stats([1e-4, 2e-4], np.float64(1e6), np.int64(10))]),
+           bench.summarize_op("layout", [_stats([np.float32(1e-5)], None, None)])]
+    ops[0]["nan_field"] = float("nan")
+    checks = {"dispatch BF16": {"ok": True, "failures": []}}
+    nccl = {"backend": "cupy.cuda.nccl", "skipped": None, "ops": ops[:1]}
+    copy = {"skipped": "needs two visible GPUs"}
+    sweep = {"tokens": [512, 1024], "series": {"a": [1.0, None]}, "rows": []}
+    tune = {"entries": [{"op": "dispatch", "num_sms": 24, "time_us": 300.0}], "best": {}}
+    doc = bench.results_to_json(settings, checks, ops, nccl, copy, sweep, tune)
+    path = tmp_path / "r.json"
+    bench.write_json(str(path), doc)
+    back = json.loads(path.read_text())
+    assert back == doc
+    for key, value in settings.items():
+        assert back["settings"][key] == (list(value) if isinstance(value, tuple) else value), key
+    assert back["ops"][0]["nan_field"] is None
+    assert back["ops"][0]["per_rank"][0]["times_us"] == pytest.approx([100.0, 200.0])
+    assert back["ops"][0]["gbps"] == pytest.approx(1e6 / 150e-6 / 1e9)
+    assert set(back) >= {"settings", "checks", "ops", "nccl", "copy", "sweep", "tune"}
+    text = bench.render_report(back)
+    assert "PASS" in text and "dispatch BF16" in text and "copy ceiling skipped" in text
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+class _Cfg:
+    def __init__(self, a, b, c):
+        self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens = a, b, c
+
+
+def test_save_config_format(tmp_path):
+    path = tmp_path / "cfg.json"
+    best_dispatch = {"op": "dispatch", "num_sms": 24, "num_max_nvl_chunked_send_tokens": 6,
+                     "num_max_nvl_chunked_recv_tokens": 256, "time_us": 300.0}
+    bench.save_config(str(path), 2, best_dispatch, _Cfg(32, 4, 512), "NVIDIA H200", {"dispatch_us": 300.0})
+    raw = json.loads(path.read_text())
+    assert raw["num_ranks"] == 2 and raw["device"] == "NVIDIA H200"
+    assert raw["dispatch"] == {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6,
+                               "num_max_nvl_chunked_recv_tokens": 256}
+    assert raw["combine"] == {"num_sms": 32, "num_max_nvl_chunked_send_tokens": 4,
+                              "num_max_nvl_chunked_recv_tokens": 512}
+    assert raw["measured"] == {"dispatch_us": 300.0}
+    assert bench.load_config(str(path)) == raw
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"num_ranks": 2, "dispatch": {"num_sms": 24}, "combine": raw["combine"]}))
+    with pytest.raises(ValueError):
+        bench.load_config(str(bad))
+
+
+def test_tune_grid_and_best():
+    grid = bench.tune_grid([8, 13, 24], [4, 256], [128, 256])
+    assert (8, 4, 128) in grid and (24, 4, 256) in grid
+    assert all(s % 2 == 0 and a < b for s, a, b in grid)
+    assert len(bench.tune_grid(bench.DEFAULT_TUNE_SMS, bench.DEFAULT_TUNE_SEND, bench.DEFAULT_TUNE_RECV)) == 105
+    entries = [{"op": "dispatch", "num_sms": 8, "time_us": 500.0}, {"op": "dispatch", "num_sms": 24, "time_us": 300.0},
+               {"op": "combine", "num_sms": 24, "time_us": None, "error": "rejected"},
+               {"op": "combine", "num_sms": 32, "time_us": 350.0}]
+    best = bench.best_configs(entries)
+    assert best["dispatch"]["num_sms"] == 24 and best["combine"]["num_sms"] == 32
+
+
+# ---------------------------------------------------------------------------------------------- NCCL index build
+
+def _brute_force_index(mask):
+    n, r = mask.shape
+    counts = [sum(1 for t in range(n) if mask[t, j]) for j in range(r)]
+    perm = [t for j in range(r) for t in range(n) if mask[t, j]]
+    return counts, perm
+
+
+@pytest.mark.parametrize("n,r,p", [(0, 2, 0.5), (1, 2, 1.0), (37, 3, 0.3), (200, 8, 0.5), (64, 4, 0.0)])
+def test_build_send_index_matches_brute_force(n, r, p):
+    mask = np.random.default_rng(n * 31 + r).random((n, r)) < p
+    counts, perm = bench.build_send_index(mask)
+    want_counts, want_perm = _brute_force_index(mask)
+    assert counts.dtype == np.int64 and perm.dtype == np.int64
+    assert counts.tolist() == want_counts
+    assert perm.tolist() == want_perm
+    # the rows for rank j are perm[offsets[j]:offsets[j+1]]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    for j in range(r):
+        assert mask[perm[offsets[j]:offsets[j + 1]], j].all()
+
+
+def test_token_rank_mask_and_layout():
+    topk = np.array([[0, 5, -1], [7, 6, 4], [-1, -1, -1], [3, 2, 1]])
+    mask = bench.token_rank_mask(topk, 8, 2)      # experts 0..3 on rank 0, 4..7 on rank 1
+    assert mask.tolist() == [[True, True], [False, True], [False, False], [True, False]]
+    per_rank, per_expert, in_rank = bench.expected_layout(topk, 8, 2)
+    assert per_rank.tolist() == [2, 2]
+    assert per_expert.tolist() == [1, 1, 1, 1, 1, 1, 1, 1]
+    assert in_rank.tolist() == mask.tolist()
+    rng = np.random.default_rng(3)
+    topk = rng.integers(-1, 64, size=(100, 4))
+    mask = bench.token_rank_mask(topk, 64, 8)
+    brute = np.array([[any(e >= 0 and e // 8 == r for e in row) for r in range(8)] for row in topk])
+    assert (mask == brute).all()
+
+
+def test_expected_recv_sources_order():
+    masks = [np.array([[1, 0], [1, 1], [0, 1]], bool), np.array([[0, 1], [1, 0]], bool)]
+    src_rank, src_tok = bench.expected_recv_sources(masks, 0)
+    assert src_rank.tolist() == [0, 0, 1] and src_tok.tolist() == [0, 1, 1]
+    src_rank, src_tok = bench.expected_recv_sources(masks, 1)
+    assert src_rank.tolist() == [0, 0, 1] and src_tok.tolist() == [1, 2, 0]
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+def test_compare_exact():
+    a = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    assert bench.compare_exact("x", a, a.copy())[0]
+    b = a.copy()
+    b[1, 2] = 99
+    ok, msg = bench.compare_exact("x", b, a)
+    assert not ok and "1 of 6" in msg and "(1, 2)" in msg
+    assert not bench.compare_exact("x", a[:1], a)[0]
+    w = np.array([0.5, np.nan], np.float32)
+    assert bench.compare_exact("w", w, w.copy())[0]
+    assert bench.compare_exact("l", [1, 2, 3], [1, 2, 3])[0]
+    assert not bench.compare_exact("l", [1, 2, 4], [1, 2, 3])[0]
+
+
+def test_aggregate_reports_check_failures_and_rows():
+    args = bench.parse_args([])
+    ok = [(True, "recv_x: ok")]
+    ranks = [{"rank": 0, "checks": {"dispatch BF16": ok, "combine BF16": ok},
+              "ops": {"dispatch BF16": _stats([1e-4], 1e6, 5e5)}},
+             {"rank": 1, "checks": {"dispatch BF16": [(False, "recv_x: 3 of 9 differ")], "combine BF16": ok},
+              "ops": {"dispatch BF16": _stats([2e-4], 1e6, 5e5)}}]
+    agg = bench.aggregate(ranks, None, {"skipped": "disabled"}, args)
+    assert not agg["checks"]["dispatch BF16"]["ok"]
+    assert agg["checks"]["dispatch BF16"]["failures"] == ["rank 1: recv_x: 3 of 9 differ"]
+    assert agg["checks"]["combine BF16"]["ok"]
+    assert agg["ops"][0]["time_mean_us"] == pytest.approx(200.0)
+    assert agg["nccl"]["skipped"] == "disabled"
+    doc = bench.results_to_json({"num_ranks": 2}, agg["checks"], agg["ops"], agg["nccl"], {"skipped": "x"})
+    text = bench.render_report(doc)
+    assert "FAIL" in text and "rank 1: recv_x" in text and "NCCL baseline skipped: disabled" in text
+
+
+def test_in_process_mode_without_run_local_group_points_to_mpirun(monkeypatch):
+    import types
+    fake_comm = types.ModuleType("deepep_cupy.comm")
+    fake_pkg = types.ModuleType("deepep_cupy")
+    fake_pkg.comm = fake_comm
+    fake_pkg.__path__ = []
+    monkeypatch.setitem(sys.modules, "deepep_cupy", fake_pkg)
+    monkeypatch.setitem(sys.modules, "deepep_cupy.comm", fake_comm)
+    with pytest.raises(SystemExit) as exc:
+        bench._main_local(bench.parse_args([]))
+    assert "mpirun" in str(exc.value) and "run_local_group" in str(exc.value)

@@ -1,0 +1,50 @@
+"""Dispatch and combine on real GPUs, one process per GPU under mpiexec, against the reference.
+
+All scenarios (tests/workers/gpu_scenarios.py) run in one mpiexec job per rank count (start-up
+and kernel compilation are paid once); each test then checks its scenario's result on every rank.
+"""
+
+import json
+import os
+
+import pytest
+
+from _harness import WORKERS, describe, gpu_count, run_mpi
+
+import sys
+sys.path.insert(0, str(WORKERS))
+from gpu_scenarios import NAMES  # noqa: E402
+
+RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_RANKS", "2").split(",")]
+
+
+@pytest.fixture(scope="module")
+def mpi_results(request):
+    """{(num_ranks, scenario): [per-rank result dicts]} from one worker job per rank count."""
+    results = {}
+    outputs = {}
+    for num_ranks in RANK_COUNTS:
+        if gpu_count() < num_ranks:
+            continue
+        run = run_mpi(num_ranks, [str(WORKERS / "gpu_worker.py")], timeout=900)
+        outputs[num_ranks] = run
+        for line in run.stdout.splitlines():
+            if line.startswith("RESULT "):
+                entry = json.loads(line[len("RESULT "):])
+                results.setdefault((num_ranks, entry["scenario"]), []).append(entry)
+    return results, outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("num_ranks", RANK_COUNTS)
+@pytest.mark.parametrize("scenario", NAMES)
+def test_dispatch_and_combine_match_reference(mpi_results, num_ranks, scenario):
+    if gpu_count() < num_ranks:
+        pytest.skip(f"needs {num_ranks} GPUs, found {gpu_count()}")
+    results, outputs = mpi_results
+    entries = results.get((num_ranks, scenario))
+    assert entries, f"no result for {scenario} with {num_ranks} ranks\n{describe(outputs[num_ranks])}"
+    assert len(entries) == num_ranks, entries
+    for entry in entries:
+        assert entry["ok"], f"rank {entry['rank']}: {entry['error']}"

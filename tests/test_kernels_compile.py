@@ -1,0 +1,98 @@
+"""Every kernel instance compiles with NVRTC for sm_90 (Hopper), on any machine, GPU or not.
+
+NVRTC is a library, not a device feature: CuPy loads it from the ``nvidia-cuda-nvrtc`` wheel (the
+``cuda12``/``cuda13`` extras) or the CUDA toolkit. These tests call ``cupy.cuda.nvrtc`` directly,
+with the options the run-time build uses (``kernels.NVRTC_OPTIONS``), so a kernel that does not
+compile fails CI even though CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from _harness import skip_or_fail
+
+from deepep_cupy import kernels
+
+ARCH = "--gpu-architecture=sm_90"
+
+
+def _nvrtc():
+    """``cupy.cuda.nvrtc`` with the NVRTC library loaded; skips (fails on CI) when it cannot load."""
+    try:
+        import cupy  # noqa: F401  (loads the CUDA wheels' library paths)
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # ImportError, or the library itself missing
+        skip_or_fail(f"NVRTC cannot be loaded, kernels NOT compiled: {type(exc).__name__}: {exc} "
+                     "(install the cuda12 or cuda13 extra)")
+    return nvrtc
+
+
+def _compile(nvrtc, file_name: str, source: str, expressions, arch: str = ARCH):
+    """Compile ``source``; return ``(lowered names, cubin size)``; fail with NVRTC's log."""
+    prog = nvrtc.createProgram(source, file_name, [], [])
+    try:
+        for expression in expressions:
+            nvrtc.addNameExpression(prog, expression)
+        options = [*kernels.NVRTC_OPTIONS, arch]
+        error = None
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            error = exc
+        if error is not None:
+            pytest.fail(f"NVRTC failed to compile {file_name} ({' '.join(options)}): {error}\n"
+                        f"--- program log ---\n{nvrtc.getProgramLog(prog)}", pytrace=False)
+        lowered = {}
+        for expression in expressions:
+            try:
+                lowered[expression] = nvrtc.getLoweredName(prog, expression)
+            except nvrtc.NVRTCError as exc:
+                error = exc
+            if error is not None:
+                pytest.fail(f"{file_name}: no kernel instance {expression!r} after compiling "
+                            f"(is it a __global__ template/function of that name?): {error}",
+                            pytrace=False)
+        cubin = nvrtc.getCUBIN(prog)
+        return lowered, len(cubin)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@pytest.mark.parametrize("file_name", sorted(kernels.SOURCES))
+def test_source_compiles_for_sm90(file_name):
+    nvrtc = _nvrtc()
+    expressions = kernels.SOURCES[file_name]
+    assert expressions, f"{file_name}: SOURCES lists no kernel instance"
+    lowered, cubin_size = _compile(nvrtc, file_name, kernels.read_source(file_name), expressions)
+    assert set(lowered) == set(expressions)
+    assert all(lowered.values()), lowered
+    assert cubin_size > 0, f"{file_name}: empty CUBIN"
+
+
+def test_every_source_file_exists():
+    folder = kernels.kernel_dir()
+    missing = [name for name in kernels.SOURCES if not (folder / name).is_file()]
+    assert not missing, f"listed in kernels.SOURCES but not in {folder}: {missing}"
+
+
+@pytest.mark.parametrize("file_name", sorted(kernels.SOURCES))
+def test_read_source_inlines_local_includes(file_name):
+    text = kernels.read_source(file_name)
+    left = re.findall(r'^\s*#\s*include\s+"[^"]*"', text, flags=re.MULTILINE)
+    assert not left, f"{file_name}: includes left after read_source: {left}"
+
+
+def test_read_source_inlines_each_header_once(tmp_path, monkeypatch):
+    (tmp_path / "common.cuh").write_text("#pragma once\nstruct common_tag {};\n")
+    (tmp_path / "b.cuh").write_text('#include "common.cuh"\nstruct b_tag {};\n')
+    (tmp_path / "a.cu").write_text('#include "b.cuh"\n  #  include "common.cuh"\n__global__ void k() {}\n')
+    monkeypatch.setattr(kernels, "kernel_dir", lambda: tmp_path)
+    text = kernels.read_source("a.cu")
+    assert "#include" not in text
+    assert text.count("struct common_tag") == 1
+    assert text.index("struct common_tag") < text.index("struct b_tag") < text.index("__global__ void k")

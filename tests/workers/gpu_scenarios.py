@@ -1,0 +1,43 @@
+"""The dispatch/combine scenarios the GPU tests run (plain data: importable without a GPU).
+
+Each scenario names a workload; ``gpu_worker.py`` runs it on every rank and compares every output
+with ``deepep_cupy.reference`` bit-exactly.
+"""
+
+BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24, dtype="bfloat16",
+            with_topk=True, with_weights=True, expert_alignment=1, routing="uniform", cached=True,
+            combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1)
+
+
+def _scenario(name, **changes):
+    unknown = set(changes) - set(BASE)
+    assert not unknown, unknown
+    return dict(BASE, name=name, **changes)
+
+
+SCENARIOS = [
+    _scenario("bf16_basic"),
+    _scenario("bf16_hidden_7168", hidden=7168, num_tokens=1024, num_topk=8, num_experts=64, seed=2),
+    _scenario("fp8_with_scales", dtype="float8_e4m3fn", hidden=7168, num_topk=8, num_experts=64, seed=3),
+    _scenario("fp8_per_token_scale", dtype="float8_e4m3fn_1d", hidden=2048, seed=4),
+    _scenario("fp16_dispatch_and_combine", dtype="float16", seed=5),
+    _scenario("fp32_dispatch_and_combine", dtype="float32", hidden=1024, seed=6),
+    _scenario("without_topk", with_topk=False, with_weights=False, seed=7),
+    _scenario("topk_without_weights", with_weights=False, seed=8),
+    _scenario("expert_alignment_128", expert_alignment=128, seed=9),
+    _scenario("rows_with_minus_one", routing="drop", seed=10),
+    _scenario("a_rank_with_zero_tokens", num_tokens=(512, 0), seed=11),
+    _scenario("a_rank_receiving_nothing", routing="avoid_last_rank", seed=12),
+    _scenario("skewed_routing", routing="skewed", num_tokens=2048, seed=13),
+    _scenario("async_with_previous_event", mode="async", seed=14),
+    _scenario("num_sms_2", num_sms=2, seed=15),
+    _scenario("num_sms_8_small_queues", num_sms=8, send_chunk=4, recv_chunk=32, num_tokens=3000, seed=16),
+    _scenario("num_sms_48", num_sms=48, num_tokens=2000, seed=17),
+    _scenario("fewer_tokens_than_channels", num_tokens=(5, 3), seed=18),
+    _scenario("torch_tensors", framework="torch", seed=19),
+    _scenario("reference_workload_bf16", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, seed=20),
+    _scenario("reference_workload_fp8", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256,
+              dtype="float8_e4m3fn", seed=21),
+]
+
+NAMES = [s["name"] for s in SCENARIOS]

@@ -1,0 +1,259 @@
+"""MPI worker for the GPU tests: runs scenarios (see gpu_scenarios.py) on every rank.
+
+Usage: ``mpiexec -n R python tests/workers/gpu_worker.py [NAME ...]``. Each rank uses GPU
+``local_rank % device_count``, builds every rank's inputs from the scenario's seed (so the
+NumPy reference sees all of them without communication), runs layout, dispatch, cached dispatch
+and combine, and compares every output with the reference bit-exactly. One line
+``RESULT {json}`` per rank and scenario; a failing scenario does not stop the others (a Buffer
+that timed out is replaced).
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_scenarios import SCENARIOS  # noqa: E402
+
+
+def make_inputs(sc, num_ranks):
+    """Every rank's x (storage dtype), scales, topk_idx, topk_weights for scenario ``sc``."""
+    from deepep_cupy import reference as ref
+
+    rng = np.random.default_rng(sc["seed"])
+    counts = sc["num_tokens"] if isinstance(sc["num_tokens"], tuple) else (sc["num_tokens"],) * num_ranks
+    counts = tuple(counts) + (counts[-1],) * (num_ranks - len(counts))
+    E, K, H = sc["num_experts"], sc["num_topk"], sc["hidden"]
+    inputs = []
+    for r in range(num_ranks):
+        n = counts[r]
+        routing = sc["routing"]
+        if routing == "avoid_last_rank":
+            # Only experts of ranks 0..R-2: the last rank receives nothing.
+            topk = ref.random_routing(rng, n, E - E // num_ranks, K)
+        else:
+            topk = ref.random_routing(rng, n, E, K, skew=4.0 if routing == "skewed" else 0.0,
+                                      drop_fraction=0.3 if routing == "drop" else 0.0)
+        weights = rng.random((n, K), dtype=np.float32) + 0.5
+        scales = None
+        dtype = sc["dtype"]
+        if dtype.startswith("float8"):
+            x, scales = ref.fp8_e4m3_scaled_random(rng, n, H)
+            if dtype.endswith("_1d"):
+                scales = scales[:, 0].copy()
+        elif dtype == "bfloat16":
+            x = ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32))
+        elif dtype == "float16":
+            x = rng.standard_normal((n, H), dtype=np.float32).astype(np.float16)
+        else:
+            x = rng.standard_normal((n, H), dtype=np.float32)
+        inputs.append(dict(x=x, scales=scales, topk=topk, weights=weights))
+    return inputs
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def expect_equal(what, got, want):
+    got = np.asarray(got)
+    want = np.asarray(want)
+    if got.shape != want.shape:
+        raise Mismatch(f"{what}: shape {got.shape}, expected {want.shape}")
+    if got.dtype != want.dtype:
+        raise Mismatch(f"{what}: dtype {got.dtype}, expected {want.dtype}")
+    if got.dtype.kind == "f":
+        same = (got.view(np.uint8).reshape(got.shape + (-1,)) == want.view(np.uint8).reshape(want.shape + (-1,))).all(axis=-1)
+    else:
+        same = got == want
+    if not np.all(same):
+        bad = np.argwhere(~same)
+        first = tuple(bad[0])
+        raise Mismatch(f"{what}: {len(bad)} of {same.size} elements differ; first at {first}: "
+                       f"got {got[first]!r}, expected {want[first]!r}")
+
+
+def to_numpy(a):
+    import cupy
+
+    if a is None:
+        return None
+    if type(a).__module__.startswith("torch"):
+        import torch
+
+        if a.dtype == torch.bfloat16:
+            a = a.view(torch.int16)
+        elif a.dtype == torch.float8_e4m3fn:
+            a = a.view(torch.uint8)
+        a = cupy.asarray(a)
+        if a.dtype == np.int16:
+            a = a.view(np.uint16)
+    return cupy.asnumpy(a)
+
+
+def run_scenario(buf, sc):
+    import cupy
+    import deepep_cupy as ep
+    from deepep_cupy import reference as ref
+
+    R, rank = buf.num_ranks, buf.rank
+    inputs = make_inputs(sc, R)
+    mine = inputs[rank]
+    config = ep.Config(sc["num_sms"],
+                       sc["send_chunk"] or ep.get_dispatch_config(R).num_max_nvl_chunked_send_tokens,
+                       sc["recv_chunk"] or ep.get_dispatch_config(R).num_max_nvl_chunked_recv_tokens)
+    combine_config = ep.Config(sc["num_sms"],
+                               sc["send_chunk"] or ep.get_combine_config(R).num_max_nvl_chunked_send_tokens,
+                               sc["recv_chunk"] or ep.get_combine_config(R).num_max_nvl_chunked_recv_tokens)
+    E = sc["num_experts"]
+    results = ref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], E, sc["num_sms"] // 2,
+                           topk_weights=[i["weights"] for i in inputs] if sc["with_weights"] else None,
+                           x_scales=[i["scales"] for i in inputs] if mine["scales"] is not None else None,
+                           expert_alignment=sc["expert_alignment"])
+    want = results[rank]
+
+    def device(a):
+        if a is None:
+            return None
+        d = cupy.asarray(a)
+        if sc["framework"] == "torch":
+            import torch
+
+            t = torch.as_tensor(d, device=f"cuda:{d.device.id}")
+            return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
+        return d
+
+    x = device(mine["x"])
+    if mine["scales"] is not None:
+        x = (device(mine["x"]), device(mine["scales"]))
+        if sc["framework"] == "torch":
+            import torch
+            x = (x[0].view(torch.float8_e4m3fn), x[1])
+    topk = device(mine["topk"])
+
+    # Layout
+    per_rank, none, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    assert none is None
+    want_per_rank, want_per_expert, want_in_rank = ref.get_dispatch_layout(mine["topk"], E, R)
+    expect_equal("num_tokens_per_rank", to_numpy(per_rank), want_per_rank)
+    expect_equal("num_tokens_per_expert", to_numpy(per_expert), want_per_expert)
+    expect_equal("is_token_in_rank", to_numpy(in_rank), want_in_rank)
+
+    # Dispatch
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  expert_alignment=sc["expert_alignment"], config=config)
+    if sc["with_topk"]:
+        kwargs["topk_idx"] = topk
+        if sc["with_weights"]:
+            kwargs["topk_weights"] = device(mine["weights"])
+    if sc["mode"] == "async":
+        previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
+        out = buf.dispatch(x, previous_event=previous, async_finish=True, allocate_on_comm_stream=True, **kwargs)
+        assert out[-1].event is not None, "async dispatch returned no event"
+        out[-1].current_stream_wait()
+    else:
+        out = buf.dispatch(x, **kwargs)
+    recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
+    if sc["framework"] == "torch":
+        import torch
+        first = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+        assert isinstance(first, torch.Tensor), f"torch input gave {type(first).__name__} output"
+    if mine["scales"] is not None:
+        assert isinstance(recv_x, tuple), "FP8 dispatch must return (x, scales)"
+        expect_equal("recv_x (fp8)", to_numpy(recv_x[0]), want["recv_x"])
+        expect_equal("recv_x_scales", to_numpy(recv_x[1]), want["recv_x_scales"])
+    else:
+        expect_equal("recv_x", to_numpy(recv_x), want["recv_x"])
+    if sc["with_topk"]:
+        expect_equal("recv_topk_idx", to_numpy(recv_topk), want["recv_topk_idx"])
+        if sc["with_weights"]:
+            expect_equal("recv_topk_weights", to_numpy(recv_weights), want["recv_topk_weights"])
+        else:
+            assert recv_weights is None
+    else:
+        assert recv_topk is None and recv_weights is None
+    if per_expert_list != want["num_recv_tokens_per_expert_list"]:
+        raise Mismatch(f"num_recv_tokens_per_expert_list: {per_expert_list}, expected "
+                       f"{want['num_recv_tokens_per_expert_list']}")
+    for name, got, expected in zip(
+            ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+             "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
+        expect_equal(f"handle.{name}", to_numpy(got), expected)
+
+    # Cached dispatch: same routing, fresh payload
+    if sc["cached"]:
+        again = buf.dispatch(x, handle=handle, config=config)
+        if mine["scales"] is not None:
+            expect_equal("cached recv_x (fp8)", to_numpy(again[0][0]), want["recv_x"])
+            expect_equal("cached recv_x_scales", to_numpy(again[0][1]), want["recv_x_scales"])
+        else:
+            expect_equal("cached recv_x", to_numpy(again[0]), want["recv_x"])
+
+    # Combine the dispatched rows back (FP8 has no combine: combine takes 16/32-bit floats)
+    if sc["combine"] and mine["scales"] is None:
+        weights_in = recv_weights if sc["with_topk"] and sc["with_weights"] else None
+        if sc["mode"] == "async":
+            previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
+            combined, combined_weights, event = buf.combine(recv_x, handle, topk_weights=weights_in,
+                                                            config=combine_config, previous_event=previous,
+                                                            async_finish=True)
+            event.current_stream_wait()
+        else:
+            combined, combined_weights, _ = buf.combine(recv_x, handle, topk_weights=weights_in,
+                                                        config=combine_config)
+        combined_ref = ref.combine([r["recv_x"] for r in results], results,
+                                   topk_weights=[r["recv_topk_weights"] for r in results] if weights_in is not None else None)
+        want_x, want_w = combined_ref[rank]
+        expect_equal("combined_x", to_numpy(combined), ref.round_to_dtype(want_x, sc["dtype"]))
+        if weights_in is not None:
+            expect_equal("combined_topk_weights", to_numpy(combined_weights), want_w)
+        else:
+            assert combined_weights is None
+    cupy.cuda.Device().synchronize()
+    return {"recv_tokens": int(want["recv_x"].shape[0])}
+
+
+def main(names):
+    from mpi4py import MPI
+    import cupy
+    import deepep_cupy as ep
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    cupy.cuda.Device(local % cupy.cuda.runtime.getDeviceCount()).use()
+    timeout_s = float(os.environ.get("DEEPEP_TEST_TIMEOUT_S", "30"))
+    nvl_bytes = ep.get_nvl_buffer_size_hint(7168 * 4, size, ep.Config(48, 16, 256))
+
+    def new_buffer():
+        return ep.Buffer(comm, nvl_bytes, timeout_s=timeout_s)
+
+    buf = new_buffer()
+    selected = [s for s in SCENARIOS if not names or s["name"] in names]
+    failures = 0
+    for sc in selected:
+        start = time.time()
+        try:
+            info = run_scenario(buf, sc)
+            ok, error = True, None
+        except Exception as exc:  # report and go on with the next scenario
+            ok, error, info = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", {}
+            failures += 1
+        # Every rank must know whether any failed: a rank whose Buffer timed out replaces it.
+        all_ok = comm.allreduce(ok, op=MPI.LAND)
+        print("RESULT " + json.dumps({"rank": rank, "size": size, "scenario": sc["name"], "ok": ok,
+                                      "all_ok": all_ok, "error": error, "seconds": round(time.time() - start, 3),
+                                      **info}), flush=True)
+        if not all_ok:
+            buf.destroy()
+            buf = new_buffer()
+    buf.destroy()
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main(sys.argv[1:]) else 0)
