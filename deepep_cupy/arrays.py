@@ -58,8 +58,9 @@ def as_cupy(x: Any, arg: str, device_id: int):
         name = _CUPY_NAMES.get(x.dtype)
         if name is None:
             raise TypeError(f"{arg}: unsupported dtype {x.dtype} (see deepep_cupy.arrays for the accepted types)")
-        if x.device.id != device_id:
-            raise ValueError(f"{arg}: expected an array on GPU {device_id} (the Buffer's), got one on GPU {x.device.id}")
+        if x.data.device_id != device_id:
+            raise ValueError(f"{arg}: expected an array on GPU {device_id} (the Buffer's), got one on GPU "
+                             f"{x.data.device_id}")
         return x, name, "cupy"
     if is_torch(x):
         if not x.is_cuda:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -283,18 +284,6 @@ def token_rank_mask(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
     rows = xp.broadcast_to(xp.arange(topk_idx.shape[0])[:, None], topk_idx.shape)
     mask[rows.ravel(), dest.ravel().astype(xp.int64)] = True
     return mask[:, :num_ranks]
-
-
-def expected_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int):
-    """NumPy layout of one rank's routing: ``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)``.
-
-    ``num_tokens_per_expert[e]`` counts the (token, slot) pairs routed to ``e``.
-    """
-    topk_idx = np.asarray(topk_idx)
-    mask = token_rank_mask(topk_idx, num_experts, num_ranks)
-    valid = topk_idx[topk_idx >= 0].astype(np.int64)
-    per_expert = np.bincount(valid, minlength=num_experts).astype(np.int32)
-    return mask.sum(axis=0).astype(np.int32), per_expert, mask
 
 
 def build_send_index(is_token_in_rank: Any) -> Tuple[Any, Any]:
@@ -579,9 +568,10 @@ def tune_configs(ep: Any, num_ranks: int, args: argparse.Namespace) -> List[Any]
 
 
 def nvl_buffer_bytes(ep: Any, args: argparse.Namespace, num_ranks: int, configs: Sequence[Any]) -> int:
-    """The largest ``get_nvl_buffer_size_hint`` over every config this run uses."""
+    """The largest ``get_nvl_buffer_size_hint`` over every config this run uses (BF16 rows are the widest)."""
     return max(int(ep.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, c, num_topk=args.num_topk,
-                                               num_scales=args.hidden // 128)) for c in configs)
+                                               experts_per_rank=args.num_experts // num_ranks))
+               for c in configs)
 
 
 def make_workload(reference: Any, args: argparse.Namespace, rank: int, num_tokens: int,
@@ -717,14 +707,12 @@ def compare_rank(reference: Any, gpu: Dict[str, Any], ref: Dict[str, Any], host:
                  rank: int, num_experts: int, num_ranks: int) -> Dict[str, List[Tuple[bool, str]]]:
     """Compare one rank's GPU outputs (already NumPy) with the reference. Returns op -> [(ok, msg)]."""
     checks: Dict[str, List[Tuple[bool, str]]] = {}
-    per_rank, per_expert, in_rank = expected_layout(host["topk_idx"], num_experts, num_ranks)
+    per_rank, per_expert, in_rank = reference.get_dispatch_layout(host["topk_idx"], num_experts, num_ranks)
     lay = gpu["layout"]
     checks["layout"] = [compare_exact("num_tokens_per_rank", lay[0], per_rank),
                         compare_exact("num_tokens_per_expert", lay[1], per_expert),
                         compare_exact("is_token_in_rank", lay[2], in_rank)]
     r = ref["bf16"][rank]
-    if "is_token_in_rank" in r:
-        checks["layout"].append(compare_exact("is_token_in_rank (reference)", lay[2], r["is_token_in_rank"]))
     d = gpu["bf16"]
     checks["dispatch BF16"] = [
         compare_exact("recv_x", d["recv_x"], r["recv_x"]),
@@ -810,11 +798,12 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
                    "cached_recv_x": _to_numpy(cached_x), "combined_x": _to_numpy(combined_x),
                    "combined_topk_weights": _to_numpy(combined_w)}
             num_channels = dcfg.num_sms // 2
+            inputs = group.allgather(host)
             if getattr(group, "in_process", False):   # compute once, share the objects
-                ref = reference_outputs(reference, group.allgather(host), E, num_channels, True) if lead else None
-                ref = group.allgather(ref)[0]
+                ref = group.allgather(reference_outputs(reference, inputs, E, num_channels, True) if lead else None)[0]
             else:
-                ref = reference_outputs(reference, group.allgather(host), E, num_channels, True)
+                ref = reference_outputs(reference, inputs, E, num_channels, True)
+            del inputs
             result["checks"] = compare_rank(reference, gpu, ref, host, rank, E, num_ranks)
             del ref, gpu
         host.pop("x", None), host.pop("x_fp8", None)
@@ -1110,6 +1099,57 @@ def _exchange_counts(backend, send_counts_dev, recv_counts_dev) -> None:
                          [a.reshape(R, 1) for a in recv_counts_dev], [[1] * R] * len(recv_counts_dev))
 
 
+GATHER_KERNEL_SRC = r"""
+extern "C" __global__ void gather_rows_int4(unsigned long long src_addr, unsigned long long dst_addr,
+                                            const long long* __restrict__ rows, long long num_rows,
+                                            long long row_vecs) {
+    // dst row r = src row rows[r]; one block per row at a time, 16-byte vectors.
+    const int4* __restrict__ src = reinterpret_cast<const int4*>(src_addr);
+    int4* __restrict__ dst = reinterpret_cast<int4*>(dst_addr);
+    for (long long r = blockIdx.x; r < num_rows; r += gridDim.x) {
+        const int4* s = src + rows[r] * row_vecs;
+        int4* d = dst + r * row_vecs;
+        for (long long i = threadIdx.x; i < row_vecs; i += blockDim.x) d[i] = s[i];
+    }
+}
+"""
+
+_RAW_KERNELS: Dict[str, Any] = {}
+
+
+def _raw_kernel(source: str, name: str):
+    import cupy
+    if name not in _RAW_KERNELS:
+        _RAW_KERNELS[name] = cupy.RawKernel(source, name)
+    return _RAW_KERNELS[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    import cupy
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
+def gather_rows(x: Any, rows: Any, out: Any) -> Any:
+    """``out[:] = x[rows]`` for C-contiguous 2-D CuPy arrays, with 16-byte vector copies when rows allow.
+
+    This is the NCCL baseline's permute (what ``torch.index_select`` does for a PyTorch user).
+    """
+    import cupy
+    row_bytes = x.shape[1] * x.itemsize if x.ndim == 2 else 0
+    if (row_bytes % 16 or not x.flags.c_contiguous or not out.flags.c_contiguous
+            or x.data.ptr % 16 or out.data.ptr % 16):
+        return cupy.take(x, rows, axis=0, out=out)
+    n = int(rows.shape[0])
+    if n:
+        sms = _sm_count(cupy.cuda.Device().id)
+        _raw_kernel(GATHER_KERNEL_SRC, "gather_rows_int4")(
+            (min(n, sms * 8),), (256,),
+            (np.uint64(x.data.ptr), np.uint64(out.data.ptr), rows.astype(cupy.int64, copy=False),
+             np.int64(n), np.int64(row_bytes // 16)))
+    return out
+
+
 def _nccl_payload(num_tokens: int, hidden: int, rank: int):
     """Deterministic BF16-sized rows whose first words are (source rank, token & 0xffff, token >> 16)."""
     import cupy
@@ -1155,7 +1195,8 @@ def nccl_measure(backend, args: argparse.Namespace, num_tokens: int, topk_by_ran
         with cupy.cuda.Device(devs[i]), streams[i]:
             streams[i].synchronize()
             recv_counts[i] = st["rc_dev"][i].get().tolist()
-            st["send"][i] = cupy.take(st["x"][i], st["perm"][i], axis=0)
+            st["send"][i] = cupy.empty((st["perm"][i].shape[0], H), dtype=cupy.uint16)
+            gather_rows(st["x"][i], st["perm"][i], st["send"][i])
             st["recv"][i] = cupy.empty((sum(recv_counts[i]), H), dtype=cupy.uint16)
             st["back"][i] = cupy.empty_like(st["send"][i])
 
@@ -1174,7 +1215,7 @@ def nccl_measure(backend, args: argparse.Namespace, num_tokens: int, topk_by_ran
 
     per_local_times["nccl index build"] = [local_op(i, index_build(i)) for i in range(L)]
     per_local_times["nccl permute"] = [
-        local_op(i, (lambda i=i: cupy.take(st["x"][i], st["perm"][i], axis=0, out=st["send"][i]))) for i in range(L)]
+        local_op(i, (lambda i=i: gather_rows(st["x"][i], st["perm"][i], st["send"][i]))) for i in range(L)]
 
     def collective(fn):
         return time_ops_multi(fn, warmup, iters, streams, devs, st["flush"])
@@ -1305,7 +1346,7 @@ def copy_ceiling(devices: Tuple[int, int], nbytes: int, sms_list: Sequence[int],
     for d in (a, b):
         with cupy.cuda.Device(d):
             bufs[d] = (cupy.ones(nbytes, dtype=cupy.uint8), cupy.zeros(nbytes, dtype=cupy.uint8))
-            kernels[d] = cupy.RawKernel(COPY_KERNEL_SRC, "copy_int4")
+            kernels[d] = _raw_kernel(COPY_KERNEL_SRC, "copy_int4")
             streams[d] = cupy.cuda.Stream(non_blocking=True)
             nsm[d] = cupy.cuda.runtime.getDeviceProperties(d)["multiProcessorCount"]
             cupy.cuda.Device(d).synchronize()  # the fills ran on the default stream
@@ -1342,7 +1383,7 @@ def copy_ceiling(devices: Tuple[int, int], nbytes: int, sms_list: Sequence[int],
     rows.append({"op": f"copy engine GPU{a}->GPU{b}", "time_mean_us": float(np.mean(times)) * 1e6,
                  "time_min_us": float(np.min(times)) * 1e6, "gbps": gbps(nbytes, float(np.mean(times))),
                  "gbps_total": gbps(nbytes, float(np.mean(times)))})
-    del bufs
+    bufs.clear()  # free the 2 x nbytes per GPU now
     return rows
 
 
@@ -1474,8 +1515,13 @@ def render_report(doc: Dict[str, Any]) -> str:
             ok = sorted((e for e in tune["entries"] if e["op"] == op and e.get("time_us") is not None),
                         key=lambda e: e["time_us"])
             bad = sum(1 for e in tune["entries"] if e["op"] == op and e.get("time_us") is None)
-            parts.append(format_table(ok[:5], TUNE_COLUMNS, title=f"tune {op}: best 5 of {len(ok)}"
+            parts.append(format_table(ok[:5], TUNE_COLUMNS, title=f"tune {op}: best {min(5, len(ok))} of {len(ok)}"
                                       + (f" ({bad} configs rejected)" if bad else "")))
+            best = tune.get("best", {}).get(op)
+            if best:
+                parts[-1] += (f"\nbest {op} config: Config(num_sms={best['num_sms']}, "
+                              f"num_max_nvl_chunked_send_tokens={best['num_max_nvl_chunked_send_tokens']}, "
+                              f"num_max_nvl_chunked_recv_tokens={best['num_max_nvl_chunked_recv_tokens']})")
     return "\n\n".join(parts)
 
 
@@ -1623,10 +1669,10 @@ def _main_mpi(args: argparse.Namespace) -> int:
         code = _finish(args, "mpi", size, devices, rank_results, nccl_ranks, nccl_info, copy) if rank == 0 else 0
         return world.bcast(code, root=0)
     except SystemExit as exc:
-        if rank == 0 or size == 1:
+        if size == 1 or exc.code in (0, None):
             raise
         print(f"[rank {rank}] {exc}", file=sys.stderr, flush=True)
-        world.Abort(2)
+        world.Abort(2)  # the other ranks may be waiting in a collective
     except BaseException:
         sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
         sys.stderr.flush()

@@ -44,7 +44,8 @@ class DispatchHandle(tuple):
     """
 
     def __new__(cls, arrays: Tuple[Any, ...], framework: str, owner: int):
-        self = super().__new__(cls, tuple(to_framework(a, str(a.dtype), framework) for a in arrays))
+        items = arrays if framework == "cupy" else tuple(to_framework(a, str(a.dtype), framework) for a in arrays)
+        self = super().__new__(cls, items)
         self.arrays = arrays
         self.owner = owner
         return self
@@ -103,6 +104,8 @@ class Buffer:
             try:
                 self._mapped = MappedInts(_MAPPED_INTS)
                 self._comm_stream = cupy.cuda.Stream(non_blocking=True)
+                self._caller_done = cupy.cuda.Event(disable_timing=True)
+                self._comm_done = cupy.cuda.Event(disable_timing=True)
                 kernels.warm_up(self.num_ranks)
             except BaseException:
                 self.destroy()
@@ -232,14 +235,16 @@ class Buffer:
         if previous_event is not None and previous_event.event is not None:
             self._comm_stream.wait_event(previous_event.event)
         else:
-            self._comm_stream.wait_event(caller.record())
+            # One reusable event: a stream wait captures the event's state when it is enqueued.
+            self._caller_done.record(caller)
+            self._comm_stream.wait_event(self._caller_done)
         return caller
 
     def _finish(self, caller, framework: str, async_finish: bool, keep: Tuple[Any, ...]) -> EventOverlap:
-        event = self._comm_stream.record()
         if async_finish:
-            return EventOverlap(event, keep, framework)
-        caller.wait_event(event)
+            return EventOverlap(self._comm_stream.record(), keep, framework)
+        self._comm_done.record(self._comm_stream)
+        caller.wait_event(self._comm_done)
         return EventOverlap(None, (), framework)
 
     def _alloc_stream(self, caller, allocate_on_comm_stream: bool):
@@ -268,6 +273,8 @@ class Buffer:
 
         Args:
             topk_idx: int64 ``[num_tokens, num_topk]``, expert ids in ``[0, num_experts)`` or -1.
+                Ids out of that range are not counted here (no host synchronisation is spent on
+                checking them); the dispatch that uses them raises ``ValueError`` on every rank.
             num_experts: experts in total, a multiple of the rank count.
 
         Returns:
@@ -290,20 +297,11 @@ class Buffer:
                 per_rank = cupy.empty(self.num_ranks, dtype=np.int32)
                 per_expert = cupy.empty(num_experts, dtype=np.int32)
                 in_rank = cupy.empty((num_tokens, self.num_ranks), dtype=np.bool_)
-            with self._comm_stream:
-                # The kernel adds its counts into these.
-                per_rank.fill(0)
-                per_expert.fill(0)
-                if num_tokens and bool(((topk < -1) | (topk >= num_experts)).any()):
-                    bad = cupy.asnumpy(topk[(topk < -1) | (topk >= num_experts)][:4]).tolist()
-                    raise ValueError(f"topk_idx: expected expert ids in [-1, {num_experts}), got values such as {bad}")
-            if num_tokens:
-                grid = min(math.ceil(num_tokens / kernels.BLOCK_THREADS["dispatch_layout_kernel"]), 264)
-                kernels.launch("dispatch_layout_kernel", grid, self._comm_stream,
-                               shared_mem=4 * (num_experts + self.num_ranks),
-                               topk_idx=topk, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
-                               is_token_in_rank=in_rank, num_tokens=num_tokens, num_topk=topk.shape[1],
-                               num_experts=num_experts, num_ranks=self.num_ranks)
+            kernels.launch("dispatch_layout_kernel", 1, self._comm_stream,
+                           shared_mem=4 * (num_experts + self.num_ranks),
+                           topk_idx=topk, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                           is_token_in_rank=in_rank, num_tokens=num_tokens, num_topk=topk.shape[1],
+                           num_experts=num_experts, num_ranks=self.num_ranks)
             event = self._finish(caller, framework, async_finish, (topk, per_rank, per_expert, in_rank))
             return (to_framework(per_rank, "int32", framework), None,
                     to_framework(per_expert, "int32", framework),
@@ -437,16 +435,13 @@ class Buffer:
         with self._comm_stream:
             rank_prefix_matrix = cupy.empty((R, R), dtype=np.int32)
             channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
-            invalid = None
-            if topk is not None and num_tokens:
-                invalid = ((topk < -1) | (topk >= num_experts)).any()
         kernels.launch(
             "notify_dispatch_kernel", 1 + R, self._comm_stream,
             num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
             rank_prefix_matrix=rank_prefix_matrix, channel_prefix_matrix=channel_prefix_matrix,
             recv_counter=self._mapped.device_ptr(_RECV_COUNTER), mismatch_flag=self._mapped.device_ptr(_VERDICT),
             signature=self._mapped.device_ptr(_SIGNATURE),
-            recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), invalid_input=invalid,
+            recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), topk_idx=topk, num_topk=num_topk,
             num_tokens=num_tokens, num_experts=num_experts, num_channels=C, expert_alignment=expert_alignment,
             buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R, rank=self.rank, epoch=self._next_epoch(3),
             notify_off=plan.notify_off, zero_off=plan.meta_off, zero_count=plan.zero_count,
@@ -469,7 +464,7 @@ class Buffer:
                               recv_weights, recv_channel_prefix_matrix, send_head)
         handle = DispatchHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                  recv_src_idx, in_rank, send_head), framework, id(self))
-        keep = (rows, scales, topk, weights, per_rank, per_expert, in_rank, invalid, recv_rows, recv_scales,
+        keep = (rows, scales, topk, weights, per_rank, per_expert, in_rank, recv_rows, recv_scales,
                 recv_topk, recv_weights, handle.arrays)
         event = self._finish(caller, framework, async_finish, keep)
         recv_x = to_framework(recv_rows, dtype_name, framework)

@@ -12,10 +12,13 @@ signature: the one place where Python values become C types.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import struct
 import threading
 from pathlib import Path
-from typing import Dict, Iterable, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -43,7 +46,9 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 def kernel_dir() -> Path:
     """The folder holding the ``.cu``/``.cuh`` sources (source checkout or installed wheel)."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "_kernels", here.parent / "kernels"):
+    override = os.environ.get("DEEPEP_CUPY_KERNEL_DIR")  # for trying kernel variants side by side
+    candidates = [Path(override)] if override else [here / "_kernels", here.parent / "kernels"]
+    for candidate in candidates:
         if (candidate / "common.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"deepep_cupy: CUDA sources not found next to {here}")
@@ -74,8 +79,8 @@ def source_of(name_expression: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Run-time compilation (needs a GPU)
 
-_modules: Dict[Tuple[int, str], object] = {}
-_modules_lock = threading.Lock()
+_functions: Dict[Tuple[int, str], object] = {}
+_functions_lock = threading.Lock()
 
 
 def get_kernel(name_expression: str):
@@ -86,14 +91,17 @@ def get_kernel(name_expression: str):
     """
     import cupy
 
-    key = (cupy.cuda.Device().id, name_expression)
-    with _modules_lock:
-        module = _modules.get(key)
-        if module is None:
-            module = cupy.RawModule(code=read_source(source_of(name_expression)), options=NVRTC_OPTIONS,
-                                    name_expressions=(name_expression,))
-            _modules[key] = module
-    return module.get_function(name_expression)
+    key = (cupy.cuda.runtime.getDevice(), name_expression)
+    function = _functions.get(key)
+    if function is None:
+        with _functions_lock:
+            function = _functions.get(key)
+            if function is None:
+                module = cupy.RawModule(code=read_source(source_of(name_expression)), options=NVRTC_OPTIONS,
+                                        name_expressions=(name_expression,))
+                function = module.get_function(name_expression)
+                _functions[key] = function
+    return function
 
 
 def warm_up(num_ranks: int) -> None:
@@ -108,37 +116,55 @@ def warm_up(num_ranks: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument packing
+# Argument packing and launch
+#
+# Kernels are launched through the driver (cuLaunchKernel) with all parameters packed into one
+# buffer by ``struct`` and a table of pointers into it: a few microseconds of Python per launch,
+# where CuPy's per-argument conversion costs tens of microseconds for these 20-30 argument kernels.
 
-_PACKERS = {
-    "i32": np.int32,
-    "i64": np.int64,
-    "f32": np.float32,
-}
+_STRUCT_CODES = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 
 
-def _pointer(value) -> np.uint64:
+def _pointer(value) -> int:
     if value is None:
-        return np.uint64(0)
+        return 0
     if isinstance(value, (int, np.integer)):
-        return np.uint64(value)
+        return int(value)
     data = getattr(value, "data", None)
     if data is not None and hasattr(data, "ptr"):
-        return np.uint64(data.ptr if value.size else 0)
+        return data.ptr if value.size else 0
     raise TypeError(f"deepep_cupy: cannot pass {type(value).__name__} as a device pointer")
 
 
-def pack_args(signature: Sequence[Tuple[str, str]], values: Dict[str, object]) -> tuple:
-    """Convert ``values`` to the C types of ``signature`` (``[(name, 'ptr'|'i32'|'i64'|'f32')]``)."""
-    missing = [name for name, _ in signature if name not in values]
-    extra = set(values) - {name for name, _ in signature}
-    if missing or extra:
-        raise TypeError(f"deepep_cupy: kernel arguments missing {missing}, unexpected {sorted(extra)}")
-    packed = []
-    for name, kind in signature:
-        value = values[name]
-        packed.append(_pointer(value) if kind == "ptr" else _PACKERS[kind](value))
-    return tuple(packed)
+class ArgumentPacker:
+    """Packs keyword values into a kernel's parameter buffer, laid out like a C struct
+    (each parameter at its natural alignment: the CUDA ABI for kernel parameters)."""
+
+    def __init__(self, signature: Sequence[Tuple[str, str]]):
+        self.signature = tuple(signature)
+        self.names = tuple(name for name, _ in signature)
+        self.pointer_flags = tuple(kind == "ptr" for _, kind in signature)
+        codes = "".join(_STRUCT_CODES[kind] for _, kind in signature)
+        self.layout = struct.Struct("@" + codes)
+        # Byte offset of each parameter in the packed buffer (after struct's alignment padding).
+        self.offsets = tuple(struct.calcsize("@" + codes[:i + 1]) - struct.calcsize("@" + codes[i])
+                             for i in range(len(codes)))
+
+    def values(self, values: Dict[str, object]) -> list:
+        if len(values) != len(self.names) or any(name not in values for name in self.names):
+            missing = [name for name in self.names if name not in values]
+            extra = sorted(set(values) - set(self.names))
+            raise TypeError(f"deepep_cupy: kernel arguments missing {missing}, unexpected {extra}")
+        return [_pointer(values[name]) if is_pointer else values[name]
+                for name, is_pointer in zip(self.names, self.pointer_flags)]
+
+    def pack(self, values: Dict[str, object]) -> bytes:
+        return self.layout.pack(*self.values(values))
+
+
+def pack_args(signature: Sequence[Tuple[str, str]], values: Dict[str, object]) -> bytes:
+    """The parameter buffer for ``values`` under ``signature`` (``[(name, 'ptr'|'i32'|'i64'|'f32')]``)."""
+    return ArgumentPacker(signature).pack(values)
 
 
 def _signature(text: str) -> Tuple[Tuple[str, str], ...]:
@@ -154,7 +180,7 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "notify_dispatch_kernel": _signature(
         "num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
         "rank_prefix_matrix:ptr channel_prefix_matrix:ptr recv_counter:ptr mismatch_flag:ptr "
-        "signature:ptr recv_expert_counter:ptr invalid_input:ptr num_tokens:i32 num_experts:i32 "
+        "signature:ptr recv_expert_counter:ptr topk_idx:ptr num_topk:i32 num_tokens:i32 num_experts:i32 "
         "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 "
         "notify_off:i64 zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
     "cached_notify_dispatch_kernel": _signature(
@@ -181,7 +207,7 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
 
 #: Threads per block of each kernel (the transfer kernels' counts are fixed in their sources).
 BLOCK_THREADS = {
-    "dispatch_layout_kernel": 256,
+    "dispatch_layout_kernel": 1024,
     "notify_dispatch_kernel": 256,
     "cached_notify_dispatch_kernel": 256,
     "barrier_kernel": 32,
@@ -196,11 +222,46 @@ def name_expression(kernel: str, template_args: Sequence[object] = ()) -> str:
     return f"{kernel}<{', '.join(str(a) for a in template_args)}>" if template_args else kernel
 
 
+class _Profile:
+    """Opt-in per-kernel GPU times (``DEEPEP_CUPY_PROFILE=1``): events around every launch."""
+
+    def __init__(self):
+        self.enabled = os.environ.get("DEEPEP_CUPY_PROFILE", "") not in ("", "0")
+        self.pending: List[Tuple[str, object, object]] = []
+
+    def report(self) -> Dict[str, Tuple[int, float]]:
+        """{kernel: (launches, mean milliseconds)} since the last report (synchronises)."""
+        import cupy
+
+        totals: Dict[str, List[float]] = {}
+        for name, start, end in self.pending:
+            end.synchronize()
+            totals.setdefault(name, []).append(cupy.cuda.get_elapsed_time(start, end))
+        self.pending = []
+        return {name: (len(ts), sum(ts) / len(ts)) for name, ts in totals.items()}
+
+
+profile = _Profile()
+
+
+_packers: Dict[str, ArgumentPacker] = {}
+
+
 def launch(kernel: str, grid: int, stream, *, template_args: Sequence[object] = (),
            shared_mem: int = 0, **values) -> None:
     """Launch ``kernel`` (with ``template_args``) on ``stream``, packing ``values`` by its signature."""
-    compiled = get_kernel(name_expression(kernel, template_args))
-    args = pack_args(SIGNATURES[kernel], values)
-    # RawKernel launches on CuPy's current stream.
-    with stream:
-        compiled((grid,), (BLOCK_THREADS[kernel],), args, shared_mem=shared_mem)
+    from cupy.cuda import driver
+
+    function = get_kernel(name_expression(kernel, template_args)).kernel
+    packer = _packers.get(kernel)
+    if packer is None:
+        packer = _packers[kernel] = ArgumentPacker(SIGNATURES[kernel])
+    params = ctypes.create_string_buffer(packer.pack(values))
+    base = ctypes.addressof(params)
+    param_ptrs = (ctypes.c_void_p * len(packer.offsets))(*[base + offset for offset in packer.offsets])
+    if profile.enabled:
+        start = stream.record()
+    driver.launchKernel(function.ptr, grid, 1, 1, BLOCK_THREADS[kernel], 1, 1, shared_mem, stream.ptr,
+                        ctypes.addressof(param_ptrs), 0)
+    if profile.enabled:
+        profile.pending.append((kernel, start, stream.record()))

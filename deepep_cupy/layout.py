@@ -25,6 +25,7 @@ Q = queue slots (``num_max_nvl_chunked_recv_tokens``), K = top-k, S = scales per
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 ALIGNMENT = 128
@@ -72,6 +73,7 @@ class CombineLayout:
     zero_count: int
 
 
+@functools.lru_cache(maxsize=256)
 def dispatch_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_bytes: int,
                     num_topk: int, num_scales: int, experts_per_rank: int) -> DispatchLayout:
     """Offsets of a dispatch's regions (see the module docstring)."""
@@ -89,6 +91,7 @@ def dispatch_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_by
                           scales_off, carve.offset, 4 * queues)
 
 
+@functools.lru_cache(maxsize=256)
 def combine_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_bytes: int,
                    num_topk: int) -> CombineLayout:
     """Offsets of a combine's regions (see the module docstring)."""

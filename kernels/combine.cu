@@ -16,6 +16,7 @@
 // reduce tokens round-robin and report how far each queue has been consumed.
 
 #define COMBINE_THREADS 768
+#define COMBINE_SEND_UNROLL 4
 
 template <typename T, int kNumRanks>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
@@ -62,11 +63,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         const int row_end = rank_offset + channel_end;
 
         int tail = 0;
+        int known_head = 0;  // last head read from the peer: reading it again costs an NVLink round trip
         for (int row = rank_offset + channel_begin; row < row_end;) {
             const int chunk = min(max_send_tokens, row_end - row);
-            if (lane == 0) {
+            if (lane == 0 && queue_tokens - (tail - known_head) < chunk) {
                 Deadline deadline(timeout_ns);
-                while (queue_tokens - (tail - ld_volatile(head_ptr)) < chunk) {
+                while (queue_tokens - (tail - (known_head = ld_volatile(head_ptr))) < chunk) {
                     if (deadline.expired()) {
                         report_error(error_record, ERROR_TIMEOUT, KERNEL_COMBINE_SENDER, rank, channel, peer, tail);
                         group_abort[peer] = 1;
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
             if (group_abort[peer] == 0) {
                 for (int i = warp_in_group; i < chunk; i += kWarpsPerRank) {
                     const int slot = (tail + i) % queue_tokens;
-                    warp_copy<4>(queue_x + (int64_t_)slot * hidden_int4, x + (int64_t_)(row + i) * hidden_int4,
+                    warp_copy<COMBINE_SEND_UNROLL>(queue_x + (int64_t_)slot * hidden_int4, x + (int64_t_)(row + i) * hidden_int4,
                                  hidden_int4, lane);
                     if (topk_weights != nullptr && lane < num_topk)
                         queue_weights[slot * num_topk + lane] = topk_weights[(int64_t_)(row + i) * num_topk + lane];

@@ -20,6 +20,8 @@
 // (peer + 1).
 
 #define DISPATCH_THREADS 512
+// 16-byte loads each lane keeps in flight while copying a token (latency hiding over NVLink).
+#define DISPATCH_UNROLL 8
 
 struct DispatchQueues {
     int *start, *end, *head, *tail;
@@ -97,11 +99,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int token_begin, token_end;
         channel_task_range(num_tokens, num_channels, channel, token_begin, token_end);
         int tail = 0;
+        int known_head = 0;  // last head read from the peer: reading it again costs an NVLink round trip
         for (int token = token_begin; token < token_end;) {
             // Wait until a whole chunk fits (counting the worst case: every token selected).
-            if (lane == 0) {
+            if (lane == 0 && queue_tokens - (tail - known_head) < max_send_tokens) {
                 Deadline deadline(timeout_ns);
-                while (queue_tokens - (tail - ld_volatile(q.head)) < max_send_tokens) {
+                while (queue_tokens - (tail - (known_head = ld_volatile(q.head))) < max_send_tokens) {
                     if (deadline.expired()) {
                         report_error(error_record, ERROR_TIMEOUT, KERNEL_DISPATCH_SENDER, rank, channel,
                                      peer, tail);
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                 // Warps take the selected tokens round-robin.
                 if (!aborting && tail % kWarpsPerRank == warp_in_group) {
                     const int slot = tail % queue_tokens;
-                    warp_copy<4>(q.x + (int64_t_)slot * hidden_int4, x + (int64_t_)token * hidden_int4,
+                    warp_copy<DISPATCH_UNROLL>(q.x + (int64_t_)slot * hidden_int4, x + (int64_t_)token * hidden_int4,
                                  hidden_int4, lane);
                     if (lane == 0)
                         q.src_idx[slot] = token;
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
 
             for (int i = warp_in_group; i < count; i += kWarpsPerRank) {
                 const int slot = (head + i) % queue_tokens;
-                warp_copy<4>(recv_x + (out + i) * hidden_int4, q.x + (int64_t_)slot * hidden_int4,
+                warp_copy<DISPATCH_UNROLL>(recv_x + (out + i) * hidden_int4, q.x + (int64_t_)slot * hidden_int4,
                              hidden_int4, lane);
             }
             if (recv_src_idx != nullptr)

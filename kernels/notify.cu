@@ -20,7 +20,7 @@ extern "C" __global__ void notify_dispatch_kernel(
         const int* num_tokens_per_rank, const int* num_tokens_per_expert, const bool* is_token_in_rank,
         int* rank_prefix_matrix, int* channel_prefix_matrix,
         int* recv_counter, int* mismatch_flag, const int* signature, int* recv_expert_counter,
-        const bool* invalid_input, int num_tokens, int num_experts, int num_channels, int expert_alignment,
+        const int64_t_* topk_idx, int num_topk, int num_tokens, int num_experts, int num_channels, int expert_alignment,
         void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
         int64_t_ notify_off, int64_t_ zero_off, int zero_count,
         int64_t_ timeout_ns, int* error_record) {
@@ -28,6 +28,15 @@ extern "C" __global__ void notify_dispatch_kernel(
     const int experts_per_rank = num_experts / num_ranks;
 
     if (blockIdx.x == 0) {
+        // Validate this rank's expert ids while waiting costs nothing: every rank learns the
+        // verdict from the exchanged signatures and refuses the dispatch together.
+        int invalid = 0;
+        if (topk_idx != nullptr)
+            for (int64_t_ i = thread; i < (int64_t_)num_tokens * num_topk; i += num_threads) {
+                const int64_t_ expert = topk_idx[i];
+                invalid |= (expert < -1 || expert >= num_experts) ? 1 : 0;
+            }
+        invalid = __syncthreads_or(invalid);
         if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
                           KERNEL_NOTIFY_DISPATCH))
             return;
@@ -42,7 +51,7 @@ extern "C" __global__ void notify_dispatch_kernel(
             if (j < SIGNATURE_INTS - 1)
                 area[rank * SIGNATURE_INTS + j] = signature[j];
             else if (j == SIGNATURE_INTS - 1)
-                area[rank * SIGNATURE_INTS + j] = invalid_input != nullptr && *invalid_input ? 1 : 0;
+                area[rank * SIGNATURE_INTS + j] = invalid;
             else if (j < SIGNATURE_INTS + num_ranks)
                 rank_counts[rank * num_ranks + (j - SIGNATURE_INTS)] = num_tokens_per_rank[j - SIGNATURE_INTS];
             else {

@@ -26,7 +26,7 @@ for line in open(sys.argv[1]):
 PY
       grep -v "^RESULT" "$OUT/worker.log" | tail -30;;
     perf)
-      timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_SMS:-24} 2>&1 | tee "$OUT/perf.log" | tail -20;;
+      DEEPEP_CUPY_PROFILE=${PROFILE:-0} timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_CONFIGS:-24:16:256} 2>&1 | tee "$OUT/perf.log" | tail -${PERF_TAIL:-20};;
     test)
       timeout ${TEST_TIMEOUT:-500} make test 2>&1 | tee "$OUT/test.log" | tail -40;;
     bench)

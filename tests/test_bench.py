@@ -2,7 +2,6 @@
 
 import importlib
 import importlib.util
-import itertools
 import json
 import math
 import sys
@@ -265,14 +264,10 @@ def test_build_send_index_matches_brute_force(n, r, p):
         assert mask[perm[offsets[j]:offsets[j + 1]], j].all()
 
 
-def test_token_rank_mask_and_layout():
+def test_token_rank_mask():
     topk = np.array([[0, 5, -1], [7, 6, 4], [-1, -1, -1], [3, 2, 1]])
     mask = bench.token_rank_mask(topk, 8, 2)      # experts 0..3 on rank 0, 4..7 on rank 1
     assert mask.tolist() == [[True, True], [False, True], [False, False], [True, False]]
-    per_rank, per_expert, in_rank = bench.expected_layout(topk, 8, 2)
-    assert per_rank.tolist() == [2, 2]
-    assert per_expert.tolist() == [1, 1, 1, 1, 1, 1, 1, 1]
-    assert in_rank.tolist() == mask.tolist()
     rng = np.random.default_rng(3)
     topk = rng.integers(-1, 64, size=(100, 4))
     mask = bench.token_rank_mask(topk, 64, 8)
@@ -333,3 +328,68 @@ def test_in_process_mode_without_run_local_group_points_to_mpirun(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         bench._main_local(bench.parse_args([]))
     assert "mpirun" in str(exc.value) and "run_local_group" in str(exc.value)
+
+
+def test_report_shows_tuning_and_best_config():
+    args = bench.parse_args(["--tune"])
+    cfg = {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6, "num_max_nvl_chunked_recv_tokens": 256}
+    ranks = []
+    for r in range(2):
+        tune = [dict(op=op, **cfg, **_stats([t * 1e-6], 1e6, 5e5)) for op, t in (("dispatch", 300 + r), ("combine", 400))]
+        tune.append(dict(op="dispatch", num_sms=8, num_max_nvl_chunked_send_tokens=4,
+                         num_max_nvl_chunked_recv_tokens=128, error="rejected"))
+        ranks.append({"rank": r, "ops": {"layout": _stats([1e-5], None, None)}, "tune": tune})
+    agg = bench.aggregate(ranks, None, {"skipped": "x"}, args)
+    assert agg["tune"]["best"]["dispatch"]["time_us"] == pytest.approx(301.0)
+    assert agg["tune"]["entries"][2]["error"] == "rejected"
+    doc = bench.results_to_json({"num_ranks": 2}, agg["checks"], agg["ops"], agg["nccl"], None, None, agg["tune"])
+    text = bench.render_report(json.loads(json.dumps(doc)))
+    assert "tune dispatch: best 1 of 1 (1 configs rejected)" in text
+    assert ("best dispatch config: Config(num_sms=24, num_max_nvl_chunked_send_tokens=6, "
+            "num_max_nvl_chunked_recv_tokens=256)") in text
+    assert "best combine config" in text
+
+
+def _library_or_skip():
+    try:
+        import deepep_cupy as ep
+        from deepep_cupy import reference
+    except Exception as exc:  # the package is being written alongside this module
+        pytest.skip(f"deepep_cupy does not import yet: {exc}")
+    return ep, reference
+
+
+def test_buffer_size_is_the_largest_hint_over_the_configs():
+    ep, _ = _library_or_skip()
+    args = bench.parse_args([])
+    small, large = ep.Config(8, 4, 128), ep.Config(48, 32, 512)
+    want = ep.get_nvl_buffer_size_hint(7168 * 2, 2, large, num_topk=8, experts_per_rank=128)
+    assert bench.nvl_buffer_bytes(ep, args, 2, [small, large]) == want
+    assert want > ep.get_nvl_buffer_size_hint(7168 * 2, 2, small, num_topk=8, experts_per_rank=128)
+
+
+def test_checks_against_the_reference_pass_and_catch_a_flipped_bit():
+    ep, reference = _library_or_skip()
+    args = bench.parse_args(["--num-tokens", "40", "--hidden", "256", "--num-experts", "16", "--num-topk", "4"])
+    R = 2
+    hosts = [bench.make_workload(reference, args, r, args.num_tokens) for r in range(R)]
+    ref = bench.reference_outputs(reference, hosts, args.num_experts, 12, True)
+    for rank in range(R):
+        # a perfect "GPU": the reference's own outputs, in the shapes Buffer returns
+        rb, rf = ref["bf16"][rank], ref["fp8"][rank]
+        per_rank, per_expert, in_rank = reference.get_dispatch_layout(hosts[rank]["topk_idx"], 16, R)
+        combined_x, combined_w = ref["combine"][rank]
+        gpu = {"layout": (per_rank, per_expert, in_rank),
+               "bf16": {k: rb[k] for k in ("recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src_idx",
+                                          "rank_prefix_matrix", "num_recv_tokens_per_expert_list")},
+               "fp8": {k: rf[k] for k in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_src_idx")},
+               "cached_recv_x": rb["recv_x"],
+               "combined_x": reference.round_to_dtype(combined_x, "bfloat16"), "combined_topk_weights": combined_w}
+        checks = bench.compare_rank(reference, gpu, ref, hosts[rank], rank, 16, R)
+        assert set(checks) == {"layout", "dispatch BF16", "dispatch FP8", "cached dispatch BF16", "combine BF16"}
+        assert all(ok for items in checks.values() for ok, _ in items), checks
+        bad = dict(gpu, combined_x=gpu["combined_x"].copy())
+        bad["combined_x"][0, 0] ^= 1
+        checks = bench.compare_rank(reference, bad, ref, hosts[rank], rank, 16, R)
+        assert not all(ok for ok, _ in checks["combine BF16"])
+        assert all(ok for ok, _ in checks["dispatch BF16"])

@@ -67,7 +67,9 @@ def expect_equal(what, got, want):
     if got.dtype != want.dtype:
         raise Mismatch(f"{what}: dtype {got.dtype}, expected {want.dtype}")
     if got.dtype.kind == "f":
-        same = (got.view(np.uint8).reshape(got.shape + (-1,)) == want.view(np.uint8).reshape(want.shape + (-1,))).all(axis=-1)
+        # Bit patterns, so that -0.0 / NaN payloads count as differences too.
+        bits = np.dtype(f"u{got.dtype.itemsize}")
+        same = got.view(bits) == want.view(bits)
     else:
         same = got == want
     if not np.all(same):
@@ -214,6 +216,7 @@ def run_scenario(buf, sc):
         else:
             assert combined_weights is None
     cupy.cuda.Device().synchronize()
+    buf._raise_kernel_error()  # a device-side timeout must not pass unnoticed
     return {"recv_tokens": int(want["recv_x"].shape[0])}
 
 
