@@ -7,7 +7,8 @@ model every GPU result is checked against.
 """
 
 from .buffer import Buffer, DispatchHandle
-from .comm import Group, MPIGroup, RankFailed, ThreadGroup, as_group, check_sm_budget, run_local_group
+from .comm import (Group, GroupAbortedError, MPIGroup, RankFailed, ThreadGroup, as_group, check_sm_budget,
+                   run_local_group)
 from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
 from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
 from .events import EventOverlap
@@ -16,7 +17,7 @@ __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "as_group",
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
     "DeepEPError", "DeepEPTimeoutError", "RankMismatchError",
-    "ThreadGroup", "run_local_group", "RankFailed", "check_sm_budget",
+    "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",
 ]
 
 __version__ = "0.1.0"

@@ -119,5 +119,5 @@ def check_array(array, arg: str, dtype_names: Tuple[str, ...], ndim: int,
             if want is not None and want != got:
                 expected = tuple("*" if s is None else s for s in shape)
                 raise ValueError(f"{arg}: expected shape {expected}, got {tuple(array.shape)} (axis {axis})")
-    if not array.flags.c_contiguous:
+    if not array._c_contiguous:  # CuPy's cached flag: array.flags builds an object per call
         raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {array.strides}")

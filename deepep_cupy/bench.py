@@ -569,8 +569,7 @@ def tune_configs(ep: Any, num_ranks: int, args: argparse.Namespace) -> List[Any]
 
 def nvl_buffer_bytes(ep: Any, args: argparse.Namespace, num_ranks: int, configs: Sequence[Any]) -> int:
     """The largest ``get_nvl_buffer_size_hint`` over every config this run uses (BF16 rows are the widest)."""
-    return max(int(ep.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, c, num_topk=args.num_topk,
-                                               experts_per_rank=args.num_experts // num_ranks))
+    return max(int(ep.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, c, num_topk=args.num_topk))
                for c in configs)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, List, Optional, Tuple
 
@@ -11,7 +12,8 @@ import numpy as np
 from . import kernels, layout
 from .arrays import ITEMSIZE, as_cupy, caller_stream, check_array, to_framework
 from .comm import Group, as_group
-from .config import MAX_LOCAL_EXPERTS, MAX_TOPK, Config, get_combine_config, get_dispatch_config
+from .config import MAX_TOPK, Config, get_combine_config, get_dispatch_config
+from .layout import MAX_LOCAL_EXPERTS
 from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
 from .events import EventOverlap
 from .ipc import MappedInts, NvlBuffer
@@ -28,6 +30,16 @@ _KERNEL_NAMES = {
     1: "barrier", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch sender",
     5: "dispatch receiver", 6: "cached_notify_combine", 7: "combine sender", 8: "combine receiver",
 }
+
+_TRACE = os.environ.get("DEEPEP_CUPY_HOST_TRACE", "") not in ("", "0")
+#: (stage, time.perf_counter()) marks of the host path, recorded when DEEPEP_CUPY_HOST_TRACE=1.
+host_trace: List[Tuple[str, float]] = []
+
+
+def _mark(stage: str) -> None:
+    if _TRACE:
+        host_trace.append((stage, time.perf_counter()))
+
 
 _COMBINE_ELEMENT = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
 _DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -97,6 +109,8 @@ class Buffer:
         self._mapped: Optional[MappedInts] = None
         self._failed: Optional[str] = None
         self._epoch = 0
+        self._notify_count = 0  # picks the notify area (they alternate), the same on every rank
+        self._checked_sms: set = set()
 
         with self._device:
             self._check_group(cupy)
@@ -142,7 +156,10 @@ class Buffer:
             return
         with self._device:
             try:
-                self._device.synchronize()
+                # This Buffer's own stream only: ranks sharing the GPU may have kernels in flight
+                # that wait for this rank, and a device-wide synchronize would wait for them.
+                if getattr(self, "_comm_stream", None) is not None:
+                    self._comm_stream.synchronize()
             except Exception:
                 pass
             complete = self._nvl is not None and self._mapped is not None
@@ -259,10 +276,25 @@ class Buffer:
 
     def _config(self, config: Optional[Config], default) -> Config:
         if config is None:
-            return default(self.num_ranks)
-        if not isinstance(config, Config):
+            config = default(self.num_ranks)
+        elif not isinstance(config, Config):
             raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
+        if config.num_sms not in self._checked_sms:
+            self._check_sm_budget(config.num_sms)
+            self._checked_sms.add(config.num_sms)
         return config
+
+    def _check_sm_budget(self, num_sms: int) -> None:
+        """Ranks sharing a GPU spin-wait on each other, so all their blocks must be resident at once."""
+        import cupy
+
+        sm_count = cupy.cuda.Device(self._device.id).attributes["MultiProcessorCount"]
+        sharing = max(1, self.group.ranks_on_device(self._device.id)) if self.group.in_process else 1
+        if sharing * num_sms > sm_count:
+            raise ValueError(
+                f"config.num_sms: {sharing} ranks share GPU {self._device.id} ({sm_count} SMs) and each needs "
+                f"num_sms={num_sms} resident blocks ({sharing * num_sms} in all); use num_sms <= "
+                f"{sm_count // sharing // 2 * 2}")
 
     # -----------------------------------------------------------------------------------------
     # Layout
@@ -387,6 +419,7 @@ class Buffer:
                         allocate_on_comm_stream):
         import cupy
 
+        _mark("start")
         R, dev = self.num_ranks, self._device.id
         rows, scales, dtype_name, framework = self._parse_x(x)
         num_tokens = rows.shape[0]
@@ -420,9 +453,10 @@ class Buffer:
         num_scales = 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
         row_bytes = rows.shape[1] * rows.itemsize
         plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                      row_bytes, num_topk, num_scales, num_experts // R)
+                                      row_bytes, num_topk, num_scales)
         self._require_room(plan.total_bytes, "dispatch")
 
+        _mark("validated")
         caller = self._begin(framework, previous_event)
         mapped = self._mapped.values
         mapped[_RECV_COUNTER] = -1
@@ -443,10 +477,19 @@ class Buffer:
             signature=self._mapped.device_ptr(_SIGNATURE),
             recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), topk_idx=topk, num_topk=num_topk,
             num_tokens=num_tokens, num_experts=num_experts, num_channels=C, expert_alignment=expert_alignment,
-            buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R, rank=self.rank, epoch=self._next_epoch(3),
-            notify_off=plan.notify_off, zero_off=plan.meta_off, zero_count=plan.zero_count,
-            timeout_ns=self._timeout_ns, error_record=self._mapped.device_ptr(_ERROR_RECORD))
+            buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R, rank=self.rank, epoch=self._next_epoch(2),
+            notify_off=layout.NOTIFY_OFFSETS[self._notify_count % 2], zero_off=plan.meta_off,
+            zero_count=plan.zero_count, timeout_ns=self._timeout_ns,
+            error_record=self._mapped.device_ptr(_ERROR_RECORD))
+        self._notify_count += 1
+        _mark("notify launched")
+        # Outputs whose size is known already are allocated while the counts travel.
+        with self._alloc_stream(caller, allocate_on_comm_stream):
+            recv_channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
+            send_head = cupy.empty((num_tokens, R), dtype=np.int32)
+        _mark("early outputs")
         num_recv = self._wait_mapped(_RECV_COUNTER)
+        _mark("counts arrived")
         self._check_verdict(int(mapped[_VERDICT]), topk, num_experts)
         experts_per_rank = num_experts // R
         per_expert_list = mapped[_EXPERT_COUNTERS:_EXPERT_COUNTERS + experts_per_rank].tolist()
@@ -457,11 +500,11 @@ class Buffer:
             recv_src_idx = cupy.empty(num_recv, dtype=np.int32)
             recv_topk = None if topk is None else cupy.empty((num_recv, num_topk), dtype=np.int64)
             recv_weights = None if weights is None else cupy.empty((num_recv, num_topk), dtype=np.float32)
-            recv_channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
-            send_head = cupy.empty((num_tokens, R), dtype=np.int32)
+        _mark("outputs allocated")
         self._launch_dispatch(config, plan, rows, scales, topk, weights, in_rank, channel_prefix_matrix,
                               rank_prefix_matrix, num_experts, recv_rows, recv_scales, recv_src_idx, recv_topk,
                               recv_weights, recv_channel_prefix_matrix, send_head)
+        _mark("dispatch launched")
         handle = DispatchHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                  recv_src_idx, in_rank, send_head), framework, id(self))
         keep = (rows, scales, topk, weights, per_rank, per_expert, in_rank, recv_rows, recv_scales,
@@ -470,6 +513,7 @@ class Buffer:
         recv_x = to_framework(recv_rows, dtype_name, framework)
         if scales is not None:
             recv_x = (recv_x, to_framework(recv_scales, "float32", framework))
+        _mark("returned")
         return (recv_x, to_framework(recv_topk, "int64", framework),
                 to_framework(recv_weights, "float32", framework), per_expert_list, handle, event)
 
@@ -529,7 +573,7 @@ class Buffer:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {rows.shape[0]}")
         num_scales = 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
         plan = layout.dispatch_layout(self.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                      rows.shape[1] * rows.itemsize, 0, num_scales, 0)
+                                      rows.shape[1] * rows.itemsize, 0, num_scales)
         self._require_room(plan.total_bytes, "dispatch")
         num_recv = handle.num_recv_tokens
         caller = self._begin(framework, previous_event)

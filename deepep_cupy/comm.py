@@ -118,8 +118,14 @@ DEFAULT_THREAD_TIMEOUT_S = 300.0
 class RankFailed(DeepEPError):
     """A rank of :func:`run_local_group` raised; raised ``from`` that rank's exception.
 
+    Which rank is named: the first (in time) to raise an exception that is not a
+    :class:`DeepEPError`; failing that, the first to raise one that is not a
+    :class:`GroupAbortedError`; failing that, the first. Timeouts and aborts are usually the other
+    ranks' reaction to a failure, and a rank's clean-up (``with Buffer(...)``: destroy) can run
+    before its own exception reaches :func:`run_local_group`.
+
     Attributes:
-        rank: the rank whose exception came first (in time).
+        rank: the rank named (see above).
         exception: that exception (also the ``__cause__``).
         failures: ``{rank: exception}`` of every rank that raised, the first one included.
         stuck: ranks whose thread was still running when :func:`run_local_group` gave up on them
@@ -142,14 +148,20 @@ class RankFailed(DeepEPError):
         super().__init__(message)
 
 
+class GroupAbortedError(DeepEPError):
+    """A collective of a :class:`ThreadGroup` gave up because the group was aborted (another rank
+    failed, or the launcher was interrupted): a consequence, not a cause."""
+
+
 class _Hub:
     """State shared by the ranks of one thread group: a reusable barrier and the allgather slots.
 
     The barrier is generation-counted (a rank can re-enter it at once without mixing rounds),
     records which ranks have arrived (to name the missing ones on a timeout), checks that all
-    ranks are in the same collective, and can be broken (aborted): every rank waiting in it, or
-    arriving later, then raises :class:`DeepEPError` with the reason. Waits block on a condition
-    variable (no GIL-holding spin).
+    ranks are in the same collective, and can be broken: every rank waiting in it, or arriving
+    later, then raises the reason (:class:`GroupAbortedError` after an abort,
+    :class:`DeepEPTimeoutError` after a timeout, :class:`RankMismatchError` for mismatched
+    collectives). Waits block on a condition variable (no GIL-holding spin).
     """
 
     def __init__(self, size: int, devices: Sequence[Optional[int]], timeout_s: float):
@@ -172,7 +184,7 @@ class _Hub:
         """Why the group was aborted, or None."""
         return None if self._broken is None else self._broken[1]
 
-    def abort(self, reason: str, error_type: type = DeepEPError) -> None:
+    def abort(self, reason: str, error_type: type = GroupAbortedError) -> None:
         """Break the group: every rank in (or later entering) a collective raises ``reason``."""
         with self._cond:
             if self._broken is None:
@@ -253,7 +265,7 @@ class ThreadGroup(Group):
     wait at most ``timeout_s`` seconds (the group's, unless given) and raise
     :class:`deepep_cupy.DeepEPTimeoutError` naming the ranks that never arrived; once any rank
     failed (:meth:`abort`), every rank's current and later collectives raise
-    :class:`deepep_cupy.DeepEPError` naming it.
+    :class:`GroupAbortedError` (a :class:`deepep_cupy.DeepEPError`) naming it.
 
     Attributes:
         devices: the CUDA device id of every rank (``None`` entries: no device assigned).
@@ -449,6 +461,10 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
     (``cupy.cuda.Device(devices[r]).use()``), so a ``deepep_cupy.Buffer(group, ...)`` created
     there lives on that GPU. Several ranks may share a GPU.
 
+    The rank threads are daemon threads, always waited for while they are healthy; only a rank
+    still stuck ``timeout_s`` after another failed is left behind (and named), so that it cannot
+    keep the interpreter from exiting.
+
     Args:
         fn: called once per rank with that rank's :class:`ThreadGroup`.
         num_ranks: ranks to run (default: ``len(devices)``, else the number of visible GPUs).
@@ -459,13 +475,15 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
             GPU fit on it together (:func:`check_sm_budget`; ``ValueError`` if not).
         use_devices: ``False`` runs pure-Python ranks: no CUDA call at all, ``devices`` (if given)
             only recorded in the groups. For tests without a GPU.
+        _device_count: for tests: the number of visible GPUs to assume instead of asking CUDA.
 
     Returns:
         ``[result_0, ..., result_{R-1}]``: what ``fn`` returned on each rank.
 
     Raises:
-        RankFailed: a rank raised. It names the rank whose exception came first in time and is
-            raised ``from`` that exception (``.rank``, ``.exception``, ``.failures`` of all ranks).
+        RankFailed: a rank raised. It names the rank whose exception came first in time (preferring
+            exceptions that are not deepep_cupy communication errors: see :class:`RankFailed`) and
+            is raised ``from`` that exception (``.rank``, ``.exception``, ``.failures`` of all ranks).
             The group is aborted as soon as a rank raises, so the others' collectives raise
             instead of waiting; ranks still running ``timeout_s`` later are named in ``.stuck``.
         ValueError: bad ``devices``/``num_ranks``, or the SM budget does not fit.
@@ -506,9 +524,9 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
 
     threads = [threading.Thread(target=body, args=(r,), name=f"deepep-rank-{r}", daemon=True)
                for r in range(size)]
-    for t in threads:
-        t.start()
     try:
+        for t in threads:
+            t.start()
         with done:
             # No deadline while all ranks are healthy (their own collectives time out); once one
             # failed, the others get ``timeout_s`` to notice the abort and return.
@@ -529,6 +547,17 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
         t.join(None if all_returned else 0)  # returned threads are only leaving ``body``
     stuck = [r for r, t in enumerate(threads) if t.is_alive()]
     if order:
-        first = order[0]
+        first = _primary_failure(order, failures)
         raise RankFailed(first, failures[first], failures, stuck) from failures[first]
     return results
+
+
+def _primary_failure(order: Sequence[int], failures: Mapping[int, BaseException]) -> int:
+    """The rank to blame (see :class:`RankFailed`): ``order`` lists the failed ranks, first in time first."""
+    for wanted in (lambda e: not isinstance(e, DeepEPError),
+                   lambda e: not isinstance(e, GroupAbortedError),
+                   lambda e: True):
+        for rank in order:
+            if wanted(failures[rank]):
+                return rank
+    raise AssertionError("no failure")  # pragma: no cover

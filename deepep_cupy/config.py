@@ -8,12 +8,11 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from . import layout
+from .layout import MAX_LOCAL_EXPERTS  # noqa: F401  (re-exported)
 from .kernels import MAX_RANKS
 
 #: The most top-k entries per token the kernels handle (one warp lane each).
 MAX_TOPK = 32
-#: The most experts per rank (the host-mapped receive counters are sized for it).
-MAX_LOCAL_EXPERTS = 4096
 #: Environment variable naming a JSON file of tuned configs (written by ``bench --save-config``).
 CONFIG_ENV = "DEEPEP_CUPY_CONFIG"
 
@@ -51,25 +50,22 @@ class Config:
     def num_channels(self) -> int:
         return self.num_sms // 2
 
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *, num_topk: int = MAX_TOPK,
-                                 experts_per_rank: int = 256) -> int:
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *, num_topk: int = MAX_TOPK) -> int:
         """Bytes of NVLink buffer that dispatch and combine need with this config.
 
         Args:
             hidden_bytes: bytes of one token row at its widest (``hidden * 2`` for BF16).
             num_ranks: ranks in the group.
             num_topk: top-k entries per token (default: the largest supported).
-            experts_per_rank: experts owned by each rank (only sizes a small table).
         """
-        return get_nvl_buffer_size_hint(hidden_bytes, num_ranks, self, num_topk=num_topk,
-                                        experts_per_rank=experts_per_rank)
+        return get_nvl_buffer_size_hint(hidden_bytes, num_ranks, self, num_topk=num_topk)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional[Config] = None, *,
-                             num_topk: int = MAX_TOPK, experts_per_rank: int = 256) -> int:
+                             num_topk: int = MAX_TOPK) -> int:
     """Bytes of NVLink buffer needed by dispatch (BF16 or FP8 with scales) and combine.
 
     Args:
@@ -78,27 +74,27 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
         config: the config to size for (default: the larger of the recommended dispatch and
             combine configs for ``num_ranks``).
         num_topk: top-k entries per token.
-        experts_per_rank: experts owned by each rank.
 
     Returns:
         A byte count; pass it (or more) as ``num_nvl_bytes`` to :class:`deepep_cupy.Buffer`.
     """
     if config is None:
-        return max(get_nvl_buffer_size_hint(hidden_bytes, num_ranks, c, num_topk=num_topk,
-                                            experts_per_rank=experts_per_rank)
+        return max(get_nvl_buffer_size_hint(hidden_bytes, num_ranks, c, num_topk=num_topk)
                    for c in (get_dispatch_config(num_ranks), get_combine_config(num_ranks)))
     # FP8 rows carry hidden / 128 float scales; count them on top of the widest row.
     num_scales = max(1, hidden_bytes // 2 // 128)
     d = layout.dispatch_layout(num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                               hidden_bytes, num_topk, num_scales, experts_per_rank)
+                               hidden_bytes, num_topk, num_scales)
     c = layout.combine_layout(num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
                               hidden_bytes, num_topk)
     return max(d.total_bytes, c.total_bytes)
 
 
-# Recommended settings per rank count (measured on 2 x H200 with the benchmark; see README).
-_DISPATCH_CONFIGS = {r: Config(24, 16 if r <= 4 else 6, 256) for r in range(2, MAX_RANKS + 1)}
-_COMBINE_CONFIGS = {r: Config(24, 6, 256) for r in range(2, MAX_RANKS + 1)}
+# Recommended settings per rank count. 2 ranks: measured on 2 x H200 (scripts/quick_perf.py,
+# reference workload): 32-token chunks and 512-slot queues beat 16/256 and 6/256 for combine and
+# tie for dispatch. More ranks were not measured: smaller queues keep the buffer near 1 GB at 8.
+_DISPATCH_CONFIGS = {r: Config(24, 32, 512) if r <= 4 else Config(24, 16, 256) for r in range(2, MAX_RANKS + 1)}
+_COMBINE_CONFIGS = {r: Config(24, 32, 512) if r <= 4 else Config(24, 16, 256) for r in range(2, MAX_RANKS + 1)}
 
 
 def _check_num_ranks(num_ranks: int) -> None:

@@ -118,9 +118,10 @@ def warm_up(num_ranks: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Argument packing and launch
 #
-# Kernels are launched through the driver (cuLaunchKernel) with all parameters packed into one
-# buffer by ``struct`` and a table of pointers into it: a few microseconds of Python per launch,
-# where CuPy's per-argument conversion costs tens of microseconds for these 20-30 argument kernels.
+# Kernels are launched through the driver (cuLaunchKernel) with all parameters packed by
+# ``struct`` into one buffer and a table of pointers into it. The host path of an operation is
+# a handful of launches, so this costs a few microseconds of Python per launch where CuPy's
+# per-argument conversion costs tens of microseconds for these 20-30 parameter kernels.
 
 _STRUCT_CODES = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 
@@ -128,11 +129,12 @@ _STRUCT_CODES = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 def _pointer(value) -> int:
     if value is None:
         return 0
+    try:
+        return value.data.ptr  # a CuPy array (the common case first: this runs per argument)
+    except AttributeError:
+        pass
     if isinstance(value, (int, np.integer)):
         return int(value)
-    data = getattr(value, "data", None)
-    if data is not None and hasattr(data, "ptr"):
-        return data.ptr if value.size else 0
     raise TypeError(f"deepep_cupy: cannot pass {type(value).__name__} as a device pointer")
 
 
@@ -143,7 +145,7 @@ class ArgumentPacker:
     def __init__(self, signature: Sequence[Tuple[str, str]]):
         self.signature = tuple(signature)
         self.names = tuple(name for name, _ in signature)
-        self.pointer_flags = tuple(kind == "ptr" for _, kind in signature)
+        self.params = tuple((name, kind == "ptr") for name, kind in signature)
         codes = "".join(_STRUCT_CODES[kind] for _, kind in signature)
         self.layout = struct.Struct("@" + codes)
         # Byte offset of each parameter in the packed buffer (after struct's alignment padding).
@@ -151,12 +153,17 @@ class ArgumentPacker:
                              for i in range(len(codes)))
 
     def values(self, values: Dict[str, object]) -> list:
-        if len(values) != len(self.names) or any(name not in values for name in self.names):
-            missing = [name for name in self.names if name not in values]
-            extra = sorted(set(values) - set(self.names))
-            raise TypeError(f"deepep_cupy: kernel arguments missing {missing}, unexpected {extra}")
-        return [_pointer(values[name]) if is_pointer else values[name]
-                for name, is_pointer in zip(self.names, self.pointer_flags)]
+        if len(values) != len(self.names):
+            self._complain(values)
+        try:
+            return [_pointer(values[name]) if is_pointer else values[name] for name, is_pointer in self.params]
+        except KeyError:
+            self._complain(values)
+
+    def _complain(self, values: Dict[str, object]) -> None:
+        missing = [name for name in self.names if name not in values]
+        extra = sorted(set(values) - set(self.names))
+        raise TypeError(f"deepep_cupy: kernel arguments missing {missing}, unexpected {extra}")
 
     def pack(self, values: Dict[str, object]) -> bytes:
         return self.layout.pack(*self.values(values))
@@ -165,6 +172,27 @@ class ArgumentPacker:
 def pack_args(signature: Sequence[Tuple[str, str]], values: Dict[str, object]) -> bytes:
     """The parameter buffer for ``values`` under ``signature`` (``[(name, 'ptr'|'i32'|'i64'|'f32')]``)."""
     return ArgumentPacker(signature).pack(values)
+
+
+class _Launcher:
+    """One compiled kernel instance with its own parameter storage and pointer table.
+
+    cuLaunchKernel copies the parameters when it is called, so the storage is reused; the lock
+    keeps ranks that share a GPU (threads of one process) from packing into it at once.
+    """
+
+    def __init__(self, kernel: str, function_ptr: int):
+        self.packer = ArgumentPacker(SIGNATURES[kernel])
+        self.function_ptr = function_ptr
+        self.block = BLOCK_THREADS[kernel]
+        self.storage = ctypes.create_string_buffer(max(self.packer.layout.size, 1))
+        base = ctypes.addressof(self.storage)
+        self.param_ptrs = (ctypes.c_void_p * len(self.packer.offsets))(*[base + o for o in self.packer.offsets])
+        self.param_ptrs_address = ctypes.addressof(self.param_ptrs)
+        self.lock = threading.Lock()
+
+
+_launchers: Dict[tuple, _Launcher] = {}
 
 
 def _signature(text: str) -> Tuple[Tuple[str, str], ...]:
@@ -244,24 +272,22 @@ class _Profile:
 profile = _Profile()
 
 
-_packers: Dict[str, ArgumentPacker] = {}
-
-
-def launch(kernel: str, grid: int, stream, *, template_args: Sequence[object] = (),
+def launch(kernel: str, grid: int, stream, *, template_args: Tuple[object, ...] = (),
            shared_mem: int = 0, **values) -> None:
     """Launch ``kernel`` (with ``template_args``) on ``stream``, packing ``values`` by its signature."""
-    from cupy.cuda import driver
+    from cupy.cuda import driver, runtime
 
-    function = get_kernel(name_expression(kernel, template_args)).kernel
-    packer = _packers.get(kernel)
-    if packer is None:
-        packer = _packers[kernel] = ArgumentPacker(SIGNATURES[kernel])
-    params = ctypes.create_string_buffer(packer.pack(values))
-    base = ctypes.addressof(params)
-    param_ptrs = (ctypes.c_void_p * len(packer.offsets))(*[base + offset for offset in packer.offsets])
-    if profile.enabled:
-        start = stream.record()
-    driver.launchKernel(function.ptr, grid, 1, 1, BLOCK_THREADS[kernel], 1, 1, shared_mem, stream.ptr,
-                        ctypes.addressof(param_ptrs), 0)
+    key = (runtime.getDevice(), kernel, template_args)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        function = get_kernel(name_expression(kernel, template_args)).kernel
+        launcher = _launchers.setdefault(key, _Launcher(kernel, function.ptr))
+    args = launcher.packer.values(values)
+    with launcher.lock:
+        launcher.packer.layout.pack_into(launcher.storage, 0, *args)
+        if profile.enabled:
+            start = stream.record()
+        driver.launchKernel(launcher.function_ptr, grid, 1, 1, launcher.block, 1, 1, shared_mem, stream.ptr,
+                            launcher.param_ptrs_address, 0)
     if profile.enabled:
         profile.pending.append((kernel, start, stream.record()))

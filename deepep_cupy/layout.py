@@ -5,10 +5,13 @@ computes. Every rank computes the same offsets (the settings are checked to agre
 is valid in a peer's buffer too. All regions start on 128-byte boundaries.
 
     [0, 128)            int signals[8]      barrier words; slot s written only by rank s (never reset)
-    [128, ...)          the region of the running operation, one of:
+    notify area 0, 1    int signature[R][8], rank_counts[R][R], expert_counts[R][E/R]
+                        (sized for 8 ranks and MAX_LOCAL_EXPERTS; dispatches alternate between the
+                        two, so a rank can post the next counts while a slower peer still reads the
+                        last ones, and the notify kernel needs no barrier before it writes)
+    [DATA_OFFSET, ...)  the region of the running transfer, one of:
 
-    dispatch            int signature[R][8], rank_counts[R][R], expert_counts[R][E/R]   (notify)
-                        int start[C*R], end[C*R], head[C*R], tail[C*R]                 (queue metadata)
+    dispatch            int start[C*R], end[C*R], head[C*R], tail[C*R]                 (queue metadata)
                         x[C*R][Q][row_bytes]
                         int src_idx[C*R][Q]
                         int topk_idx[C*R][Q][K]
@@ -32,10 +35,18 @@ ALIGNMENT = 128
 SIGNAL_BYTES = 128
 SIGNATURE_INTS = 8
 INT_BYTES = 4
+MAX_RANKS = 8
+#: The most experts per rank (sizes the notify areas and the host-mapped receive counters).
+MAX_LOCAL_EXPERTS = 4096
 
 
 def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+NOTIFY_AREA_BYTES = _align(INT_BYTES * MAX_RANKS * (SIGNATURE_INTS + MAX_RANKS + MAX_LOCAL_EXPERTS))
+NOTIFY_OFFSETS = (SIGNAL_BYTES, SIGNAL_BYTES + NOTIFY_AREA_BYTES)
+DATA_OFFSET = SIGNAL_BYTES + 2 * NOTIFY_AREA_BYTES
 
 
 class _Carver:
@@ -52,7 +63,6 @@ class _Carver:
 
 @dataclass(frozen=True)
 class DispatchLayout:
-    notify_off: int
     meta_off: int
     x_off: int
     src_idx_off: int
@@ -75,19 +85,18 @@ class CombineLayout:
 
 @functools.lru_cache(maxsize=256)
 def dispatch_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_bytes: int,
-                    num_topk: int, num_scales: int, experts_per_rank: int) -> DispatchLayout:
+                    num_topk: int, num_scales: int) -> DispatchLayout:
     """Offsets of a dispatch's regions (see the module docstring)."""
     queues = num_channels * num_ranks
     slots = queues * queue_tokens
-    carve = _Carver(SIGNAL_BYTES)
-    notify_off = carve.take(INT_BYTES * num_ranks * (SIGNATURE_INTS + num_ranks + experts_per_rank))
+    carve = _Carver(DATA_OFFSET)
     meta_off = carve.take(INT_BYTES * 4 * queues)
     x_off = carve.take(slots * row_bytes)
     src_idx_off = carve.take(INT_BYTES * slots)
     topk_idx_off = carve.take(INT_BYTES * slots * num_topk)
     topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
     scales_off = carve.take(INT_BYTES * slots * num_scales)
-    return DispatchLayout(notify_off, meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off,
+    return DispatchLayout(meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off,
                           scales_off, carve.offset, 4 * queues)
 
 
@@ -97,7 +106,7 @@ def combine_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_byt
     """Offsets of a combine's regions (see the module docstring)."""
     queues = num_channels * num_ranks
     slots = queues * queue_tokens
-    carve = _Carver(SIGNAL_BYTES)
+    carve = _Carver(DATA_OFFSET)
     meta_off = carve.take(INT_BYTES * 2 * queues)
     x_off = carve.take(slots * row_bytes)
     topk_weights_off = carve.take(INT_BYTES * slots * num_topk)

@@ -80,10 +80,14 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
             if (group_abort[peer] == 0) {
                 for (int i = warp_in_group; i < chunk; i += kWarpsPerRank) {
                     const int slot = (tail + i) % queue_tokens;
-                    warp_copy<COMBINE_SEND_UNROLL>(queue_x + (int64_t_)slot * hidden_int4, x + (int64_t_)(row + i) * hidden_int4,
-                                 hidden_int4, lane);
+                    // The weight is loaded before the row so that its latency hides behind the copy.
+                    float weight = 0.0f;
                     if (topk_weights != nullptr && lane < num_topk)
-                        queue_weights[slot * num_topk + lane] = topk_weights[(int64_t_)(row + i) * num_topk + lane];
+                        weight = ld_stream(topk_weights + (int64_t_)(row + i) * num_topk + lane);
+                    warp_copy<COMBINE_SEND_UNROLL>(queue_x + (int64_t_)slot * hidden_int4,
+                                                   x + (int64_t_)(row + i) * hidden_int4, hidden_int4, lane);
+                    if (topk_weights != nullptr && lane < num_topk)
+                        queue_weights[slot * num_topk + lane] = weight;
                 }
             }
             row += chunk;
@@ -140,8 +144,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
     }
 
     constexpr int kPerInt4 = Elem<T>::kPerInt4;
-    // Rows in flight per lane: two when few ranks, one at 8 ranks (register budget of 768 threads).
-    constexpr int kUnroll = kNumRanks <= 4 ? 2 : 1;
+    // Row pieces in flight per lane, within the register budget of 768 threads.
+    constexpr int kUnroll = kNumRanks <= 2 ? 4 : (kNumRanks <= 4 ? 2 : 1);
     int token_begin, token_end;
     channel_task_range(num_tokens, num_channels, channel, token_begin, token_end);
     for (int token = token_begin + warp - 1; token < token_end; token += kNumWarps - 1) {

@@ -100,6 +100,12 @@ __device__ __forceinline__ int ld_stream(const int* p) {
     return v;
 }
 
+__device__ __forceinline__ int64_t_ ld_stream(const int64_t_* p) {
+    int64_t_ v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float ld_stream(const float* p) {
     float v;
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -111,8 +117,9 @@ __device__ __forceinline__ void st_stream(int4* p, const int4& v) {
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
-// One warp copies `n` 16-byte words. Each lane keeps kUnroll loads in flight before storing,
-// which is what keeps an NVLink write stream busy.
+// One warp copies `n` 16-byte words. Each lane keeps kUnroll loads in flight before storing;
+// the last, partial round is predicated rather than done word by word, which would cost a full
+// memory latency per word.
 template <int kUnroll>
 __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
     int i = lane;
@@ -125,8 +132,17 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
         for (int u = 0; u < kUnroll; ++u)
             st_stream(dst + i + u * 32, v[u]);
     }
-    for (; i < n; i += 32)
-        st_stream(dst + i, ld_stream(src + i));
+    if (i < n) {
+        int4 v[kUnroll - 1];
+        #pragma unroll
+        for (int u = 0; u < kUnroll - 1; ++u)
+            if (i + u * 32 < n)
+                v[u] = ld_stream(src + i + u * 32);
+        #pragma unroll
+        for (int u = 0; u < kUnroll - 1; ++u)
+            if (i + u * 32 < n)
+                st_stream(dst + i + u * 32, v[u]);
+    }
 }
 
 // Named barrier over `num_threads` threads of the block (id 0 is __syncthreads').

@@ -122,23 +122,41 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                     send_head[(int64_t_)token * kNumRanks + peer] = selected ? tail : -1;
                 if (!selected)
                     continue;
-                // Warps take the selected tokens round-robin.
+                // Warps take the selected tokens round-robin. The side data is loaded before the
+                // row so that its latency hides behind the row copy instead of following it.
                 if (!aborting && tail % kWarpsPerRank == warp_in_group) {
                     const int slot = tail % queue_tokens;
+                    int local_expert = -1;
+                    float weight = 0.0f, scale0 = 0.0f, scale1 = 0.0f;
+                    if (lane < num_topk) {
+                        const int64_t_ expert = ld_stream(topk_idx + (int64_t_)token * num_topk + lane);
+                        if (topk_weights != nullptr)
+                            weight = ld_stream(topk_weights + (int64_t_)token * num_topk + lane);
+                        const bool local = expert >= expert_begin && expert < expert_end;
+                        local_expert = local ? (int)(expert - expert_begin) : -1;
+                        weight = local ? weight : 0.0f;
+                    }
+                    const float* token_scales = x_scales + (int64_t_)token * num_scales;
+                    if (lane < num_scales)
+                        scale0 = ld_stream(token_scales + lane);
+                    if (lane + 32 < num_scales)
+                        scale1 = ld_stream(token_scales + lane + 32);
                     warp_copy<DISPATCH_UNROLL>(q.x + (int64_t_)slot * hidden_int4, x + (int64_t_)token * hidden_int4,
-                                 hidden_int4, lane);
+                                               hidden_int4, lane);
                     if (lane == 0)
                         q.src_idx[slot] = token;
                     if (lane < num_topk) {
-                        const int64_t_ expert = topk_idx[(int64_t_)token * num_topk + lane];
-                        const bool local = expert >= expert_begin && expert < expert_end;
-                        q.topk_idx[slot * num_topk + lane] = local ? (int)(expert - expert_begin) : -1;
+                        q.topk_idx[slot * num_topk + lane] = local_expert;
                         if (topk_weights != nullptr)
-                            q.topk_weights[slot * num_topk + lane] =
-                                local ? topk_weights[(int64_t_)token * num_topk + lane] : 0.0f;
+                            q.topk_weights[slot * num_topk + lane] = weight;
                     }
-                    for (int i = lane; i < num_scales; i += 32)
-                        q.scales[slot * num_scales + i] = x_scales[(int64_t_)token * num_scales + i];
+                    float* slot_scales = q.scales + (int64_t_)slot * num_scales;
+                    if (lane < num_scales)
+                        slot_scales[lane] = scale0;
+                    if (lane + 32 < num_scales)
+                        slot_scales[lane + 32] = scale1;
+                    for (int i = lane + 64; i < num_scales; i += 32)  // rows wider than 8192 FP8 values
+                        slot_scales[i] = token_scales[i];
                 }
                 ++tail, ++sent;
             }
@@ -205,28 +223,40 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                 break;
             const int count = group_tail[peer] - head;
 
+            // One warp per token: side data loads first, then the row, then the side data stores.
             for (int i = warp_in_group; i < count; i += kWarpsPerRank) {
                 const int slot = (head + i) % queue_tokens;
-                warp_copy<DISPATCH_UNROLL>(recv_x + (out + i) * hidden_int4, q.x + (int64_t_)slot * hidden_int4,
-                             hidden_int4, lane);
-            }
-            if (recv_src_idx != nullptr)
-                for (int i = thread_in_group; i < count; i += kGroupThreads)
-                    recv_src_idx[out + i] = ld_stream(q.src_idx + (head + i) % queue_tokens);
-            if (recv_topk_idx != nullptr) {
-                for (int i = thread_in_group; i < count * num_topk; i += kGroupThreads) {
-                    const int token = i / num_topk, k = i % num_topk;
-                    const int slot = (head + token) % queue_tokens;
-                    recv_topk_idx[(out + token) * num_topk + k] = ld_stream(q.topk_idx + slot * num_topk + k);
+                const int64_t_ row = out + i;
+                int src = 0, expert = -1;
+                float weight = 0.0f, scale0 = 0.0f, scale1 = 0.0f;
+                if (lane == 0 && recv_src_idx != nullptr)
+                    src = ld_stream(q.src_idx + slot);
+                if (lane < num_topk && recv_topk_idx != nullptr) {
+                    expert = ld_stream(q.topk_idx + slot * num_topk + lane);
                     if (recv_topk_weights != nullptr)
-                        recv_topk_weights[(out + token) * num_topk + k] =
-                            ld_stream(q.topk_weights + slot * num_topk + k);
+                        weight = ld_stream(q.topk_weights + slot * num_topk + lane);
                 }
-            }
-            for (int i = thread_in_group; i < count * num_scales; i += kGroupThreads) {
-                const int token = i / num_scales, s = i % num_scales;
-                const int slot = (head + token) % queue_tokens;
-                recv_x_scales[(out + token) * num_scales + s] = ld_stream(q.scales + slot * num_scales + s);
+                const float* slot_scales = q.scales + (int64_t_)slot * num_scales;
+                if (lane < num_scales)
+                    scale0 = ld_stream(slot_scales + lane);
+                if (lane + 32 < num_scales)
+                    scale1 = ld_stream(slot_scales + lane + 32);
+                warp_copy<DISPATCH_UNROLL>(recv_x + row * hidden_int4, q.x + (int64_t_)slot * hidden_int4,
+                                           hidden_int4, lane);
+                if (lane == 0 && recv_src_idx != nullptr)
+                    recv_src_idx[row] = src;
+                if (lane < num_topk && recv_topk_idx != nullptr) {
+                    recv_topk_idx[row * num_topk + lane] = expert;
+                    if (recv_topk_weights != nullptr)
+                        recv_topk_weights[row * num_topk + lane] = weight;
+                }
+                float* row_scales = recv_x_scales + row * num_scales;
+                if (lane < num_scales)
+                    row_scales[lane] = scale0;
+                if (lane + 32 < num_scales)
+                    row_scales[lane + 32] = scale1;
+                for (int j = lane + 64; j < num_scales; j += 32)
+                    row_scales[j] = ld_stream(slot_scales + j);
             }
 
             head += count;

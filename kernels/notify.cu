@@ -4,18 +4,22 @@
 
 #define SIGNATURE_INTS 8
 
-// Notify area of a dispatch, at `notify_off` in every rank's NVLink buffer; row `src` of each
-// table is written only by rank `src`:
+// Notify area of a dispatch, at `notify_off` in every rank's NVLink buffer (two areas used in
+// turn by consecutive dispatches, see deepep_cupy/layout.py); row `src` of each table is written
+// only by rank `src`:
 //   int signature[R][SIGNATURE_INTS]     the settings every rank must share; the last int is
 //                                        instead 1 when the rank found its own input invalid
 //   int rank_counts[R][R]                [src][dst] = tokens src sends to dst
 //   int expert_counts[R][E / R]          [src][e]   = tokens src sends to local expert e
 //
-// Block 0 exchanges the tables between two barriers, sums them into the rank prefix matrix and
-// the receive counts (published to host-mapped memory for the host to size the outputs), and
-// zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints) before the last barrier so
-// that no sender writes into a queue that is not yet reset. Blocks 1..R count, per destination
-// rank, the tokens of each channel (the sender-side channel prefix matrix).
+// Block 0 scatters this rank's rows into every peer's area, then after a barrier sums the tables
+// into the rank prefix matrix and the receive counts (published to host-mapped memory for the host
+// to size the outputs), and zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints)
+// before a second barrier, so that no sender writes into a queue that is not yet reset. No barrier
+// is needed before the scatter: the area alternates, and a peer can only come back to this one
+// after this rank has passed the second barrier of the next dispatch, long after reading it.
+// Blocks 1..R count, per destination rank, the tokens of each channel (the sender-side channel
+// prefix matrix).
 extern "C" __global__ void notify_dispatch_kernel(
         const int* num_tokens_per_rank, const int* num_tokens_per_expert, const bool* is_token_in_rank,
         int* rank_prefix_matrix, int* channel_prefix_matrix,
@@ -37,9 +41,6 @@ extern "C" __global__ void notify_dispatch_kernel(
                 invalid |= (expert < -1 || expert >= num_experts) ? 1 : 0;
             }
         invalid = __syncthreads_or(invalid);
-        if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
-                          KERNEL_NOTIFY_DISPATCH))
-            return;
 
         // Scatter this rank's row of every table into every peer's notify area.
         const int row_ints = SIGNATURE_INTS + num_ranks + experts_per_rank;
@@ -59,7 +60,7 @@ extern "C" __global__ void notify_dispatch_kernel(
                 expert_counts[rank * experts_per_rank + e] = num_tokens_per_expert[peer * experts_per_rank + e];
             }
         }
-        if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
+        if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
                           KERNEL_NOTIFY_DISPATCH))
             return;
 
@@ -106,7 +107,7 @@ extern "C" __global__ void notify_dispatch_kernel(
             __threadfence_system();
             *reinterpret_cast<volatile int*>(recv_counter) = num_recv_tokens;
         }
-        rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 2, timeout_ns, error_record,
+        rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
                      KERNEL_NOTIFY_DISPATCH);
     } else {
         const int dst = blockIdx.x - 1;

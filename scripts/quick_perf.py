@@ -27,7 +27,7 @@ buf = ep.Buffer(comm, size, timeout_s=20)
 stream = cupy.cuda.get_current_stream()
 
 
-def timed(fn, iters=30):
+def timed(fn, iters=int(os.environ.get("PERF_ITERS", "30"))):
     for _ in range(5):
         fn()
     stream.synchronize(); comm.Barrier(); kernels.profile.report()
@@ -70,8 +70,17 @@ for cfg_tuple in configs:
         "cached_bf16": lambda: buf.dispatch(x, handle=handle, config=cfg),
         "combine_bf16": lambda: buf.combine(recv_x, handle, config=cfg),
     }
+    from deepep_cupy import buffer as buffer_module
     for name, fn in ops.items():
+        buffer_module.host_trace.clear()
         mean, mn, host, prof = timed(fn)
+        if rank == 0 and buffer_module.host_trace:
+            stages, last, sums = {}, None, {}
+            for stage, t in buffer_module.host_trace:
+                if stage != "start" and last is not None:
+                    sums.setdefault(stage, []).append(t - last)
+                last = t
+            print("   host stages (us): " + ", ".join(f"{k} {np.mean(v) * 1e6:.1f}" for k, v in sums.items()))
         if rank == 0:
             gb = nrecv * H * 2 * ((1 + 4 / 128) / 2 if "fp8" in name else 1) / 1e9
             kern = " ".join(f"{k.replace('_kernel', '')}={v[1] * 1e3:.0f}" for k, v in prof.items())

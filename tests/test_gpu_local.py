@@ -1,0 +1,148 @@
+"""Dispatch and combine with every rank in one process (deepep_cupy.run_local_group), on real GPUs.
+
+The worker (tests/workers/local_gpu_worker.py) runs the scenarios of the MPI tests
+(gpu_scenarios.py, ``gpu_worker.run_scenario`` unchanged) with N rank threads, rank ``r`` on GPU
+``r % G``: with fewer GPUs than ranks, ranks share GPUs (``num_sms`` lowered where they would not
+fit together). It runs as a subprocess with a wall-clock limit, so a hang cannot hang pytest.
+
+Environment:
+    DEEPEP_TEST_LOCAL_RANKS: rank counts (default ``2,3,4,6,8``).
+    DEEPEP_TEST_LOCAL_GPUS: use only GPUs ``0..G-1`` (default: all visible), e.g. 2 on an 8-GPU
+        machine to run 8 ranks four to a GPU.
+    DEEPEP_TEST_COMPARE_MPI: ``0`` skips the comparison with the same scenarios run under mpiexec.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _harness import WORKERS, _stop, describe, gpu_count, mpi_env, run_mpi
+
+sys.path.insert(0, str(WORKERS))
+from gpu_scenarios import NAMES  # noqa: E402
+
+RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,3,4,6,8").split(",")]
+LOCAL_GPUS = int(os.environ["DEEPEP_TEST_LOCAL_GPUS"]) if os.environ.get("DEEPEP_TEST_LOCAL_GPUS") else None
+COMPARE_MPI = os.environ.get("DEEPEP_TEST_COMPARE_MPI", "1").strip() not in ("0", "false", "no")
+WORKER = WORKERS / "local_gpu_worker.py"
+TIMEOUT_S = 900
+
+
+def run_worker(args, timeout=TIMEOUT_S, env=None):
+    """``python local_gpu_worker.py args...`` in its own process group, killed after ``timeout`` s."""
+    cmd = [sys.executable, str(WORKER), *[str(a) for a in args]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=mpi_env(env), cwd=str(WORKERS.parent.parent), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop(proc)
+        raise AssertionError(f"timed out after {timeout:g} s: {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{stdout or ''}\n--- stderr ---\n{stderr or ''}") from None
+    except BaseException:
+        _stop(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def records(output, tag="RESULT"):
+    return [json.loads(line[len(tag) + 1:]) for line in output.splitlines() if line.startswith(tag + " ")]
+
+
+def by_scenario(run):
+    results = {}
+    for entry in records(run.stdout):
+        results.setdefault(entry["scenario"], []).append(entry)
+    return results
+
+
+def gpu_args():
+    return ["--gpus", str(min(LOCAL_GPUS, gpu_count()))] if LOCAL_GPUS else []
+
+
+@pytest.fixture(scope="module")
+def local_runs():
+    """num_ranks -> CompletedProcess of one in-process worker run (all scenarios), made on first use."""
+    cache = {}
+
+    def get(num_ranks):
+        if num_ranks not in cache:
+            cache[num_ranks] = run_worker(["--ranks", num_ranks, *gpu_args()])
+        return cache[num_ranks]
+
+    return get
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("num_ranks", RANK_COUNTS)
+@pytest.mark.parametrize("scenario", NAMES)
+def test_in_process_matches_reference(local_runs, num_ranks, scenario):
+    run = local_runs(num_ranks)
+    entries = by_scenario(run).get(scenario)
+    assert entries, f"no result for {scenario} with {num_ranks} in-process ranks\n{describe(run)}"
+    assert sorted(e["rank"] for e in entries) == list(range(num_ranks)), entries
+    for entry in entries:
+        assert entry["in_process"] is True
+        assert entry["ok"], (f"rank {entry['rank']} (GPU {entry['device']}, {entry['ranks_on_device']} ranks on it, "
+                             f"num_sms {entry['num_sms']}): {entry['error']}")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("num_ranks", RANK_COUNTS)
+def test_in_process_worker_exits_cleanly(local_runs, num_ranks):
+    run = local_runs(num_ranks)
+    assert run.returncode == 0, describe(run)
+    assert not records(run.stdout, "ERROR"), describe(run)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.mpi
+@pytest.mark.parametrize("num_ranks", RANK_COUNTS)
+def test_in_process_gives_the_same_results_as_mpi(local_runs, num_ranks):
+    """Same scenarios, same inputs: every rank's dispatch/combine outputs hash the same both ways."""
+    if not COMPARE_MPI:
+        pytest.skip("DEEPEP_TEST_COMPARE_MPI=0")
+    if gpu_count() < num_ranks:
+        pytest.skip(f"the MPI run needs {num_ranks} GPUs (one per process), found {gpu_count()}")
+    local = by_scenario(local_runs(num_ranks))
+    mpi_run = run_mpi(num_ranks, [str(WORKER), "--mpi"], timeout=TIMEOUT_S)
+    mpi = by_scenario(mpi_run)
+    assert mpi, describe(mpi_run)
+    compared = 0
+    for scenario, entries in mpi.items():
+        theirs = {e["rank"]: e for e in entries}
+        for mine in local.get(scenario, []):
+            other = theirs.get(mine["rank"])
+            if other is None or not (mine["ok"] and other["ok"]):
+                continue  # failures are reported by the tests above and test_gpu_mpi.py
+            assert other["in_process"] is False
+            assert mine["hashes"] == other["hashes"], (scenario, mine["rank"], mine["hashes"], other["hashes"])
+            assert mine["recv_tokens"] == other["recv_tokens"]
+            compared += 1
+    assert compared, f"nothing to compare\n{describe(mpi_run)}"
+
+
+@pytest.mark.gpu(1)
+def test_a_failing_rank_ends_the_in_process_job():
+    """Rank 1 raises while the others wait for it in their kernels: the job reports rank 1, no hang."""
+    run = run_worker(["--ranks", 3, *gpu_args(), "--inject-failure", 1, "--timeout", 10, "bf16_basic"], timeout=180)
+    assert run.returncode == 1, describe(run)
+    errors = records(run.stdout, "ERROR")
+    assert len(errors) == 1, describe(run)
+    assert errors[0]["rank"] == 1 and "injected failure on rank 1" in errors[0]["message"], describe(run)
+    assert errors[0]["stuck"] == [], describe(run)
+
+
+@pytest.mark.gpu(1)
+def test_sm_budget_is_checked_before_any_rank_starts():
+    """Eight ranks with 48 SMs each cannot share one GPU: a clear ValueError, nothing launched."""
+    code = ("import deepep_cupy as ep\n"
+            "try:\n"
+            "    ep.run_local_group(lambda g: None, 8, devices=[0] * 8, num_sms=48)\n"
+            "except ValueError as exc:\n"
+            "    print('ERR', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=mpi_env(), timeout=120)
+    assert "ERR GPU 0: 8 ranks x num_sms=48" in proc.stdout, proc.stdout + proc.stderr
