@@ -114,6 +114,7 @@ class Buffer:
 
         with self._device:
             self._check_group(cupy)
+            self._shares_gpu = self.group.in_process and self.group.ranks_on_device(self._device.id) > 1
             self._nvl = NvlBuffer(self.group, self.num_nvl_bytes)
             try:
                 self._mapped = MappedInts(_MAPPED_INTS)
@@ -249,6 +250,11 @@ class Buffer:
     def _begin(self, framework: str, previous_event: Optional[EventOverlap]):
         """Order the communication stream after the caller's work; return the caller's stream."""
         caller = caller_stream(framework)
+        if caller.ptr == 0 and self._shares_gpu:
+            raise ValueError(
+                f"rank {self.rank}: ranks of this group share GPU {self._device.id}, so each must run on its "
+                "own stream, not the legacy default stream (one rank's wait there would block a peer's "
+                "launch); run_local_group sets one per rank, or use `with cupy.cuda.Stream(non_blocking=True):`")
         if previous_event is not None and previous_event.event is not None:
             self._comm_stream.wait_event(previous_event.event)
         else:

@@ -458,8 +458,9 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
     """Run ``fn(group)`` for every rank of an in-process group, one thread per rank.
 
     Rank ``r`` runs in its own thread with CUDA device ``devices[r]`` current
-    (``cupy.cuda.Device(devices[r]).use()``), so a ``deepep_cupy.Buffer(group, ...)`` created
-    there lives on that GPU. Several ranks may share a GPU.
+    (``cupy.cuda.Device(devices[r]).use()``) and its own non-blocking CuPy stream current, so a
+    ``deepep_cupy.Buffer(group, ...)`` created there lives on that GPU. Several ranks may share a
+    GPU (their work must then stay off the legacy default stream, which would serialize them).
 
     The rank threads are daemon threads, always waited for while they are healthy; only a rank
     still stuck ``timeout_s`` after another failed is left behind (and named), so that it cannot
@@ -510,7 +511,13 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
                 import cupy
 
                 cupy.cuda.Device(resolved[rank]).use()
-            results[rank] = fn(groups[rank])
+                # Each rank gets its own stream: on the shared legacy default stream, one rank's
+                # wait for its transfer would also hold back the launch of a co-located peer's,
+                # which that transfer waits for (deadlock).
+                with cupy.cuda.Stream(non_blocking=True):
+                    results[rank] = fn(groups[rank])
+            else:
+                results[rank] = fn(groups[rank])
         except BaseException as exc:  # noqa: B902 - every failure must reach the caller
             with done:
                 failures[rank] = exc

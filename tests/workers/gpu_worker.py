@@ -98,6 +98,23 @@ def to_numpy(a):
 
 
 def run_scenario(buf, sc):
+    import contextlib
+
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if sc["framework"] == "torch" and stream.ptr != 0:
+        # PyTorch work must run on this rank's stream too (ranks sharing a GPU in one process).
+        import torch
+
+        context = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+    else:
+        context = contextlib.nullcontext()
+    with context:
+        return _run_scenario(buf, sc)
+
+
+def _run_scenario(buf, sc):
     import cupy
     import deepep_cupy as ep
     from deepep_cupy import reference as ref
