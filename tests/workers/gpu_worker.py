@@ -107,7 +107,7 @@ def run_scenario(buf, sc):
         # PyTorch work must run on this rank's stream too (ranks sharing a GPU in one process).
         import torch
 
-        context = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+        context = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{cupy.cuda.Device().id}"))
     else:
         context = contextlib.nullcontext()
     with context:
