@@ -92,14 +92,15 @@ def to_framework(array, dtype_name: str, framework: str):
     return tensor
 
 
-def caller_stream(framework: str):
-    """The stream the caller's work runs on: CuPy's current stream, or PyTorch's for tensors."""
+def caller_stream(framework: str, device_id: int):
+    """The stream the caller's work runs on: CuPy's current stream, or PyTorch's current stream
+    of ``device_id`` for tensors (PyTorch keeps its own current device, per thread)."""
     import cupy
 
     if framework == "torch":
         import torch
 
-        return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        return cupy.cuda.ExternalStream(torch.cuda.current_stream(device_id).cuda_stream, device_id)
     return cupy.cuda.get_current_stream()
 
 

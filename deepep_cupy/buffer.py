@@ -249,7 +249,7 @@ class Buffer:
 
     def _begin(self, framework: str, previous_event: Optional[EventOverlap]):
         """Order the communication stream after the caller's work; return the caller's stream."""
-        caller = caller_stream(framework)
+        caller = caller_stream(framework, self._device.id)
         if caller.ptr == 0 and self._shares_gpu:
             raise ValueError(
                 f"rank {self.rank}: ranks of this group share GPU {self._device.id}, so each must run on its "
@@ -265,10 +265,10 @@ class Buffer:
 
     def _finish(self, caller, framework: str, async_finish: bool, keep: Tuple[Any, ...]) -> EventOverlap:
         if async_finish:
-            return EventOverlap(self._comm_stream.record(), keep, framework)
+            return EventOverlap(self._comm_stream.record(), keep, framework, self._device.id)
         self._comm_done.record(self._comm_stream)
         caller.wait_event(self._comm_done)
-        return EventOverlap(None, (), framework)
+        return EventOverlap(None, (), framework, self._device.id)
 
     def _alloc_stream(self, caller, allocate_on_comm_stream: bool):
         return self._comm_stream if allocate_on_comm_stream else caller

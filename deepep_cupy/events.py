@@ -20,18 +20,22 @@ class EventOverlap:
     """
 
     def __init__(self, event: Optional[Any] = None, extra_tensors: Tuple[Any, ...] = (),
-                 framework: str = "cupy"):
+                 framework: str = "cupy", device_id: Optional[int] = None):
         self.event = event
         self.extra_tensors = extra_tensors
         self._framework = framework
+        self._device_id = device_id
 
     def current_stream_wait(self) -> None:
         """Make the caller's current stream (CuPy's, or PyTorch's for tensors) wait for the event."""
         if self.event is None:
             return
+        import cupy
+
         from .arrays import caller_stream
 
-        caller_stream(self._framework).wait_event(self.event)
+        device_id = cupy.cuda.Device().id if self._device_id is None else self._device_id
+        caller_stream(self._framework, device_id).wait_event(self.event)
         self.extra_tensors = ()
 
     def synchronize(self) -> None:
