@@ -1,0 +1,115 @@
+"""Configs, recommended settings, buffer size hints and the NVLink buffer layout (CPU only)."""
+
+import json
+
+import pytest
+
+import deepep_cupy as ep
+from deepep_cupy import layout
+from deepep_cupy.config import CONFIG_ENV
+
+
+def test_config_rejects_odd_num_sms():
+    with pytest.raises(ValueError, match="num_sms.*even"):
+        ep.Config(23, 6, 256)
+
+
+@pytest.mark.parametrize("field", [0, 1, 2])
+def test_config_rejects_non_positive_values(field):
+    values = [24, 6, 256]
+    values[field] = 0
+    with pytest.raises(ValueError, match="positive int"):
+        ep.Config(*values)
+
+
+def test_config_rejects_send_chunk_larger_than_queue():
+    with pytest.raises(ValueError, match="must not exceed"):
+        ep.Config(24, 64, 32)
+
+
+def test_config_channels_are_half_the_sms():
+    assert ep.Config(24, 6, 256).num_channels == 12
+
+
+@pytest.mark.parametrize("num_ranks", range(2, 9))
+def test_recommended_configs_exist_for_every_rank_count(num_ranks):
+    for config in (ep.get_dispatch_config(num_ranks), ep.get_combine_config(num_ranks)):
+        assert isinstance(config, ep.Config) and config.num_sms % 2 == 0
+
+
+@pytest.mark.parametrize("num_ranks", [1, 9])
+def test_recommended_configs_refuse_unsupported_rank_counts(num_ranks):
+    with pytest.raises(ValueError, match="num_ranks"):
+        ep.get_dispatch_config(num_ranks)
+
+
+def test_tuned_config_file_overrides_the_recommendation(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"num_ranks": 2, "device": "test",
+                                "dispatch": {"num_sms": 32, "num_max_nvl_chunked_send_tokens": 8,
+                                             "num_max_nvl_chunked_recv_tokens": 128},
+                                "combine": {"num_sms": 32, "num_max_nvl_chunked_send_tokens": 4,
+                                            "num_max_nvl_chunked_recv_tokens": 64}}))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    assert ep.get_dispatch_config(2) == ep.Config(32, 8, 128)
+    assert ep.get_combine_config(2) == ep.Config(32, 4, 64)
+    monkeypatch.delenv(CONFIG_ENV)
+    assert ep.get_dispatch_config(2) != ep.Config(32, 8, 128)  # back to the built-in recommendation
+
+
+def test_unreadable_tuned_config_file_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(CONFIG_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=CONFIG_ENV):
+        ep.get_dispatch_config(2)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_size_hint_covers_bf16_and_fp8_dispatch_and_combine(num_ranks):
+    config = ep.Config(24, 16, 256)
+    hidden = 7168
+    hint = ep.get_nvl_buffer_size_hint(hidden * 2, num_ranks, config, num_topk=8)
+    bf16 = layout.dispatch_layout(num_ranks, 12, 256, hidden * 2, 8, 0)
+    fp8 = layout.dispatch_layout(num_ranks, 12, 256, hidden, 8, hidden // 128)
+    combine = layout.combine_layout(num_ranks, 12, 256, hidden * 2, 8)
+    assert hint >= max(bf16.total_bytes, fp8.total_bytes, combine.total_bytes)
+
+
+def test_size_hint_grows_with_the_queues():
+    small = ep.get_nvl_buffer_size_hint(7168 * 2, 2, ep.Config(24, 16, 256))
+    large = ep.get_nvl_buffer_size_hint(7168 * 2, 2, ep.Config(24, 16, 512))
+    assert large > small
+
+
+def _regions(plan, names):
+    return [getattr(plan, name) for name in names]
+
+
+def test_dispatch_regions_are_aligned_ordered_and_after_the_header():
+    plan = layout.dispatch_layout(8, 24, 256, 7168, 8, 56)
+    offsets = _regions(plan, ["meta_off", "x_off", "src_idx_off", "topk_idx_off", "topk_weights_off", "scales_off"])
+    assert offsets[0] >= layout.DATA_OFFSET
+    assert all(o % layout.ALIGNMENT == 0 for o in offsets)
+    assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+    queues, slots = 24 * 8, 24 * 8 * 256
+    assert offsets[1] - offsets[0] >= 4 * 4 * queues          # start/end/head/tail per queue
+    assert offsets[2] - offsets[1] >= slots * 7168             # the rows
+    assert plan.total_bytes >= offsets[5] + slots * 56 * 4     # the scales fit
+    assert plan.zero_count == 4 * queues
+
+
+def test_combine_regions_are_aligned_ordered_and_after_the_header():
+    plan = layout.combine_layout(4, 12, 128, 14336, 8)
+    offsets = _regions(plan, ["meta_off", "x_off", "topk_weights_off"])
+    assert offsets[0] >= layout.DATA_OFFSET
+    assert all(o % layout.ALIGNMENT == 0 for o in offsets)
+    assert offsets[1] - offsets[0] >= 2 * 4 * 12 * 4
+    assert offsets[2] - offsets[1] >= 12 * 4 * 128 * 14336
+    assert plan.zero_count == 2 * 12 * 4
+
+
+def test_notify_areas_hold_the_largest_tables_and_do_not_overlap():
+    largest = 4 * layout.MAX_RANKS * (layout.SIGNATURE_INTS + layout.MAX_RANKS + layout.MAX_LOCAL_EXPERTS)
+    first, second = layout.NOTIFY_OFFSETS
+    assert first >= layout.SIGNAL_BYTES
+    assert second - first >= largest
+    assert layout.DATA_OFFSET - second >= largest
