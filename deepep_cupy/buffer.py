@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Any, List, Optional, Tuple
@@ -10,7 +9,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from . import kernels, layout
-from .arrays import ITEMSIZE, as_cupy, caller_stream, check_array, to_framework
+from .arrays import as_cupy, caller_stream, check_array, to_framework
 from .comm import Group, as_group
 from .config import MAX_TOPK, Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS

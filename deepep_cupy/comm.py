@@ -451,6 +451,23 @@ def _resolve_devices(num_ranks: Optional[int], devices: Optional[Sequence[int]],
     return devices
 
 
+def _allocator_for(devices: Sequence[int], rank: int):
+    """Where ranks share a GPU: CuPy allocations from the stream-ordered pool (cudaMallocAsync).
+
+    A plain cudaMalloc is an implicit synchronization point of the whole device: no command
+    issued after it starts before the commands issued before it finish. With several ranks on a
+    GPU, a rank growing the memory pool would then hold back its own transfer kernel until a
+    co-located peer's transfer finished, and that one waits for it.
+    """
+    import contextlib
+
+    if sum(1 for d in devices if d == devices[rank]) < 2:
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool().malloc)
+
+
 def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] = None,
                     devices: Optional[Sequence[int]] = None, *, timeout_s: float = DEFAULT_THREAD_TIMEOUT_S,
                     num_sms: Optional[int] = None, use_devices: bool = True,
@@ -514,7 +531,7 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
                 # Each rank gets its own stream: on the shared legacy default stream, one rank's
                 # wait for its transfer would also hold back the launch of a co-located peer's,
                 # which that transfer waits for (deadlock).
-                with cupy.cuda.Stream(non_blocking=True):
+                with cupy.cuda.Stream(non_blocking=True), _allocator_for(resolved, rank):
                     results[rank] = fn(groups[rank])
             else:
                 results[rank] = fn(groups[rank])
