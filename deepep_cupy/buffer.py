@@ -46,6 +46,17 @@ _SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per tok
                      "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
 
 
+def _scales_per_token(scales) -> int:
+    """FP8 scales per token: 0 without scales, 1 for ``[N]``, S for ``[N, S]``."""
+    return 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
+
+
+def _received_x(recv_rows, recv_scales, dtype_name: str, framework: str):
+    """``recv_x`` as dispatch returns it: the rows, or ``(rows, scales)`` for FP8."""
+    rows = to_framework(recv_rows, dtype_name, framework)
+    return rows if recv_scales is None else (rows, to_framework(recv_scales, "float32", framework))
+
+
 class DispatchHandle(tuple):
     """The layout of one dispatch, reusable by cached dispatch and by combine.
 
@@ -455,7 +466,7 @@ class Buffer:
                 check_array(weights, "topk_weights", ("float32",), 2, (num_tokens, num_topk))
         elif topk_weights is not None:
             raise ValueError("topk_weights: given without topk_idx")
-        num_scales = 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
+        num_scales = _scales_per_token(scales)
         row_bytes = rows.shape[1] * rows.itemsize
         plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
                                       row_bytes, num_topk, num_scales)
@@ -515,9 +526,7 @@ class Buffer:
         keep = (rows, scales, topk, weights, per_rank, per_expert, in_rank, recv_rows, recv_scales,
                 recv_topk, recv_weights, handle.arrays)
         event = self._finish(caller, framework, async_finish, keep)
-        recv_x = to_framework(recv_rows, dtype_name, framework)
-        if scales is not None:
-            recv_x = (recv_x, to_framework(recv_scales, "float32", framework))
+        recv_x = _received_x(recv_rows, recv_scales, dtype_name, framework)
         _mark("returned")
         return (recv_x, to_framework(recv_topk, "int64", framework),
                 to_framework(recv_weights, "float32", framework), per_expert_list, handle, event)
@@ -551,7 +560,7 @@ class Buffer:
             is_token_in_rank=in_rank, channel_prefix_matrix=channel_prefix_matrix,
             rank_prefix_matrix=rank_prefix_matrix, num_tokens=rows.shape[0],
             hidden_int4=rows.shape[1] * rows.itemsize // 16, num_topk=0 if topk is None else topk.shape[1],
-            num_experts=num_experts, num_scales=0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1]),
+            num_experts=num_experts, num_scales=_scales_per_token(scales),
             buffer_ptrs=self._nvl.peer_ptrs, rank=self.rank, meta_off=plan.meta_off, x_off=plan.x_off,
             src_idx_off=plan.src_idx_off, topk_idx_off=plan.topk_idx_off, topk_weights_off=plan.topk_weights_off,
             scales_off=plan.scales_off, max_send_tokens=config.num_max_nvl_chunked_send_tokens,
@@ -576,7 +585,7 @@ class Buffer:
         (rank_prefix_matrix, channel_prefix_matrix, _, recv_src_idx, in_rank, _) = self._handle_arrays(handle, config)
         if rows.shape[0] != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {rows.shape[0]}")
-        num_scales = 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
+        num_scales = _scales_per_token(scales)
         plan = layout.dispatch_layout(self.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
                                       rows.shape[1] * rows.itemsize, 0, num_scales)
         self._require_room(plan.total_bytes, "dispatch")
@@ -592,9 +601,7 @@ class Buffer:
         self._launch_dispatch(config, plan, rows, scales, None, None, in_rank, channel_prefix_matrix,
                               rank_prefix_matrix, 0, recv_rows, recv_scales, None, None, None, None, None)
         event = self._finish(caller, framework, async_finish, (rows, scales, recv_rows, recv_scales, handle.arrays))
-        recv_x = to_framework(recv_rows, dtype_name, framework)
-        if scales is not None:
-            recv_x = (recv_x, to_framework(recv_scales, "float32", framework))
+        recv_x = _received_x(recv_rows, recv_scales, dtype_name, framework)
         return recv_x, None, None, None, handle, event
 
     # -----------------------------------------------------------------------------------------

@@ -169,11 +169,6 @@ class ArgumentPacker:
         return self.layout.pack(*self.values(values))
 
 
-def pack_args(signature: Sequence[Tuple[str, str]], values: Dict[str, object]) -> bytes:
-    """The parameter buffer for ``values`` under ``signature`` (``[(name, 'ptr'|'i32'|'i64'|'f32')]``)."""
-    return ArgumentPacker(signature).pack(values)
-
-
 class _Launcher:
     """One compiled kernel instance with its own parameter storage and pointer table.
 

@@ -4,6 +4,13 @@
 
 #define SIGNATURE_INTS 8
 
+// Zero `count` ints at byte offset `offset` of `base`, with all threads of the block.
+__device__ __forceinline__ void zero_ints(void* base, int64_t_ offset, int count) {
+    int* ints = reinterpret_cast<int*>(reinterpret_cast<char*>(base) + offset);
+    for (int i = threadIdx.x; i < count; i += blockDim.x)
+        ints[i] = 0;
+}
+
 // Notify area of a dispatch, at `notify_off` in every rank's NVLink buffer (two areas used in
 // turn by consecutive dispatches, see deepep_cupy/layout.py); row `src` of each table is written
 // only by rank `src`:
@@ -98,9 +105,7 @@ extern "C" __global__ void notify_dispatch_kernel(
             sum = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
             reinterpret_cast<volatile int*>(recv_expert_counter)[e] = sum;
         }
-        int* zero_base = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + zero_off);
-        for (int i = thread; i < zero_count; i += num_threads)
-            zero_base[i] = 0;
+        zero_ints(buffer_ptrs[rank], zero_off, zero_count);
         __syncthreads();
         if (thread == 0) {
             // The count goes last: the host reads the expert counts once it sees it.
@@ -138,9 +143,7 @@ extern "C" __global__ void cached_notify_dispatch_kernel(
     if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
                       KERNEL_CACHED_NOTIFY_DISPATCH))
         return;
-    int* zero_base = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + zero_off);
-    for (int i = threadIdx.x; i < zero_count; i += blockDim.x)
-        zero_base[i] = 0;
+    zero_ints(buffer_ptrs[rank], zero_off, zero_count);
     rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
                  KERNEL_CACHED_NOTIFY_DISPATCH);
 }
@@ -165,9 +168,7 @@ extern "C" __global__ void cached_notify_combine_kernel(
         if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
                           KERNEL_CACHED_NOTIFY_COMBINE))
             return;
-        int* zero_base = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + zero_off);
-        for (int i = threadIdx.x; i < zero_count; i += blockDim.x)
-            zero_base[i] = 0;
+        zero_ints(buffer_ptrs[rank], zero_off, zero_count);
         rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
                      KERNEL_CACHED_NOTIFY_COMBINE);
         return;

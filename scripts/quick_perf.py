@@ -75,7 +75,7 @@ for cfg_tuple in configs:
         buffer_module.host_trace.clear()
         mean, mn, host, prof = timed(fn)
         if rank == 0 and buffer_module.host_trace:
-            stages, last, sums = {}, None, {}
+            last, sums = None, {}
             for stage, t in buffer_module.host_trace:
                 if stage != "start" and last is not None:
                     sums.setdefault(stage, []).append(t - last)
