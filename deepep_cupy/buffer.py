@@ -278,6 +278,13 @@ class Buffer:
             return EventOverlap(self._comm_stream.record(), keep, framework, self._device.id)
         self._comm_done.record(self._comm_stream)
         caller.wait_event(self._comm_done)
+        if self._shares_gpu:
+            # Ranks on one GPU in one process: return only once the transfer is over (the wait
+            # releases the GIL). A host copy issued now (cupy.asnumpy) would sit in the driver
+            # until this rank's kernels end, and it holds up a co-located rank's host copies
+            # meanwhile, so that rank might never launch the kernels ours wait for.
+            self._comm_stream.synchronize()
+            self._raise_kernel_error()
         return EventOverlap(None, (), framework, self._device.id)
 
     def _alloc_stream(self, caller, allocate_on_comm_stream: bool):

@@ -452,12 +452,13 @@ def _resolve_devices(num_ranks: Optional[int], devices: Optional[Sequence[int]],
 
 
 def _allocator_for(devices: Sequence[int], rank: int):
-    """Where ranks share a GPU: CuPy allocations from the stream-ordered pool (cudaMallocAsync).
+    """Where ranks share a GPU: CuPy allocations from a stream-ordered pool of the rank's own.
 
-    A plain cudaMalloc is an implicit synchronization point of the whole device: no command
-    issued after it starts before the commands issued before it finish. With several ranks on a
-    GPU, a rank growing the memory pool would then hold back its own transfer kernel until a
-    co-located peer's transfer finished, and that one waits for it.
+    A plain cudaMalloc/cudaFree can wait for work already running on the device, which includes a
+    co-located peer's transfer that waits for this rank (deadlock). The stream-ordered allocator
+    does not, but its device-wide default pool may hand one rank memory that another freed on its
+    stream and make the first stream wait for the second ("internal dependencies"), which ties
+    ranks together again. So each rank gets a private pool with that reuse switched off.
     """
     import contextlib
 
@@ -465,7 +466,25 @@ def _allocator_for(devices: Sequence[int], rank: int):
         return contextlib.nullcontext()
     import cupy
 
-    return cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool().malloc)
+    runtime = cupy.cuda.runtime
+    props = runtime.MemPoolProps(runtime.cudaMemAllocationTypePinned, runtime.cudaMemHandleTypeNone,
+                                 runtime.cudaMemLocationTypeDevice, devices[rank])
+    pool = runtime.memPoolCreate(props)
+    runtime.memPoolSetAttribute(pool, runtime.cudaMemPoolReuseAllowInternalDependencies, 0)
+    handles = ["current"] * runtime.getDeviceCount()
+    handles[devices[rank]] = pool
+
+    @contextlib.contextmanager
+    def private_pool():
+        try:
+            with cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool(handles).malloc):
+                yield
+        finally:
+            # Safe with allocations still alive (results handed back): the driver releases the
+            # pool once the last of them is freed.
+            runtime.memPoolDestroy(pool)
+
+    return private_pool()
 
 
 def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] = None,

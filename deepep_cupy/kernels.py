@@ -100,8 +100,30 @@ def get_kernel(name_expression: str):
                 module = cupy.RawModule(code=read_source(source_of(name_expression)), options=NVRTC_OPTIONS,
                                         name_expressions=(name_expression,))
                 function = module.get_function(name_expression)
+                _load_now(function.kernel.ptr)
                 _functions[key] = function
     return function
+
+
+def _load_now(function_ptr: int) -> None:
+    """Load a kernel onto the GPU now rather than at its first launch.
+
+    Under CUDA's lazy module loading (the default since CUDA 12.2) the first launch of a kernel
+    loads it, and loading may wait for the kernels already running on the device. When ranks share
+    a GPU, those include a co-located peer's kernel that spins until this rank's kernel runs: a
+    deadlock that only the kernels' timeout ends. ``cuFuncLoad`` (CUDA 12.4+) loads eagerly.
+    """
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        func_load = libcuda.cuFuncLoad
+    except (OSError, AttributeError):
+        return  # a driver before CUDA 12.4: nothing to force
+    func_load.argtypes = [ctypes.c_void_p]
+    status = func_load(ctypes.c_void_p(function_ptr))
+    if status != 0:
+        raise RuntimeError(f"deepep_cupy: cuFuncLoad failed with CUresult {status}")
 
 
 def warm_up(num_ranks: int) -> None:

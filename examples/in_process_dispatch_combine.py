@@ -11,6 +11,8 @@
 # `python examples/in_process_dispatch_combine.py`.
 
 # %%
+import os
+
 import numpy as np
 import cupy
 
@@ -18,7 +20,8 @@ import deepep_cupy as ep
 from deepep_cupy import reference as ref
 
 num_gpus = cupy.cuda.runtime.getDeviceCount()
-num_ranks = max(2, num_gpus)                  # one rank per GPU; a single GPU hosts two ranks
+# One rank per GPU (a single GPU hosts two); DEEPEP_EXAMPLE_RANKS=8 puts 8 ranks on fewer GPUs.
+num_ranks = int(os.environ.get("DEEPEP_EXAMPLE_RANKS", max(2, num_gpus)))
 devices = [r % num_gpus for r in range(num_ranks)]
 num_tokens, hidden, num_topk = 4096, 7168, 4  # per rank; BF16 rows
 experts_per_rank = 8

@@ -29,6 +29,16 @@ PY
       DEEPEP_CUPY_PROFILE=${PROFILE:-0} timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_CONFIGS:-24:16:256} 2>&1 | tee "$OUT/perf.log" | tail -${PERF_TAIL:-20};;
     test)
       timeout ${TEST_TIMEOUT:-500} make test 2>&1 | tee "$OUT/test.log" | tail -40;;
+    local)
+      for n in ${LOCAL_RANKS:-4 8}; do
+        timeout ${LOCAL_TIMEOUT:-150} python3 tests/workers/local_gpu_worker.py --ranks $n --timeout ${KERNEL_TIMEOUT:-20} \
+          ${LOCAL_ARGS:-} > "$OUT/local$n.log" 2>&1
+        echo "local --ranks $n exit $?"; python3 scripts/summarize_results.py < "$OUT/local$n.log"
+        grep -v "^RESULT" "$OUT/local$n.log" | tail -8
+      done;;
+    failures)
+      timeout ${FAILURES_TIMEOUT:-240} python3 -m pytest -q -ra tests/test_gpu_failures.py \
+        2>&1 | tee "$OUT/failures.log" | tail -40;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 -m deepep_cupy.bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80;;
   esac

@@ -3,7 +3,6 @@ disagree raise on every rank, a missing peer becomes an exception within the tim
 """
 
 import json
-import os
 import sys
 
 import pytest
@@ -26,9 +25,6 @@ def _cases():
 CASES = _cases()
 
 
-# Written without GPU time left to run them: opt in until they have passed on the 2-GPU machine.
-pytestmark = pytest.mark.skipif(os.environ.get("DEEPEP_TEST_FAILURES", "0") in ("", "0"),
-                                reason="failure-behaviour GPU tests not yet validated; DEEPEP_TEST_FAILURES=1 runs them")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ The worker (tests/workers/local_gpu_worker.py) runs the scenarios of the MPI tes
 fit together). It runs as a subprocess with a wall-clock limit, so a hang cannot hang pytest.
 
 Environment:
-    DEEPEP_TEST_LOCAL_RANKS: rank counts (default ``2``; 3..8 with ranks sharing GPUs are not yet
-        validated: an 8-rank run on 2 GPUs hung in its first scenario, see the closing notes).
+    DEEPEP_TEST_LOCAL_RANKS: comma-separated rank counts (default ``2,4,8``: on a 2-GPU machine
+        4 and 8 ranks put 2 and 4 ranks on each GPU).
     DEEPEP_TEST_LOCAL_GPUS: use only GPUs ``0..G-1`` (default: all visible), e.g. 2 on an 8-GPU
         machine to run 8 ranks four to a GPU.
     DEEPEP_TEST_COMPARE_MPI: ``0`` skips the comparison with the same scenarios run under mpiexec.
@@ -25,7 +25,7 @@ from _harness import WORKERS, _stop, describe, gpu_count, mpi_env, run_mpi
 sys.path.insert(0, str(WORKERS))
 from gpu_scenarios import NAMES  # noqa: E402
 
-RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2").split(",")]
+RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8").split(",")]
 LOCAL_GPUS = int(os.environ["DEEPEP_TEST_LOCAL_GPUS"]) if os.environ.get("DEEPEP_TEST_LOCAL_GPUS") else None
 COMPARE_MPI = os.environ.get("DEEPEP_TEST_COMPARE_MPI", "1").strip() not in ("0", "false", "no")
 WORKER = WORKERS / "local_gpu_worker.py"

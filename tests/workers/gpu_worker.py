@@ -94,6 +94,9 @@ def to_numpy(a):
         a = cupy.asarray(a)
         if a.dtype == np.int16:
             a = a.view(np.uint16)
+    # Wait first (without the GIL): with ranks sharing a GPU in one process, a host copy that
+    # waits in the driver for this rank's kernels also holds up the other ranks' copies.
+    cupy.cuda.get_current_stream().synchronize()
     return cupy.asnumpy(a)
 
 

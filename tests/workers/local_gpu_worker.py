@@ -196,13 +196,16 @@ def rank_main(group, scenarios, args, shared=None):
             if index == 0 and args.inject_failure == rank:
                 raise RuntimeError(f"injected failure on rank {rank} (--inject-failure)")
             start = time.time()
+            if os.environ.get("DEEPEP_TEST_DUMP_AFTER") and rank == 0:
+                import faulthandler
+                faulthandler.dump_traceback_later(float(os.environ["DEEPEP_TEST_DUMP_AFTER"]), exit=False)
             recorder = RecordingBuffer(buf)
             try:
                 info = gpu_worker.run_scenario(recorder, sc)
                 info["hashes"] = recorder.hashes()
                 ok, error = True, None
             except Exception as exc:  # report and go on with the next scenario
-                ok, error, info = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", {}
+                ok, error, info = False, f"{type(exc).__name__}: {exc}{kernel_error(buf)}\n{traceback.format_exc()}", {}
                 failures += 1
             recorder = None
             all_ok = all(group.allgather(ok))
@@ -221,6 +224,17 @@ def rank_main(group, scenarios, args, shared=None):
     finally:
         buf.destroy()
     return failures
+
+
+def kernel_error(buf):
+    """What the Buffer's kernels reported, if anything: a wrong result can come from a kernel that
+    timed out, which the Buffer only raises at its next call."""
+    try:
+        buf._comm_stream.synchronize()   # the kernels end by themselves: they have a timeout
+        buf._raise_kernel_error()
+    except Exception as exc:  # noqa: BLE001 - reported, not handled
+        return f" [kernel error: {type(exc).__name__}: {exc}]"
+    return ""
 
 
 def for_rank_count(scenarios, num_ranks):
