@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from .ipc import MappedInts, NvlBuffer
 
 # Host-mapped counters (int32 indices).
 _ERROR_RECORD = 0          # 8 ints, see kernels/common.cuh
+_ERROR_MISMATCH = 2        # its code when ranks called a cached dispatch or a combine differently
 _RECV_COUNTER = 8          # tokens this rank receives (-1 until notify_dispatch publishes it)
 _VERDICT = 9               # settings check of notify_dispatch (0 = all ranks agree)
 _SIGNATURE = 16            # 7 ints this rank's settings (+1 written on the device)
@@ -41,6 +42,8 @@ def _mark(stage: str) -> None:
 
 
 _COMBINE_ELEMENT = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
+_COMBINE_CODES = {name: code for code, name in enumerate(_COMBINE_ELEMENT, 1)}
+_OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2  # compared across ranks with the other settings
 _DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
 _SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per token", "num_experts",
                      "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
@@ -216,6 +219,20 @@ class Buffer:
         self._epoch += barriers
         return start
 
+    def _next_notify_area(self) -> int:
+        """Offset of the notify area for the next call that exchanges data before its transfer
+        (the two areas alternate, see deepep_cupy/layout.py)."""
+        offset = layout.NOTIFY_OFFSETS[self._notify_count % 2]
+        self._notify_count += 1
+        return offset
+
+    def _call_settings(self, op: int, row_bytes: int, row_detail: int, config: Config) -> Dict[str, int]:
+        """Kernel arguments by which a cached dispatch or a combine checks, on the device, that every
+        rank called it with the same settings (kernels/notify.cu, check_and_reset)."""
+        return dict(notify_off=self._next_notify_area(), op=op, row_bytes=row_bytes, row_detail=row_detail,
+                    num_sms=config.num_sms, send_chunk=config.num_max_nvl_chunked_send_tokens,
+                    recv_chunk=config.num_max_nvl_chunked_recv_tokens)
+
     def _ensure_usable(self) -> None:
         if self._failed is not None:
             raise DeepEPError(f"rank {self.rank}: Buffer unusable: {self._failed}")
@@ -227,6 +244,14 @@ class Buffer:
             return
         kernel = _KERNEL_NAMES.get(int(record[1]), f"kernel {int(record[1])}")
         rank, channel, peer, detail = (int(v) for v in record[2:6])
+        if record[0] == _ERROR_MISMATCH:
+            # Every rank stopped before moving anything, and the queues were reset: still usable.
+            record[:] = 0
+            operation = "combine" if "combine" in kernel else "cached dispatch"
+            raise RankMismatchError(
+                f"rank {rank}: the last {operation} was called with settings that differ between rank 0 and "
+                f"rank {peer} (compared: operation, row bytes, scales per token or element type and top-k, "
+                "num_sms, chunk sizes); no tokens were moved and its outputs are unwritten")
         where = f"channel {channel}" if channel >= 0 else "whole rank"
         message = (f"rank {rank}: {kernel} timed out after {self.timeout_s:g} s waiting for rank {peer} "
                    f"({where}, detail {detail}); a peer did not join or died. The Buffer is unusable: "
@@ -501,10 +526,9 @@ class Buffer:
             recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), topk_idx=topk, num_topk=num_topk,
             num_tokens=num_tokens, num_experts=num_experts, num_channels=C, expert_alignment=expert_alignment,
             buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R, rank=self.rank, epoch=self._next_epoch(2),
-            notify_off=layout.NOTIFY_OFFSETS[self._notify_count % 2], zero_off=plan.meta_off,
+            notify_off=self._next_notify_area(), zero_off=plan.meta_off,
             zero_count=plan.zero_count, timeout_ns=self._timeout_ns,
             error_record=self._mapped.device_ptr(_ERROR_RECORD))
-        self._notify_count += 1
         _mark("notify launched")
         # Outputs whose size is known already are allocated while the counts travel.
         with self._alloc_stream(caller, allocate_on_comm_stream):
@@ -600,6 +624,7 @@ class Buffer:
         caller = self._begin(framework, previous_event)
         kernels.launch("cached_notify_dispatch_kernel", 1, self._comm_stream, buffer_ptrs=self._nvl.peer_ptrs,
                        num_ranks=self.num_ranks, rank=self.rank, epoch=self._next_epoch(2),
+                       **self._call_settings(_OP_CACHED_DISPATCH, rows.shape[1] * rows.itemsize, num_scales, config),
                        zero_off=plan.meta_off, zero_count=plan.zero_count, timeout_ns=self._timeout_ns,
                        error_record=self._mapped.device_ptr(_ERROR_RECORD))
         with self._alloc_stream(caller, allocate_on_comm_stream):
@@ -665,7 +690,10 @@ class Buffer:
                 combined_weights = None if weights is None else cupy.empty((num_tokens, num_topk), dtype=np.float32)
             kernels.launch("cached_notify_combine_kernel", 1 + config.num_channels, self._comm_stream,
                            buffer_ptrs=self._nvl.peer_ptrs, num_ranks=self.num_ranks, rank=self.rank,
-                           epoch=self._next_epoch(2), zero_off=plan.meta_off, zero_count=plan.zero_count,
+                           epoch=self._next_epoch(2),
+                           **self._call_settings(_OP_COMBINE, row_bytes,
+                                                 _COMBINE_CODES[dtype_name] * 256 + num_topk, config),
+                           zero_off=plan.meta_off, zero_count=plan.zero_count,
                            send_head=send_head, combine_head=combine_head, num_tokens=num_tokens,
                            num_channels=config.num_channels, timeout_ns=self._timeout_ns,
                            error_record=self._mapped.device_ptr(_ERROR_RECORD))

@@ -218,6 +218,7 @@ def _signature(text: str) -> Tuple[Tuple[str, str], ...]:
 
 #: Each kernel's parameters in order, as ``name:kind`` (kind: ptr, i32, i64, f32); they mirror
 #: the ``__global__`` declarations in kernels/*.cu.
+_CALL_SETTINGS = "op:i32 row_bytes:i32 row_detail:i32 num_sms:i32 send_chunk:i32 recv_chunk:i32"
 SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "dispatch_layout_kernel": _signature(
         "topk_idx:ptr num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
@@ -229,13 +230,14 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 "
         "notify_off:i64 zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
     "cached_notify_dispatch_kernel": _signature(
-        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 zero_off:i64 zero_count:i32 "
-        "timeout_ns:i64 error_record:ptr"),
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 notify_off:i64 " + _CALL_SETTINGS +
+        " zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
     "barrier_kernel": _signature(
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 timeout_ns:i64 error_record:ptr"),
     "cached_notify_combine_kernel": _signature(
-        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 zero_off:i64 zero_count:i32 "
-        "send_head:ptr combine_head:ptr num_tokens:i32 num_channels:i32 timeout_ns:i64 error_record:ptr"),
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 notify_off:i64 " + _CALL_SETTINGS +
+        " zero_off:i64 zero_count:i32 send_head:ptr combine_head:ptr num_tokens:i32 num_channels:i32 "
+        "timeout_ns:i64 error_record:ptr"),
     "dispatch_kernel": _signature(
         "recv_x:ptr recv_x_scales:ptr recv_src_idx:ptr recv_topk_idx:ptr recv_topk_weights:ptr "
         "recv_channel_prefix_matrix:ptr send_head:ptr x:ptr x_scales:ptr topk_idx:ptr topk_weights:ptr "

@@ -4,7 +4,8 @@ This module is the one place that carves the buffer; the kernels receive the byt
 computes. Every rank computes the same offsets (the settings are checked to agree), so an offset
 is valid in a peer's buffer too. All regions start on 128-byte boundaries.
 
-    [0, 128)            int signals[8]      barrier words; slot s written only by rank s (never reset)
+    [0, 128)            int signals[8]      barrier words; slot s written only by rank s (never reset);
+                        int 16              this rank's verdict on the current call's settings (0: agreed)
     notify area 0, 1    int signature[R][8], rank_counts[R][R], expert_counts[R][E/R]
                         (sized for 8 ranks and MAX_LOCAL_EXPERTS; dispatches alternate between the
                         two, so a rank can post the next counts while a slower peer still reads the

@@ -27,6 +27,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         void* const* buffer_ptrs, int rank,
         int64_t_ meta_off, int64_t_ x_off, int64_t_ topk_weights_off,
         int max_send_tokens, int queue_tokens, int64_t_ timeout_ns, int* error_record) {
+    if (ld_volatile(verdict_word(buffer_ptrs, rank)) != 0)
+        return;  // the ranks disagree on this call's settings: every rank stops here
     const int thread = threadIdx.x, lane = thread % 32;
     const int num_channels = gridDim.x / 2, channel = blockIdx.x / 2;
     const int num_queues = num_channels * kNumRanks;

@@ -27,6 +27,17 @@ enum KernelId {
 };
 
 #define ERROR_TIMEOUT 1
+#define ERROR_MISMATCH 2  // the ranks called with different settings: [4] = the rank that differs
+
+// Int index, in every rank's own NVLink buffer, of the verdict of the last count exchange or
+// queue reset (0: all ranks agree on the call's settings). Written only by the rank itself; the
+// transfer kernels read it first and move nothing when it is not 0, so ranks that disagree all
+// stop instead of waiting for each other.
+#define VERDICT_INT 16
+
+__device__ __forceinline__ int* verdict_word(void* const* buffer_ptrs, int rank) {
+    return reinterpret_cast<int*>(buffer_ptrs[rank]) + VERDICT_INT;
+}
 
 __device__ __forceinline__ uint64_t_ now_ns() {
     uint64_t_ t;

@@ -62,6 +62,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int64_t_ meta_off, int64_t_ x_off, int64_t_ src_idx_off, int64_t_ topk_idx_off,
         int64_t_ topk_weights_off, int64_t_ scales_off,
         int max_send_tokens, int queue_tokens, int64_t_ timeout_ns, int* error_record) {
+    if (ld_volatile(verdict_word(buffer_ptrs, rank)) != 0)
+        return;  // the ranks disagree on this call's settings: every rank stops here
     constexpr int kWarpsPerRank = DISPATCH_THREADS / 32 / kNumRanks;
     constexpr int kGroupThreads = kWarpsPerRank * 32;
     const int thread = threadIdx.x, lane = thread % 32;

@@ -11,6 +11,54 @@ __device__ __forceinline__ void zero_ints(void* base, int64_t_ offset, int count
         ints[i] = 0;
 }
 
+// Write this rank's settings row (SIGNATURE_INTS - 1 values, then `invalid`) into the signature
+// table of every peer's notify area at `notify_off`. All threads of the block.
+__device__ __forceinline__ void publish_signature(void* const* buffer_ptrs, int num_ranks, int rank,
+                                                  int64_t_ notify_off, const int* values, int invalid) {
+    for (int i = threadIdx.x; i < num_ranks * SIGNATURE_INTS; i += blockDim.x) {
+        const int peer = i / SIGNATURE_INTS, j = i % SIGNATURE_INTS;
+        int* area = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[peer]) + notify_off);
+        area[rank * SIGNATURE_INTS + j] = j < SIGNATURE_INTS - 1 ? values[j] : invalid;
+    }
+}
+
+// The verdict on a call, from the signature table of this rank's notify area after a barrier;
+// every rank reads the same table, so every rank comes to the same verdict:
+// 0 = all agree, p + 1 = rank p's settings differ from rank 0's, -(p + 1) = rank p's input was invalid.
+__device__ __forceinline__ int settings_verdict(void* const* buffer_ptrs, int num_ranks, int rank,
+                                                int64_t_ notify_off) {
+    const int* area = reinterpret_cast<const int*>(reinterpret_cast<const char*>(buffer_ptrs[rank]) + notify_off);
+    for (int peer = 0; peer < num_ranks; ++peer) {
+        const int* row = area + peer * SIGNATURE_INTS;
+        if (row[SIGNATURE_INTS - 1] != 0)
+            return -(peer + 1);
+        for (int j = 0; j < SIGNATURE_INTS - 1; ++j)
+            if (row[j] != area[j])
+                return peer + 1;
+    }
+    return 0;
+}
+
+// Before a cached dispatch or a combine: compare the call's settings across ranks, then reset the
+// queues (`zero_off`, `zero_count` ints) between two barriers (nobody may still use the old queues,
+// nobody may start before the reset). Block 0, all of it. A disagreement is left in this rank's
+// verdict word for the transfer kernel and in the error record for the host.
+__device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
+                                                int64_t_ notify_off, const int* settings, int64_t_ zero_off,
+                                                int zero_count, int64_t_ timeout_ns, int* error_record, int kernel) {
+    publish_signature(buffer_ptrs, num_ranks, rank, notify_off, settings, 0);
+    if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record, kernel))
+        return;
+    if (threadIdx.x == 0) {
+        const int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
+        *verdict_word(buffer_ptrs, rank) = verdict;
+        if (verdict != 0)
+            report_error(error_record, ERROR_MISMATCH, kernel, rank, -1, verdict - 1, verdict);
+    }
+    zero_ints(buffer_ptrs[rank], zero_off, zero_count);
+    rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record, kernel);
+}
+
 // Notify area of a dispatch, at `notify_off` in every rank's NVLink buffer (two areas used in
 // turn by consecutive dispatches, see deepep_cupy/layout.py); row `src` of each table is written
 // only by rank `src`:
@@ -50,22 +98,18 @@ extern "C" __global__ void notify_dispatch_kernel(
         invalid = __syncthreads_or(invalid);
 
         // Scatter this rank's row of every table into every peer's notify area.
-        const int row_ints = SIGNATURE_INTS + num_ranks + experts_per_rank;
+        publish_signature(buffer_ptrs, num_ranks, rank, notify_off, signature, invalid);
+        const int row_ints = num_ranks + experts_per_rank;
         for (int i = thread; i < num_ranks * row_ints; i += num_threads) {
             const int peer = i / row_ints, j = i % row_ints;
             int* area = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[peer]) + notify_off);
             int* rank_counts = area + num_ranks * SIGNATURE_INTS;
             int* expert_counts = rank_counts + num_ranks * num_ranks;
-            if (j < SIGNATURE_INTS - 1)
-                area[rank * SIGNATURE_INTS + j] = signature[j];
-            else if (j == SIGNATURE_INTS - 1)
-                area[rank * SIGNATURE_INTS + j] = invalid;
-            else if (j < SIGNATURE_INTS + num_ranks)
-                rank_counts[rank * num_ranks + (j - SIGNATURE_INTS)] = num_tokens_per_rank[j - SIGNATURE_INTS];
-            else {
-                const int e = j - SIGNATURE_INTS - num_ranks;
-                expert_counts[rank * experts_per_rank + e] = num_tokens_per_expert[peer * experts_per_rank + e];
-            }
+            if (j < num_ranks)
+                rank_counts[rank * num_ranks + j] = num_tokens_per_rank[j];
+            else
+                expert_counts[rank * experts_per_rank + (j - num_ranks)] =
+                    num_tokens_per_expert[peer * experts_per_rank + (j - num_ranks)];
         }
         if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
                           KERNEL_NOTIFY_DISPATCH))
@@ -75,18 +119,11 @@ extern "C" __global__ void notify_dispatch_kernel(
         const int* rank_counts = area + num_ranks * SIGNATURE_INTS;
         const int* expert_counts = rank_counts + num_ranks * num_ranks;
         __shared__ int num_recv_tokens;
-        // Verdict, identical on every rank since all compare the same tables:
-        // 0 = agreed, p + 1 = rank p's settings differ, -(p + 1) = rank p's input was invalid.
         if (thread == 0) {
-            int verdict = 0;
-            for (int peer = 0; peer < num_ranks && verdict == 0; ++peer) {
-                const int* row = area + peer * SIGNATURE_INTS;
-                if (row[SIGNATURE_INTS - 1] != 0)
-                    verdict = -(peer + 1);
-                for (int j = 0; j < SIGNATURE_INTS - 1 && verdict == 0; ++j)
-                    if (row[j] != area[j])
-                        verdict = peer + 1;
-            }
+            // The host refuses a dispatch with a verdict; the word is written anyway, to clear
+            // a disagreement left by an earlier cached call.
+            const int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
+            *verdict_word(buffer_ptrs, rank) = verdict;
             *reinterpret_cast<volatile int*>(mismatch_flag) = verdict;
         }
         if (thread < num_ranks) {
@@ -135,17 +172,17 @@ extern "C" __global__ void notify_dispatch_kernel(
     }
 }
 
-// Before a cached dispatch: the layout is known, only the queue metadata needs resetting,
-// between two barriers (nobody may still use the old queues, nobody may start before the reset).
+// Before a cached dispatch: the layout is known; check the settings and reset the queues. The
+// settings a cached dispatch and a combine compare across ranks: which operation (`op`), row
+// bytes, scales per token (dispatch) or element type and top-k (combine) in `row_detail`,
+// num_sms, and the two chunk sizes.
 extern "C" __global__ void cached_notify_dispatch_kernel(
-        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ zero_off, int zero_count,
-        int64_t_ timeout_ns, int* error_record) {
-    if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
-                      KERNEL_CACHED_NOTIFY_DISPATCH))
-        return;
-    zero_ints(buffer_ptrs[rank], zero_off, zero_count);
-    rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
-                 KERNEL_CACHED_NOTIFY_DISPATCH);
+        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ notify_off,
+        int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
+        int64_t_ zero_off, int zero_count, int64_t_ timeout_ns, int* error_record) {
+    const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
+    check_and_reset(buffer_ptrs, num_ranks, rank, epoch, notify_off, settings, zero_off, zero_count, timeout_ns,
+                    error_record, KERNEL_CACHED_NOTIFY_DISPATCH);
 }
 
 extern "C" __global__ void barrier_kernel(void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
@@ -153,7 +190,7 @@ extern "C" __global__ void barrier_kernel(void* const* buffer_ptrs, int num_rank
     rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record, KERNEL_BARRIER);
 }
 
-// Before a combine. Block 0 resets the combine queues between two barriers. Blocks 1..C derive
+// Before a combine. Block 0 checks the settings and resets the combine queues. Blocks 1..C derive
 // `combine_head` from the dispatch's `send_head` for their channel, one warp per rank:
 //   combine_head[t][r] = send_head[t][r]        where token t was sent to r (its queue slot), else
 //                      = -(next slot) - 1        next slot = that of the next token of the channel
@@ -161,16 +198,14 @@ extern "C" __global__ void barrier_kernel(void* const* buffer_ptrs, int num_rank
 // A combine receiver that meets a token not sent to r can then still tell the sender of r how
 // far the queue has been consumed.
 extern "C" __global__ void cached_notify_combine_kernel(
-        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ zero_off, int zero_count,
-        const int* send_head, int* combine_head, int num_tokens, int num_channels,
-        int64_t_ timeout_ns, int* error_record) {
+        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ notify_off,
+        int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
+        int64_t_ zero_off, int zero_count, const int* send_head, int* combine_head, int num_tokens,
+        int num_channels, int64_t_ timeout_ns, int* error_record) {
     if (blockIdx.x == 0) {
-        if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
-                          KERNEL_CACHED_NOTIFY_COMBINE))
-            return;
-        zero_ints(buffer_ptrs[rank], zero_off, zero_count);
-        rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
-                     KERNEL_CACHED_NOTIFY_COMBINE);
+        const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
+        check_and_reset(buffer_ptrs, num_ranks, rank, epoch, notify_off, settings, zero_off, zero_count,
+                        timeout_ns, error_record, KERNEL_CACHED_NOTIFY_COMBINE);
         return;
     }
     const int channel = blockIdx.x - 1;

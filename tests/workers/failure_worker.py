@@ -14,7 +14,7 @@ import traceback
 
 import numpy as np
 
-CASES = ["argument_checks", "invalid_expert_ids", "rank_mismatch", "peer_never_joins",
+CASES = ["argument_checks", "invalid_expert_ids", "rank_mismatch", "cached_rank_mismatch", "peer_never_joins",
          "many_iterations", "create_destroy_cycles"]
 
 N, H, E, K = 128, 1024, 16, 4
@@ -141,6 +141,33 @@ def case_rank_mismatch(comm, ep, cupy):
             topk_idx=topk, config=config))
         dispatch_and_check(buf, rng, config)
     return {"message": message}
+
+
+def case_cached_rank_mismatch(comm, ep, cupy):
+    """Cached dispatch and combine with chunk sizes that differ between ranks: found on the device,
+    nothing moves, the next call raises on every rank, and the Buffer stays usable."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    config = ep.Config(24, 16, 256)
+    other = ep.Config(24, 16 if rank == 0 else 32, 256)  # same num_sms: no local check can see it
+    rng = np.random.default_rng(5)
+    messages = []
+    with ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, config), timeout_s=20) as buf:
+        xs, topks, _ = inputs(np.random.default_rng(50), R)
+        x, topk = cupy.asarray(xs[rank]), cupy.asarray(topks[rank])
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=topk, config=config)
+        for call in (lambda: buf.dispatch(x, handle=handle, config=other),
+                     lambda: buf.combine(recv_x, handle, config=other)):
+            start = time.monotonic()
+            call()
+            cupy.cuda.get_current_stream().synchronize()
+            messages.append(expect(ep.RankMismatchError, "differ between rank 0 and rank 1",
+                                   lambda: buf.get_dispatch_layout(topk, E)))
+            if time.monotonic() - start > 10:
+                raise AssertionError("the disagreement took longer than 10 s to surface (a timeout?)")
+            dispatch_and_check(buf, rng, config)
+    return {"messages": messages}
 
 
 def case_peer_never_joins(comm, ep, cupy):

@@ -24,6 +24,9 @@ needs it) instead of each computing every rank's: the reference of an 8-rank ref
 takes ~30 s of CPU, and 8 threads doing it at once under the GIL would keep some ranks away from
 their kernels for longer than the Buffer timeout.
 
+``DEEPEP_TEST_DUMP_AFTER=S`` (a debugging aid): S seconds into each scenario, dump every thread's
+Python stack to stderr (faulthandler), to see where a hung rank waits.
+
 ``--inject-failure R``: rank R raises right before its first scenario while the others run it, to
 check that a failing rank ends the whole job (the others time out in their kernels, or are aborted
 in a collective) instead of hanging it; the job then prints ``ERROR {json}`` and exits with 1.
