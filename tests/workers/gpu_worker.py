@@ -240,6 +240,17 @@ def _run_scenario(buf, sc):
     return {"recv_tokens": int(want["recv_x"].shape[0])}
 
 
+def kernel_error(buf):
+    """What the Buffer's kernels reported, if anything: a wrong result can come from a kernel that
+    timed out, which the Buffer only raises at its next call."""
+    try:
+        buf._comm_stream.synchronize()   # the kernels end by themselves: they have a timeout
+        buf._raise_kernel_error()
+    except Exception as exc:  # noqa: BLE001 - reported, not handled
+        return f" [kernel error: {type(exc).__name__}: {exc}]"
+    return ""
+
+
 def main(names):
     from mpi4py import MPI
     import cupy
@@ -266,7 +277,7 @@ def main(names):
             info = run_scenario(buf, sc)
             ok, error = True, None
         except Exception as exc:  # report and go on with the next scenario
-            ok, error, info = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", {}
+            ok, error, info = False, f"{type(exc).__name__}: {exc}{kernel_error(buf)}\n{traceback.format_exc()}", {}
             failures += 1
         # Every rank must know whether any failed: a rank whose Buffer timed out replaces it.
         all_ok = comm.allreduce(ok, op=MPI.LAND)

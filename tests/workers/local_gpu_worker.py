@@ -208,7 +208,7 @@ def rank_main(group, scenarios, args, shared=None):
                 info["hashes"] = recorder.hashes()
                 ok, error = True, None
             except Exception as exc:  # report and go on with the next scenario
-                ok, error, info = False, f"{type(exc).__name__}: {exc}{kernel_error(buf)}\n{traceback.format_exc()}", {}
+                ok, error, info = False, f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(buf)}\n{traceback.format_exc()}", {}
                 failures += 1
             recorder = None
             all_ok = all(group.allgather(ok))
@@ -227,17 +227,6 @@ def rank_main(group, scenarios, args, shared=None):
     finally:
         buf.destroy()
     return failures
-
-
-def kernel_error(buf):
-    """What the Buffer's kernels reported, if anything: a wrong result can come from a kernel that
-    timed out, which the Buffer only raises at its next call."""
-    try:
-        buf._comm_stream.synchronize()   # the kernels end by themselves: they have a timeout
-        buf._raise_kernel_error()
-    except Exception as exc:  # noqa: BLE001 - reported, not handled
-        return f" [kernel error: {type(exc).__name__}: {exc}]"
-    return ""
 
 
 def for_rank_count(scenarios, num_ranks):
