@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -69,6 +68,8 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .comm import _sm_count
 
 # ----------------------------------------------------------------------------------------------
 # Constants
@@ -1123,12 +1124,6 @@ def _raw_kernel(source: str, name: str):
     return _RAW_KERNELS[name]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    import cupy
-    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
-
-
 def gather_rows(x: Any, rows: Any, out: Any) -> Any:
     """``out[:] = x[rows]`` for C-contiguous 2-D CuPy arrays, with 16-byte vector copies when rows allow.
 
@@ -1347,7 +1342,7 @@ def copy_ceiling(devices: Tuple[int, int], nbytes: int, sms_list: Sequence[int],
             bufs[d] = (cupy.ones(nbytes, dtype=cupy.uint8), cupy.zeros(nbytes, dtype=cupy.uint8))
             kernels[d] = _raw_kernel(COPY_KERNEL_SRC, "copy_int4")
             streams[d] = cupy.cuda.Stream(non_blocking=True)
-            nsm[d] = cupy.cuda.runtime.getDeviceProperties(d)["multiProcessorCount"]
+            nsm[d] = _sm_count(d)
             cupy.cuda.Device(d).synchronize()  # the fills ran on the default stream
 
     def launcher(run_on, src, dst, blocks):
@@ -1393,7 +1388,6 @@ COPY_COLUMNS = (("op", "copy ceiling", "{}"), ("time_mean_us", "mean us", "{:.1f
 
 def run_copy_ceiling(args: argparse.Namespace, devices: Sequence[int]) -> Dict[str, Any]:
     """Copy ceiling between the first two distinct GPUs, or ``{"skipped": reason}``."""
-    import cupy
     if not args.copy:
         return {"skipped": "disabled by --no-copy"}
     distinct = list(dict.fromkeys(devices))
@@ -1401,7 +1395,7 @@ def run_copy_ceiling(args: argparse.Namespace, devices: Sequence[int]) -> Dict[s
         return {"skipped": "needs two visible GPUs"}
     try:
         a, b = distinct[0], distinct[1]
-        sm_all = cupy.cuda.runtime.getDeviceProperties(a)["multiProcessorCount"]
+        sm_all = _sm_count(a)
         sms = sorted({min(args.num_sms, sm_all), sm_all})
         rows = copy_ceiling((a, b), args.copy_mib * 1024 * 1024, sms, args.copy_iters)
         return {"skipped": None, "bytes": args.copy_mib * 1024 * 1024, "rows": rows}

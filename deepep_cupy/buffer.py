@@ -10,7 +10,7 @@ import numpy as np
 
 from . import kernels, layout
 from .arrays import as_cupy, caller_stream, check_array, to_framework
-from .comm import Group, as_group
+from .comm import Group, as_group, check_sm_budget
 from .config import MAX_TOPK, Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS
 from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
@@ -328,21 +328,11 @@ class Buffer:
         elif not isinstance(config, Config):
             raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
         if config.num_sms not in self._checked_sms:
-            self._check_sm_budget(config.num_sms)
+            # Ranks sharing a GPU spin-wait on each other, so all their blocks must be resident at once.
+            sharing = max(1, self.group.ranks_on_device(self._device.id)) if self.group.in_process else 1
+            check_sm_budget({self._device.id: sharing}, config.num_sms)
             self._checked_sms.add(config.num_sms)
         return config
-
-    def _check_sm_budget(self, num_sms: int) -> None:
-        """Ranks sharing a GPU spin-wait on each other, so all their blocks must be resident at once."""
-        import cupy
-
-        sm_count = cupy.cuda.Device(self._device.id).attributes["MultiProcessorCount"]
-        sharing = max(1, self.group.ranks_on_device(self._device.id)) if self.group.in_process else 1
-        if sharing * num_sms > sm_count:
-            raise ValueError(
-                f"config.num_sms: {sharing} ranks share GPU {self._device.id} ({sm_count} SMs) and each needs "
-                f"num_sms={num_sms} resident blocks ({sharing * num_sms} in all); use num_sms <= "
-                f"{sm_count // sharing // 2 * 2}")
 
     # -----------------------------------------------------------------------------------------
     # Layout

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import collections.abc
+import functools
 import socket
 import threading
 import time
@@ -355,10 +356,17 @@ class ThreadGroup(Group):
         return f"ThreadGroup(rank={self._rank}, size={self.size}, device={self.device_id})"
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
+    """Multiprocessors of CUDA device ``device_id``."""
     import cupy
 
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def largest_num_sms(ranks_on_gpu: int, sm_count: int) -> int:
+    """The largest (even) ``num_sms`` with which ``ranks_on_gpu`` ranks fit on a GPU of ``sm_count`` SMs."""
+    return (sm_count // ranks_on_gpu) // 2 * 2
 
 
 def check_sm_budget(ranks_per_device: Mapping[int, int], num_sms: int,
@@ -394,7 +402,7 @@ def check_sm_budget(ranks_per_device: Mapping[int, int], num_sms: int,
         else:
             sms = int(sm_count)
         if ranks * num_sms > sms:
-            fit = (sms // ranks) // 2 * 2
+            fit = largest_num_sms(ranks, sms)
             hint = (f"use num_sms <= {fit} (even) or put fewer ranks on GPU {device_id}" if fit >= 2
                     else f"put fewer ranks on GPU {device_id}")
             raise ValueError(

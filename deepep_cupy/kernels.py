@@ -13,6 +13,7 @@ signature: the one place where Python values become C types.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import struct
@@ -22,7 +23,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-MAX_RANKS = 8
+from .layout import MAX_RANKS  # noqa: E402  (one definition for the package)
+
 RANK_COUNTS = tuple(range(2, MAX_RANKS + 1))
 
 #: C element type of each combine dtype name (the tag types are defined in kernels/common.cuh).
@@ -105,6 +107,17 @@ def get_kernel(name_expression: str):
     return function
 
 
+@functools.lru_cache(maxsize=None)
+def _cu_func_load():
+    """The driver's ``cuFuncLoad`` (CUDA 12.4+), or None with an older driver."""
+    try:
+        func_load = ctypes.CDLL("libcuda.so.1").cuFuncLoad
+    except (OSError, AttributeError):
+        return None
+    func_load.argtypes = [ctypes.c_void_p]
+    return func_load
+
+
 def _load_now(function_ptr: int) -> None:
     """Load a kernel onto the GPU now rather than at its first launch.
 
@@ -113,14 +126,9 @@ def _load_now(function_ptr: int) -> None:
     a GPU, those include a co-located peer's kernel that spins until this rank's kernel runs: a
     deadlock that only the kernels' timeout ends. ``cuFuncLoad`` (CUDA 12.4+) loads eagerly.
     """
-    import ctypes
-
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        func_load = libcuda.cuFuncLoad
-    except (OSError, AttributeError):
+    func_load = _cu_func_load()
+    if func_load is None:
         return  # a driver before CUDA 12.4: nothing to force
-    func_load.argtypes = [ctypes.c_void_p]
     status = func_load(ctypes.c_void_p(function_ptr))
     if status != 0:
         raise RuntimeError(f"deepep_cupy: cuFuncLoad failed with CUresult {status}")

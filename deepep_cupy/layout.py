@@ -36,6 +36,7 @@ ALIGNMENT = 128
 SIGNAL_BYTES = 128
 SIGNATURE_INTS = 8
 INT_BYTES = 4
+#: The most ranks a group may have (the kernels are instantiated for 2..MAX_RANKS).
 MAX_RANKS = 8
 #: The most experts per rank (sizes the notify areas and the host-mapped receive counters).
 MAX_LOCAL_EXPERTS = 4096

@@ -43,6 +43,8 @@ import traceback
 
 import numpy as np
 
+from deepep_cupy.comm import _sm_count, largest_num_sms
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_worker  # noqa: E402
 from gpu_scenarios import SCENARIOS  # noqa: E402
@@ -237,7 +239,7 @@ def for_rank_count(scenarios, num_ranks):
 
 def fit_scenarios(scenarios, ranks_per_gpu, sm_count, num_sms=None):
     """Scenarios with ``num_sms`` set to ``num_sms`` or lowered to what fits ``ranks_per_gpu`` ranks."""
-    cap = (sm_count // ranks_per_gpu) // 2 * 2
+    cap = largest_num_sms(ranks_per_gpu, sm_count)
     fitted = []
     for sc in scenarios:
         want = num_sms if num_sms is not None else sc["num_sms"]
@@ -255,7 +257,7 @@ def main_threads(args, scenarios):
         raise SystemExit(f"--gpus {gpus}: {count} GPUs are visible")
     devices = [r % gpus for r in range(args.ranks)]
     ranks_per_gpu = max(devices.count(d) for d in set(devices))
-    sm_count = min(cupy.cuda.Device(d).attributes["MultiProcessorCount"] for d in set(devices))
+    sm_count = min(_sm_count(d) for d in set(devices))
     scenarios = fit_scenarios(scenarios, ranks_per_gpu, sm_count, args.num_sms)
     emit("CONFIG", {"ranks": args.ranks, "devices": devices, "ranks_per_gpu": ranks_per_gpu, "sm_count": sm_count,
                     "num_sms": {sc["name"]: sc["num_sms"] for sc in scenarios}})
