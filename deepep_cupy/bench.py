@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recv-chunk", type=int, default=None,
                    help="num_max_nvl_chunked_recv_tokens (default: the recommended config)")
     g.add_argument("--timeout", type=float, default=100.0, help="Buffer timeout_s")
+    g.add_argument("--no-allocate-ahead", dest="allocate_ahead", action="store_false",
+                   help="Buffer(allocate_ahead=False): the host waits for the receive counts before "
+                        "it launches a fresh dispatch")
     g = p.add_argument_group("timing")
     g.add_argument("--warmup", type=int, default=20)
     g.add_argument("--iters", type=int, default=100)
@@ -395,7 +398,8 @@ def format_settings(s: Dict[str, Any]) -> str:
             f"routing={s.get('routing')}{'' if s.get('routing') == 'uniform' else '(skew=%s)' % s.get('skew')} "
             f"num_sms={d.get('num_sms')} dispatch chunks={d.get('num_max_nvl_chunked_send_tokens')}/"
             f"{d.get('num_max_nvl_chunked_recv_tokens')} combine chunks={c.get('num_max_nvl_chunked_send_tokens')}/"
-            f"{c.get('num_max_nvl_chunked_recv_tokens')} device={s.get('device_name')}")
+            f"{c.get('num_max_nvl_chunked_recv_tokens')} "
+            f"allocate_ahead={s.get('allocate_ahead', True)} device={s.get('device_name')}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -773,7 +777,7 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
                               "combine_config": config_to_dict(ccfg)}
     flush = make_l2_flush(args.flush_l2)
 
-    with ep.Buffer(group, nvl_bytes, timeout_s=args.timeout) as buf:
+    with ep.Buffer(group, nvl_bytes, timeout_s=args.timeout, allocate_ahead=args.allocate_ahead) as buf:
         host = make_workload(reference, args, rank, args.num_tokens, with_fp8=want_fp8 or args.check)
         topk_idx = cupy.asarray(host["topk_idx"])
         topk_w = cupy.asarray(host["topk_weights"])
@@ -827,6 +831,8 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
             nb = None if dt is None else dispatch_bytes(total, H, dt)
             cb = None if dt is None else dispatch_bytes(cross, H, dt)
             result["ops"][name] = op_stats(times, nb, cb)
+            if name.startswith("dispatch"):  # how the last timed fresh dispatch sized its outputs
+                result.setdefault("dispatch_allocation", {})[name] = buf.last_dispatch_allocation
         del out_bf16, out_fp8, cached_x, combined_x
 
         # --- tokens sweep --------------------------------------------------------------------
@@ -1558,7 +1564,8 @@ def _settings(args: argparse.Namespace, mode: str, num_ranks: int, devices: Sequ
     s.update(mode="in-process" if mode == "local" else "mpirun", num_ranks=num_ranks, devices=list(devices),
              device_name=first["device_name"], dispatch_config=first["dispatch_config"],
              combine_config=first["combine_config"], nvl_bytes=first["nvl_bytes"],
-             recv_tokens_rank0=first.get("recv_tokens"), cupy_version=cupy.__version__,
+             recv_tokens_rank0=first.get("recv_tokens"), dispatch_allocation_rank0=first.get("dispatch_allocation"),
+             cupy_version=cupy.__version__,
              python=sys.version.split()[0], nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
              time=time.strftime("%Y-%m-%d %H:%M:%S"))
     with contextlib.suppress(Exception):

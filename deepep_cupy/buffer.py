@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from . import kernels, layout
 from .arrays import as_cupy, caller_stream, check_array, to_framework
+from .capacity import ReceiveCapacityGuess
 from .comm import Group, as_group, check_sm_budget
 from .config import MAX_TOPK, Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS
@@ -24,6 +26,9 @@ _RECV_COUNTER = 8          # tokens this rank receives (-1 until notify_dispatch
 _VERDICT = 9               # settings check of notify_dispatch (0 = all ranks agree)
 _SIGNATURE = 16            # 7 ints this rank's settings (+1 written on the device)
 _EXPERT_COUNTERS = 32      # per local expert receive counts
+# Verdicts of notify_dispatch besides the settings check's (kernels/common.cuh).
+_VERDICT_OVER_CAPACITY = 1024   # a rank receives more than the rows its host allocated ahead
+_NO_CAPACITY_LIMIT = 2 ** 31 - 1  # the rows "allocated" when the host waits for the counts
 _MAPPED_INTS = _EXPERT_COUNTERS + MAX_LOCAL_EXPERTS
 
 _KERNEL_NAMES = {
@@ -32,13 +37,13 @@ _KERNEL_NAMES = {
 }
 
 _TRACE = os.environ.get("DEEPEP_CUPY_HOST_TRACE", "") not in ("", "0")
-#: (stage, time.perf_counter()) marks of the host path, recorded when DEEPEP_CUPY_HOST_TRACE=1.
-host_trace: List[Tuple[str, float]] = []
+#: (stage, time.perf_counter(), thread id) marks of the host path, recorded when DEEPEP_CUPY_HOST_TRACE=1.
+host_trace: List[Tuple[str, float, int]] = []
 
 
 def _mark(stage: str) -> None:
     if _TRACE:
-        host_trace.append((stage, time.perf_counter()))
+        host_trace.append((stage, time.perf_counter(), threading.get_ident()))
 
 
 _COMBINE_ELEMENT = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
@@ -102,10 +107,21 @@ class Buffer:
         timeout_s: how long a rank waits for its peers (in kernels and on the host) before it
             raises :class:`deepep_cupy.DeepEPTimeoutError`.
         device: the CUDA device id (default: CuPy's current device).
+        allocate_ahead: size a fresh dispatch's outputs from the previous dispatch's receive count
+            (scaled by the token count, plus 1/8 and 64 rows) so that the transfer starts before
+            the host has this call's counts; the arrays returned are exact-size views of those
+            allocations. A call that receives more than that is redone with exact sizes (one more
+            count exchange), as is the first. False: the host waits for the counts and allocates
+            exactly (no spare rows, one host round trip more on the GPU's critical path).
+
+    Attributes:
+        last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
+            (the host waited for the counts), ``"ahead"`` (allocated ahead, it fitted) or
+            ``"retried"`` (allocated ahead, too small, redone exactly).
     """
 
     def __init__(self, comm: Any, num_nvl_bytes: int, *, timeout_s: float = 100.0,
-                 device: Optional[int] = None):
+                 device: Optional[int] = None, allocate_ahead: bool = True):
         import cupy
 
         if not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
@@ -124,6 +140,9 @@ class Buffer:
         self._epoch = 0
         self._notify_count = 0  # picks the notify area (they alternate), the same on every rank
         self._checked_sms: set = set()
+        self.allocate_ahead = bool(allocate_ahead)
+        self._capacity_guess = ReceiveCapacityGuess()
+        self.last_dispatch_allocation: Optional[str] = None
 
         with self._device:
             self._check_group(cupy)
@@ -134,6 +153,7 @@ class Buffer:
                 self._comm_stream = cupy.cuda.Stream(non_blocking=True)
                 self._caller_done = cupy.cuda.Event(disable_timing=True)
                 self._comm_done = cupy.cuda.Event(disable_timing=True)
+                self._notify_done = cupy.cuda.Event(disable_timing=True)
                 kernels.warm_up(self.num_ranks)
             except BaseException:
                 self.destroy()
@@ -260,8 +280,17 @@ class Buffer:
         raise DeepEPTimeoutError(message, rank=rank, kernel=kernel, channel=None if channel < 0 else channel,
                                  peer=peer)
 
-    def _wait_mapped(self, index: int) -> int:
-        """Poll a host-mapped counter until a kernel sets it (>= 0), a kernel error, or the timeout."""
+    def _wait_mapped(self, index: int, kernel_done=None) -> int:
+        """Wait until a kernel sets a host-mapped counter (>= 0); raise on a kernel error or the timeout.
+
+        ``kernel_done``: an event recorded after the kernel that sets it. Ranks that are threads
+        of one process wait on it in the driver, without the GIL: a thread polling with the GIL
+        gets it back before a peer thread wakes up, so the peer, which has yet to launch its own
+        half of the exchange, can be kept waiting for a whole interpreter switch interval (5 ms).
+        The wait ends with the kernel, which has a timeout of its own.
+        """
+        if kernel_done is not None and self.group.in_process:
+            kernel_done.synchronize()
         values = self._mapped.values
         # Let the device report its own timeout first: it names the stage and the peer.
         deadline = time.monotonic() + self.timeout_s + 1.0
@@ -455,9 +484,29 @@ class Buffer:
     def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, config, previous_event, async_finish,
                         allocate_on_comm_stream):
-        import cupy
-
         _mark("start")
+        call = self._fresh_call(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                topk_weights, expert_alignment, config)
+        _mark("validated")
+        num_tokens = call["rows"].shape[0]
+        rows_ahead = self._capacity_guess.rows(num_tokens) if self.allocate_ahead else None
+        out = self._exchange_and_dispatch(call, config, rows_ahead, previous_event, async_finish,
+                                          allocate_on_comm_stream)
+        if out is None:
+            # A rank received more than its guess: every rank's transfer moved nothing. Again,
+            # with the host waiting for the counts (all ranks come here together).
+            self.last_dispatch_allocation = "retried"
+            out = self._exchange_and_dispatch(call, config, None, previous_event, async_finish,
+                                              allocate_on_comm_stream)
+        else:
+            self.last_dispatch_allocation = "exact" if rows_ahead is None else "ahead"
+        self._capacity_guess.observe(num_tokens, out[4].num_recv_tokens)
+        _mark("returned")
+        return out
+
+    def _fresh_call(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                    topk_weights, expert_alignment, config) -> Dict[str, Any]:
+        """Check a fresh dispatch's arguments; return them as CuPy arrays and plain values."""
         R, dev = self.num_ranks, self._device.id
         rows, scales, dtype_name, framework = self._parse_x(x)
         num_tokens = rows.shape[0]
@@ -488,69 +537,116 @@ class Buffer:
                 check_array(weights, "topk_weights", ("float32",), 2, (num_tokens, num_topk))
         elif topk_weights is not None:
             raise ValueError("topk_weights: given without topk_idx")
-        num_scales = _scales_per_token(scales)
-        row_bytes = rows.shape[1] * rows.itemsize
         plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                      row_bytes, num_topk, num_scales)
+                                      rows.shape[1] * rows.itemsize, num_topk, _scales_per_token(scales))
         self._require_room(plan.total_bytes, "dispatch")
+        return dict(rows=rows, scales=scales, dtype_name=dtype_name, framework=framework, per_rank=per_rank,
+                    in_rank=in_rank, per_expert=per_expert, topk=topk, weights=weights, num_experts=num_experts,
+                    expert_alignment=int(expert_alignment), plan=plan)
 
-        _mark("validated")
+    def _exchange_and_dispatch(self, call: Dict[str, Any], config: Config, rows_ahead: Optional[int],
+                               previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+        """The count exchange and the transfer of one fresh dispatch.
+
+        With ``rows_ahead`` the outputs get that many rows and the transfer is launched before the
+        host has the counts; returns None when some rank receives more than its rows (nothing was
+        moved). Without, the host waits for the counts and allocates exactly.
+        """
+        import cupy
+
+        R, C = self.num_ranks, config.num_channels
+        rows, scales, topk, weights = call["rows"], call["scales"], call["topk"], call["weights"]
+        framework = call["framework"]
+        outputs = None
         caller = self._begin(framework, previous_event)
+        _mark("begun")
+        prefix_matrices = self._launch_notify(call, config, rows_ahead)
+        _mark("notify launched")
+        with self._alloc_stream(caller, allocate_on_comm_stream):
+            recv_channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
+            send_head = cupy.empty((rows.shape[0], R), dtype=np.int32)
+            if rows_ahead is not None:
+                outputs = self._dispatch_outputs(rows_ahead, rows, scales, topk, weights)
+        _mark("outputs allocated")
+        if outputs is not None:
+            self._launch_dispatch(config, call, *prefix_matrices, outputs, recv_channel_prefix_matrix, send_head)
+            _mark("dispatch launched")
+        num_recv = self._wait_mapped(_RECV_COUNTER, self._notify_done)
+        _mark("counts arrived")
+        mapped = self._mapped.values
+        verdict = int(mapped[_VERDICT])
+        if verdict == _VERDICT_OVER_CAPACITY:
+            return None
+        self._check_verdict(verdict, topk, call["num_experts"])
+        per_expert_list = mapped[_EXPERT_COUNTERS:_EXPERT_COUNTERS + call["num_experts"] // R].tolist()
+        if outputs is None:
+            with self._alloc_stream(caller, allocate_on_comm_stream):
+                outputs = self._dispatch_outputs(num_recv, rows, scales, topk, weights)
+            self._launch_dispatch(config, call, *prefix_matrices, outputs, recv_channel_prefix_matrix, send_head)
+            _mark("dispatch launched")
+        else:
+            # The kernel writes the first num_recv rows; what the caller gets are those rows.
+            outputs = tuple(None if a is None else a[:num_recv] for a in outputs)
+        recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights = outputs
+        _mark("views made")
+        handle = DispatchHandle((*prefix_matrices, recv_channel_prefix_matrix, recv_src_idx, call["in_rank"],
+                                 send_head), framework, id(self))
+        keep = (rows, scales, topk, weights, call["per_rank"], call["per_expert"], call["in_rank"], recv_rows,
+                recv_scales, recv_topk, recv_weights, handle.arrays)
+        event = self._finish(caller, framework, async_finish, keep)
+        _mark("finished")
+        return (_received_x(recv_rows, recv_scales, call["dtype_name"], framework),
+                to_framework(recv_topk, "int64", framework), to_framework(recv_weights, "float32", framework),
+                per_expert_list, handle, event)
+
+    def _launch_notify(self, call: Dict[str, Any], config: Config, rows_ahead: Optional[int]):
+        """Launch notify_dispatch (the count exchange) and record ``_notify_done`` behind it.
+
+        Returns:
+            ``(rank_prefix_matrix, channel_prefix_matrix)``, written by the kernel.
+        """
+        import cupy
+
+        R, C = self.num_ranks, config.num_channels
+        rows, topk, weights, plan = call["rows"], call["topk"], call["weights"], call["plan"]
+        num_topk = 0 if topk is None else topk.shape[1]
         mapped = self._mapped.values
         mapped[_RECV_COUNTER] = -1
         mapped[_VERDICT] = 0
-        mapped[_SIGNATURE:_SIGNATURE + 7] = (row_bytes, 2 * num_topk + (weights is not None), num_scales,
-                                             num_experts, config.num_sms,
+        mapped[_SIGNATURE:_SIGNATURE + 7] = (rows.shape[1] * rows.itemsize, 2 * num_topk + (weights is not None),
+                                             _scales_per_token(call["scales"]), call["num_experts"], config.num_sms,
                                              config.num_max_nvl_chunked_send_tokens,
                                              config.num_max_nvl_chunked_recv_tokens)
-        C = config.num_channels
         with self._comm_stream:
             rank_prefix_matrix = cupy.empty((R, R), dtype=np.int32)
             channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
         kernels.launch(
             "notify_dispatch_kernel", 1 + R, self._comm_stream,
-            num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
-            rank_prefix_matrix=rank_prefix_matrix, channel_prefix_matrix=channel_prefix_matrix,
+            num_tokens_per_rank=call["per_rank"], num_tokens_per_expert=call["per_expert"],
+            is_token_in_rank=call["in_rank"], rank_prefix_matrix=rank_prefix_matrix,
+            channel_prefix_matrix=channel_prefix_matrix,
+            recv_capacity=_NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead,
             recv_counter=self._mapped.device_ptr(_RECV_COUNTER), mismatch_flag=self._mapped.device_ptr(_VERDICT),
             signature=self._mapped.device_ptr(_SIGNATURE),
             recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), topk_idx=topk, num_topk=num_topk,
-            num_tokens=num_tokens, num_experts=num_experts, num_channels=C, expert_alignment=expert_alignment,
-            buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R, rank=self.rank, epoch=self._next_epoch(2),
-            notify_off=self._next_notify_area(), zero_off=plan.meta_off,
-            zero_count=plan.zero_count, timeout_ns=self._timeout_ns,
-            error_record=self._mapped.device_ptr(_ERROR_RECORD))
-        _mark("notify launched")
-        # Outputs whose size is known already are allocated while the counts travel.
-        with self._alloc_stream(caller, allocate_on_comm_stream):
-            recv_channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
-            send_head = cupy.empty((num_tokens, R), dtype=np.int32)
-        _mark("early outputs")
-        num_recv = self._wait_mapped(_RECV_COUNTER)
-        _mark("counts arrived")
-        self._check_verdict(int(mapped[_VERDICT]), topk, num_experts)
-        experts_per_rank = num_experts // R
-        per_expert_list = mapped[_EXPERT_COUNTERS:_EXPERT_COUNTERS + experts_per_rank].tolist()
+            num_tokens=rows.shape[0], num_experts=call["num_experts"], num_channels=C,
+            expert_alignment=call["expert_alignment"], buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R,
+            rank=self.rank, epoch=self._next_epoch(2), notify_off=self._next_notify_area(), zero_off=plan.meta_off,
+            zero_count=plan.zero_count, timeout_ns=self._timeout_ns, error_record=self._mapped.device_ptr(_ERROR_RECORD))
+        self._notify_done.record(self._comm_stream)
+        return rank_prefix_matrix, channel_prefix_matrix
 
-        with self._alloc_stream(caller, allocate_on_comm_stream):
-            recv_rows = cupy.empty((num_recv, rows.shape[1]), dtype=rows.dtype)
-            recv_scales = None if scales is None else cupy.empty((num_recv,) + scales.shape[1:], dtype=np.float32)
-            recv_src_idx = cupy.empty(num_recv, dtype=np.int32)
-            recv_topk = None if topk is None else cupy.empty((num_recv, num_topk), dtype=np.int64)
-            recv_weights = None if weights is None else cupy.empty((num_recv, num_topk), dtype=np.float32)
-        _mark("outputs allocated")
-        self._launch_dispatch(config, plan, rows, scales, topk, weights, in_rank, channel_prefix_matrix,
-                              rank_prefix_matrix, num_experts, recv_rows, recv_scales, recv_src_idx, recv_topk,
-                              recv_weights, recv_channel_prefix_matrix, send_head)
-        _mark("dispatch launched")
-        handle = DispatchHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                 recv_src_idx, in_rank, send_head), framework, id(self))
-        keep = (rows, scales, topk, weights, per_rank, per_expert, in_rank, recv_rows, recv_scales,
-                recv_topk, recv_weights, handle.arrays)
-        event = self._finish(caller, framework, async_finish, keep)
-        recv_x = _received_x(recv_rows, recv_scales, dtype_name, framework)
-        _mark("returned")
-        return (recv_x, to_framework(recv_topk, "int64", framework),
-                to_framework(recv_weights, "float32", framework), per_expert_list, handle, event)
+    @staticmethod
+    def _dispatch_outputs(num_rows: int, rows, scales, topk, weights):
+        """``(recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights)`` with ``num_rows`` rows
+        (None for what the call does not return), on the current stream."""
+        import cupy
+
+        return (cupy.empty((num_rows, rows.shape[1]), dtype=rows.dtype),
+                None if scales is None else cupy.empty((num_rows,) + scales.shape[1:], dtype=np.float32),
+                cupy.empty(num_rows, dtype=np.int32),
+                None if topk is None else cupy.empty((num_rows, topk.shape[1]), dtype=np.int64),
+                None if weights is None else cupy.empty((num_rows, weights.shape[1]), dtype=np.float32))
 
     def _check_verdict(self, verdict: int, topk, num_experts: int) -> None:
         if verdict == 0:
@@ -570,18 +666,23 @@ class Buffer:
             f"{', '.join(_SIGNATURE_FIELDS)}); mine are {self._mapped.values[_SIGNATURE:_SIGNATURE + 7].tolist()}; "
             "no tokens were moved")
 
-    def _launch_dispatch(self, config, plan, rows, scales, topk, weights, in_rank, channel_prefix_matrix,
-                         rank_prefix_matrix, num_experts, recv_rows, recv_scales, recv_src_idx, recv_topk,
-                         recv_weights, recv_channel_prefix_matrix, send_head) -> None:
+    def _launch_dispatch(self, config, call, rank_prefix_matrix, channel_prefix_matrix, outputs,
+                         recv_channel_prefix_matrix, send_head) -> None:
+        """Launch the transfer of a dispatch. ``call``: the checked inputs (see ``_fresh_call``; a
+        cached dispatch passes no top-k); ``outputs``: see ``_dispatch_outputs``; the handle's
+        receive-side arrays are None in cached mode (the kernel skips them)."""
+        rows, scales, topk, weights = call["rows"], call["scales"], call["topk"], call["weights"]
+        recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights = outputs
+        plan = call["plan"]
         kernels.launch(
             "dispatch_kernel", config.num_sms, self._comm_stream, template_args=(self.num_ranks,),
             recv_x=recv_rows, recv_x_scales=recv_scales, recv_src_idx=recv_src_idx, recv_topk_idx=recv_topk,
             recv_topk_weights=recv_weights, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
             send_head=send_head, x=rows, x_scales=scales, topk_idx=topk, topk_weights=weights,
-            is_token_in_rank=in_rank, channel_prefix_matrix=channel_prefix_matrix,
+            is_token_in_rank=call["in_rank"], channel_prefix_matrix=channel_prefix_matrix,
             rank_prefix_matrix=rank_prefix_matrix, num_tokens=rows.shape[0],
             hidden_int4=rows.shape[1] * rows.itemsize // 16, num_topk=0 if topk is None else topk.shape[1],
-            num_experts=num_experts, num_scales=_scales_per_token(scales),
+            num_experts=call["num_experts"], num_scales=_scales_per_token(scales),
             buffer_ptrs=self._nvl.peer_ptrs, rank=self.rank, meta_off=plan.meta_off, x_off=plan.x_off,
             src_idx_off=plan.src_idx_off, topk_idx_off=plan.topk_idx_off, topk_weights_off=plan.topk_weights_off,
             scales_off=plan.scales_off, max_send_tokens=config.num_max_nvl_chunked_send_tokens,
@@ -614,15 +715,19 @@ class Buffer:
         caller = self._begin(framework, previous_event)
         kernels.launch("cached_notify_dispatch_kernel", 1, self._comm_stream, buffer_ptrs=self._nvl.peer_ptrs,
                        num_ranks=self.num_ranks, rank=self.rank, epoch=self._next_epoch(2),
-                       **self._call_settings(_OP_CACHED_DISPATCH, rows.shape[1] * rows.itemsize, num_scales, config),
+                       **self._call_settings(_OP_CACHED_DISPATCH, rows.shape[1] * rows.itemsize, num_scales,
+                                             config),
                        zero_off=plan.meta_off, zero_count=plan.zero_count, timeout_ns=self._timeout_ns,
                        error_record=self._mapped.device_ptr(_ERROR_RECORD))
         with self._alloc_stream(caller, allocate_on_comm_stream):
             recv_rows = cupy.empty((num_recv, rows.shape[1]), dtype=rows.dtype)
             recv_scales = None if scales is None else cupy.empty((num_recv,) + scales.shape[1:], dtype=np.float32)
-        self._launch_dispatch(config, plan, rows, scales, None, None, in_rank, channel_prefix_matrix,
-                              rank_prefix_matrix, 0, recv_rows, recv_scales, None, None, None, None, None)
-        event = self._finish(caller, framework, async_finish, (rows, scales, recv_rows, recv_scales, handle.arrays))
+        inputs = dict(rows=rows, scales=scales, topk=None, weights=None, in_rank=in_rank, num_experts=0,
+                      plan=plan)
+        self._launch_dispatch(config, inputs, rank_prefix_matrix, channel_prefix_matrix,
+                              (recv_rows, recv_scales, None, None, None), None, None)
+        event = self._finish(caller, framework, async_finish,
+                             (rows, scales, recv_rows, recv_scales, handle.arrays))
         recv_x = _received_x(recv_rows, recv_scales, dtype_name, framework)
         return recv_x, None, None, None, handle, event
 

@@ -209,7 +209,7 @@ class _Launcher:
     def __init__(self, kernel: str, function_ptr: int):
         self.packer = ArgumentPacker(SIGNATURES[kernel])
         self.function_ptr = function_ptr
-        self.block = BLOCK_THREADS[kernel]
+        self.block = block_threads(kernel)
         self.storage = ctypes.create_string_buffer(max(self.packer.layout.size, 1))
         base = ctypes.addressof(self.storage)
         self.param_ptrs = (ctypes.c_void_p * len(self.packer.offsets))(*[base + o for o in self.packer.offsets])
@@ -233,7 +233,7 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "num_tokens:i32 num_topk:i32 num_experts:i32 num_ranks:i32"),
     "notify_dispatch_kernel": _signature(
         "num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
-        "rank_prefix_matrix:ptr channel_prefix_matrix:ptr recv_counter:ptr mismatch_flag:ptr "
+        "rank_prefix_matrix:ptr channel_prefix_matrix:ptr recv_capacity:i32 recv_counter:ptr mismatch_flag:ptr "
         "signature:ptr recv_expert_counter:ptr topk_idx:ptr num_topk:i32 num_tokens:i32 num_experts:i32 "
         "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 "
         "notify_off:i64 zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
@@ -260,16 +260,28 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "queue_tokens:i32 timeout_ns:i64 error_record:ptr"),
 }
 
-#: Threads per block of each kernel (the transfer kernels' counts are fixed in their sources).
+#: Threads per block of the small kernels. The transfer kernels' counts are the ``#define`` in
+#: their source (it also sets their launch bounds), see :func:`block_threads`.
 BLOCK_THREADS = {
     "dispatch_layout_kernel": 1024,
-    "notify_dispatch_kernel": 256,
+    "notify_dispatch_kernel": 1024,
     "cached_notify_dispatch_kernel": 256,
     "barrier_kernel": 32,
     "cached_notify_combine_kernel": 32 * MAX_RANKS,
-    "dispatch_kernel": 512,
-    "combine_kernel": 768,
 }
+_BLOCK_DEFINES = {"dispatch_kernel": ("dispatch.cu", "DISPATCH_THREADS"),
+                  "combine_kernel": ("combine.cu", "COMBINE_THREADS")}
+
+
+def block_threads(kernel: str) -> int:
+    """Threads per block that ``kernel`` is launched with."""
+    if kernel in BLOCK_THREADS:
+        return BLOCK_THREADS[kernel]
+    file_name, define = _BLOCK_DEFINES[kernel]
+    found = re.search(rf"^\s*#\s*define\s+{define}\s+(\d+)", read_source(file_name), re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"deepep_cupy: {file_name} does not #define {define}")
+    return int(found.group(1))
 
 
 def name_expression(kernel: str, template_args: Sequence[object] = ()) -> str:

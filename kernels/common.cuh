@@ -34,6 +34,9 @@ enum KernelId {
 // transfer kernels read it first and move nothing when it is not 0, so ranks that disagree all
 // stop instead of waiting for each other.
 #define VERDICT_INT 16
+// The verdict when a rank receives more tokens than the rows its host allocated ahead of the
+// counts: nothing moves, no error is recorded, and the hosts redo the call with exact sizes.
+#define VERDICT_OVER_CAPACITY 1024
 
 __device__ __forceinline__ int* verdict_word(void* const* buffer_ptrs, int rank) {
     return reinterpret_cast<int*>(buffer_ptrs[rank]) + VERDICT_INT;

@@ -66,18 +66,23 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
 //                                        instead 1 when the rank found its own input invalid
 //   int rank_counts[R][R]                [src][dst] = tokens src sends to dst
 //   int expert_counts[R][E / R]          [src][e]   = tokens src sends to local expert e
+//   int recv_capacity[R]                 [src]      = rows src allocated for what it receives
 //
 // Block 0 scatters this rank's rows into every peer's area, then after a barrier sums the tables
 // into the rank prefix matrix and the receive counts (published to host-mapped memory for the host
 // to size the outputs), and zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints)
-// before a second barrier, so that no sender writes into a queue that is not yet reset. No barrier
+// before a second barrier, so that no sender writes into a queue that is not yet reset. A host that
+// allocated the outputs before knowing the counts (and launched the dispatch right behind this
+// kernel) states how many rows it allocated; if any rank receives more, every rank sees it in the
+// same table and the verdict VERDICT_OVER_CAPACITY makes the dispatch move nothing, so that the
+// hosts can redo the call with exact sizes. No barrier
 // is needed before the scatter: the area alternates, and a peer can only come back to this one
 // after this rank has passed the second barrier of the next dispatch, long after reading it.
 // Blocks 1..R count, per destination rank, the tokens of each channel (the sender-side channel
 // prefix matrix).
-extern "C" __global__ void notify_dispatch_kernel(
+extern "C" __global__ void __launch_bounds__(1024) notify_dispatch_kernel(
         const int* num_tokens_per_rank, const int* num_tokens_per_expert, const bool* is_token_in_rank,
-        int* rank_prefix_matrix, int* channel_prefix_matrix,
+        int* rank_prefix_matrix, int* channel_prefix_matrix, int recv_capacity,
         int* recv_counter, int* mismatch_flag, const int* signature, int* recv_expert_counter,
         const int64_t_* topk_idx, int num_topk, int num_tokens, int num_experts, int num_channels, int expert_alignment,
         void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
@@ -90,26 +95,41 @@ extern "C" __global__ void notify_dispatch_kernel(
         // Validate this rank's expert ids while waiting costs nothing: every rank learns the
         // verdict from the exchanged signatures and refuses the dispatch together.
         int invalid = 0;
-        if (topk_idx != nullptr)
-            for (int64_t_ i = thread; i < (int64_t_)num_tokens * num_topk; i += num_threads) {
-                const int64_t_ expert = topk_idx[i];
-                invalid |= (expert < -1 || expert >= num_experts) ? 1 : 0;
+        if (topk_idx != nullptr) {
+            // Several loads in flight per thread: one at a time, the scan of a 4096 x 8 table
+            // costs a memory latency per element and dominated the whole kernel.
+            constexpr int kInFlight = 8;
+            const int64_t_ total = (int64_t_)num_tokens * num_topk;
+            for (int64_t_ base = thread; base < total; base += (int64_t_)num_threads * kInFlight) {
+                int64_t_ expert[kInFlight];
+                #pragma unroll
+                for (int u = 0; u < kInFlight; ++u) {
+                    const int64_t_ i = base + (int64_t_)u * num_threads;
+                    expert[u] = i < total ? ld_stream(topk_idx + i) : -1;
+                }
+                #pragma unroll
+                for (int u = 0; u < kInFlight; ++u)
+                    invalid |= (expert[u] < -1 || expert[u] >= num_experts) ? 1 : 0;
             }
+        }
         invalid = __syncthreads_or(invalid);
 
         // Scatter this rank's row of every table into every peer's notify area.
         publish_signature(buffer_ptrs, num_ranks, rank, notify_off, signature, invalid);
-        const int row_ints = num_ranks + experts_per_rank;
+        const int row_ints = num_ranks + experts_per_rank + 1;
         for (int i = thread; i < num_ranks * row_ints; i += num_threads) {
             const int peer = i / row_ints, j = i % row_ints;
             int* area = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[peer]) + notify_off);
             int* rank_counts = area + num_ranks * SIGNATURE_INTS;
             int* expert_counts = rank_counts + num_ranks * num_ranks;
+            int* capacities = expert_counts + num_ranks * experts_per_rank;
             if (j < num_ranks)
                 rank_counts[rank * num_ranks + j] = num_tokens_per_rank[j];
-            else
+            else if (j < num_ranks + experts_per_rank)
                 expert_counts[rank * experts_per_rank + (j - num_ranks)] =
                     num_tokens_per_expert[peer * experts_per_rank + (j - num_ranks)];
+            else
+                capacities[rank] = recv_capacity;
         }
         if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record,
                           KERNEL_NOTIFY_DISPATCH))
@@ -118,11 +138,19 @@ extern "C" __global__ void notify_dispatch_kernel(
         const int* area = reinterpret_cast<const int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + notify_off);
         const int* rank_counts = area + num_ranks * SIGNATURE_INTS;
         const int* expert_counts = rank_counts + num_ranks * num_ranks;
+        const int* capacities = expert_counts + num_ranks * experts_per_rank;
         __shared__ int num_recv_tokens;
         if (thread == 0) {
             // The host refuses a dispatch with a verdict; the word is written anyway, to clear
             // a disagreement left by an earlier cached call.
-            const int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
+            int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
+            for (int dst = 0; dst < num_ranks && verdict == 0; ++dst) {
+                int received = 0;
+                for (int src = 0; src < num_ranks; ++src)
+                    received += rank_counts[src * num_ranks + dst];
+                if (received > capacities[dst])
+                    verdict = VERDICT_OVER_CAPACITY;
+            }
             *verdict_word(buffer_ptrs, rank) = verdict;
             *reinterpret_cast<volatile int*>(mismatch_flag) = verdict;
         }

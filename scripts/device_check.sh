@@ -27,6 +27,21 @@ PY
       grep -v "^RESULT" "$OUT/worker.log" | tail -30;;
     perf)
       DEEPEP_CUPY_PROFILE=${PROFILE:-0} timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_CONFIGS:-24:16:256} 2>&1 | tee "$OUT/perf.log" | tail -${PERF_TAIL:-20};;
+    ab)
+      # Same-run A/B of kernel variants (AB_VARIANTS: "name:DEFINE=value,DEFINE=value ...", built from
+      # kernels/ by sed) and of allocate-ahead on/off, alternated AB_ROUNDS times.
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for variant in ${AB_VARIANTS:-base:}; do
+          name=${variant%%:*}; defines=${variant#*:}; dir=/tmp/kernels_$name
+          rm -rf $dir; cp -r kernels $dir
+          for d in ${defines//,/ }; do sed -i "s/^#define ${d%%=*} .*/#define ${d%%=*} ${d#*=}/" $dir/*.cu; done
+          for ahead in ${AB_AHEAD:-1}; do
+            echo "--- round $round variant $name ($defines) allocate_ahead=$ahead"
+            DEEPEP_CUPY_KERNEL_DIR=$dir PERF_ALLOCATE_AHEAD=$ahead timeout ${PERF_TIMEOUT:-150} \
+              mpirun -n 2 python3 scripts/quick_perf.py ${PERF_CONFIGS:-24:32:512} 2>&1 | grep -v "host stages" | tail -7
+          done
+        done
+      done 2>&1 | tee -a "$OUT/ab.log";;
     test)
       timeout ${TEST_TIMEOUT:-500} make test 2>&1 | tee "$OUT/test.log" | tail -40;;
     local)

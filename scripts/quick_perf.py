@@ -3,7 +3,8 @@
     mpirun -n 2 python3 scripts/quick_perf.py [num_sms:send:recv ...]
 
 Prints per op: event time per call (mean/min), host time per call, and with
-DEEPEP_CUPY_PROFILE=1 the GPU time of each kernel.
+DEEPEP_CUPY_PROFILE=1 the GPU time of each kernel. PERF_ALLOCATE_AHEAD=0 makes the Buffer wait
+for the receive counts before a fresh dispatch; DEEPEP_CUPY_KERNEL_DIR picks kernel variants.
 """
 import os, sys, time
 import numpy as np
@@ -23,7 +24,7 @@ x = cupy.asarray(ref.float32_to_bfloat16_bits(rng.standard_normal((N, H), dtype=
 x8 = cupy.asarray(rng.integers(0, 120, (N, H), dtype=np.uint8)); s8 = cupy.ones((N, H // 128), np.float32)
 w = cupy.asarray(rng.random((N, K), dtype=np.float32))
 size = max(ep.get_nvl_buffer_size_hint(H * 2, R, ep.Config(*c)) for c in configs)
-buf = ep.Buffer(comm, size, timeout_s=20)
+buf = ep.Buffer(comm, size, timeout_s=20, allocate_ahead=os.environ.get("PERF_ALLOCATE_AHEAD", "1") != "0")
 stream = cupy.cuda.get_current_stream()
 
 
@@ -68,6 +69,7 @@ for cfg_tuple in configs:
         "dispatch_fp8": lambda: buf.dispatch((x8, s8), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                              num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=cfg),
         "cached_bf16": lambda: buf.dispatch(x, handle=handle, config=cfg),
+        "cached_fp8": lambda: buf.dispatch((x8, s8), handle=handle, config=cfg),
         "combine_bf16": lambda: buf.combine(recv_x, handle, config=cfg),
     }
     from deepep_cupy import buffer as buffer_module
@@ -76,7 +78,7 @@ for cfg_tuple in configs:
         mean, mn, host, prof = timed(fn)
         if rank == 0 and buffer_module.host_trace:
             last, sums = None, {}
-            for stage, t in buffer_module.host_trace:
+            for stage, t, _ in buffer_module.host_trace:
                 if stage != "start" and last is not None:
                     sums.setdefault(stage, []).append(t - last)
                 last = t

@@ -44,7 +44,7 @@ def test_defaults_are_the_reference_workload():
     assert a.num_sms == 24 and a.send_chunk is None and a.recv_chunk is None
     assert (a.warmup, a.iters) == (20, 100)
     assert a.num_ranks is None and a.launcher == "auto"
-    assert a.check and a.flush_l2 and a.copy and not a.tune
+    assert a.check and a.flush_l2 and a.copy and not a.tune and a.allocate_ahead
     assert a.nccl == "auto"
     assert a.tokens_sweep is None and a.plot is None and a.json is None and a.save_config is None
     assert a.tune_sms == [8, 16, 24, 32, 48]
@@ -58,13 +58,15 @@ def test_options_parse():
                           "--send-chunk", "8", "--recv-chunk", "512", "--warmup", "3", "--iters", "7",
                           "--seed", "11", "--num-ranks", "4", "--tokens-sweep", "256, 512,1024",
                           "--tune", "--save-config", "c.json", "--json", "r.json", "--nccl", "cupy",
-                          "--no-copy", "--no-check", "--no-flush-l2", "--launcher", "local"])
+                          "--no-copy", "--no-check", "--no-flush-l2", "--launcher", "local",
+                          "--no-allocate-ahead"])
     assert (a.num_tokens, a.hidden, a.num_topk, a.num_experts) == (512, 2048, 4, 64)
     assert (a.routing, a.skew, a.dtype, a.num_sms, a.send_chunk, a.recv_chunk) == ("skewed", 2.5, "fp8", 32, 8, 512)
     assert (a.warmup, a.iters, a.seed, a.num_ranks) == (3, 7, 11, 4)
     assert a.tokens_sweep == [256, 512, 1024]
     assert a.tune and a.save_config == "c.json" and a.json == "r.json" and a.nccl == "cupy"
     assert not a.copy and not a.check and not a.flush_l2 and a.launcher == "local"
+    assert not a.allocate_ahead
 
 
 def test_plot_implies_default_sweep():
@@ -165,10 +167,10 @@ def test_format_settings_line():
          "dispatch_config": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6,
                              "num_max_nvl_chunked_recv_tokens": 256},
          "combine_config": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 4,
-                            "num_max_nvl_chunked_recv_tokens": 256}}
+                            "num_max_nvl_chunked_recv_tokens": 256}, "allocate_ahead": False}
     line = bench.format_settings(s)
     for part in ("ranks=2", "tokens/rank=4096", "hidden=7168", "topk=8", "experts=256", "routing=uniform",
-                 "num_sms=24", "6/256", "4/256", "NVIDIA H200"):
+                 "num_sms=24", "6/256", "4/256", "allocate_ahead=False", "NVIDIA H200"):
         assert part in line
 
 

@@ -108,7 +108,8 @@ def test_combine_regions_are_aligned_ordered_and_after_the_header():
 
 
 def test_notify_areas_hold_the_largest_tables_and_do_not_overlap():
-    largest = 4 * layout.MAX_RANKS * (layout.SIGNATURE_INTS + layout.MAX_RANKS + layout.MAX_LOCAL_EXPERTS)
+    # signature, rank counts, expert counts and receive capacity rows of every rank
+    largest = 4 * layout.MAX_RANKS * (layout.SIGNATURE_INTS + layout.MAX_RANKS + layout.MAX_LOCAL_EXPERTS + 1)
     first, second = layout.NOTIFY_OFFSETS
     assert first >= layout.SIGNAL_BYTES
     assert second - first >= largest

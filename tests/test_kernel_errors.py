@@ -62,3 +62,41 @@ def test_after_a_timeout_the_buffer_stays_unusable():
         buf._ensure_usable()
     with pytest.raises(ep.DeepEPError, match="unusable"):
         buf._ensure_usable()
+
+
+class _Group:
+    def __init__(self, in_process):
+        self.in_process = in_process
+
+
+class _KernelDone:
+    def __init__(self, mapped, value):
+        self.mapped, self.value, self.waited = mapped, value, False
+
+    def synchronize(self):  # the kernel ends and has published the count
+        self.waited = True
+        self.mapped.values[8] = self.value
+
+
+def test_in_process_ranks_wait_for_the_counts_on_the_kernel_event_not_by_polling():
+    buf = _buffer_with_record()
+    buf.group = _Group(in_process=True)
+    buf._mapped.values[8] = -1
+    done = _KernelDone(buf._mapped, 1234)
+    assert buf._wait_mapped(8, done) == 1234 and done.waited
+
+
+def test_ranks_in_separate_processes_poll_the_counts():
+    buf = _buffer_with_record()
+    buf.group = _Group(in_process=False)
+    buf._mapped.values[8] = 77
+    done = _KernelDone(buf._mapped, 1234)
+    assert buf._wait_mapped(8, done) == 77 and not done.waited
+
+
+def test_a_kernel_error_during_the_counts_wait_raises_it():
+    buf = _buffer_with_record(1, 2, 0, -1, 1, 1)  # notify_dispatch timed out waiting for rank 1
+    buf.group = _Group(in_process=True)
+    buf._mapped.values[8] = -1
+    with pytest.raises(ep.DeepEPTimeoutError, match="notify_dispatch timed out"):
+        buf._wait_mapped(8, _KernelDone(buf._mapped, -1))

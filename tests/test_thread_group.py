@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import pytest
 
 import deepep_cupy as ep
-from deepep_cupy.comm import GroupAbortedError, Group, RankFailed, ThreadGroup, check_sm_budget, run_local_group
+from deepep_cupy.comm import (RANK_SWITCH_INTERVAL_S, GroupAbortedError, Group, RankFailed, ThreadGroup, check_sm_budget,
+                              run_local_group)
 from deepep_cupy.errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
 
 
@@ -225,6 +227,13 @@ def test_groups_created_for_own_threads():
     for t in threads:
         t.join(10)
     assert out == [[0, 0, 1]] * 3
+
+
+def test_rank_threads_run_with_a_short_gil_switch_interval_that_is_restored_after():
+    before = sys.getswitchinterval()
+    seen = run_local_group(lambda g: sys.getswitchinterval(), 2, use_devices=False)
+    assert all(v <= RANK_SWITCH_INTERVAL_S for v in seen)
+    assert sys.getswitchinterval() == before
 
 
 def test_ranks_on_device_and_devices():

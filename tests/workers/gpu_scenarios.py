@@ -6,7 +6,10 @@ with ``deepep_cupy.reference`` bit-exactly.
 
 BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24, dtype="bfloat16",
             with_topk=True, with_weights=True, expert_alignment=1, routing="uniform", cached=True,
-            combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1)
+            combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1,
+            allocation="any")
+# allocation: how the scenario's first fresh dispatch must size its outputs ("any": whatever the
+# previous scenario left; "exact": Buffer.allocate_ahead off; "retried": allocated ahead too small).
 
 
 def _scenario(name, **changes):
@@ -35,6 +38,10 @@ SCENARIOS = [
     _scenario("num_sms_48", num_sms=48, num_tokens=2000, seed=17),
     _scenario("fewer_tokens_than_channels", num_tokens=(5, 3), seed=18),
     _scenario("torch_tensors", framework="torch", seed=19),
+    _scenario("outputs_allocated_exactly", allocation="exact", seed=22),
+    _scenario("outputs_allocated_ahead_too_small", allocation="retried", num_tokens=(512, 300), seed=23),
+    _scenario("outputs_allocated_ahead_too_small_fp8", allocation="retried", dtype="float8_e4m3fn",
+              hidden=7168, num_topk=8, num_experts=64, seed=24),
     _scenario("reference_workload_bf16", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, seed=20),
     _scenario("reference_workload_fp8", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256,
               dtype="float8_e4m3fn", seed=21),

@@ -172,39 +172,66 @@ def _run_scenario(buf, sc):
         kwargs["topk_idx"] = topk
         if sc["with_weights"]:
             kwargs["topk_weights"] = device(mine["weights"])
-    if sc["mode"] == "async":
-        previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
-        out = buf.dispatch(x, previous_event=previous, async_finish=True, allocate_on_comm_stream=True, **kwargs)
-        assert out[-1].event is not None, "async dispatch returned no event"
-        out[-1].current_stream_wait()
-    else:
-        out = buf.dispatch(x, **kwargs)
-    recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
-    if sc["framework"] == "torch":
-        import torch
-        first = recv_x[0] if isinstance(recv_x, tuple) else recv_x
-        assert isinstance(first, torch.Tensor), f"torch input gave {type(first).__name__} output"
-    if mine["scales"] is not None:
-        assert isinstance(recv_x, tuple), "FP8 dispatch must return (x, scales)"
-        expect_equal("recv_x (fp8)", to_numpy(recv_x[0]), want["recv_x"])
-        expect_equal("recv_x_scales", to_numpy(recv_x[1]), want["recv_x_scales"])
-    else:
-        expect_equal("recv_x", to_numpy(recv_x), want["recv_x"])
-    if sc["with_topk"]:
-        expect_equal("recv_topk_idx", to_numpy(recv_topk), want["recv_topk_idx"])
-        if sc["with_weights"]:
-            expect_equal("recv_topk_weights", to_numpy(recv_weights), want["recv_topk_weights"])
+
+    def fresh_dispatch():
+        if sc["mode"] == "async":
+            previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
+            out = buf.dispatch(x, previous_event=previous, async_finish=True, allocate_on_comm_stream=True,
+                               **kwargs)
+            assert out[-1].event is not None, "async dispatch returned no event"
+            out[-1].current_stream_wait()
+            return out
+        return buf.dispatch(x, **kwargs)
+
+    def check_fresh(out, call):
+        recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
+        if sc["framework"] == "torch":
+            import torch
+            first = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+            assert isinstance(first, torch.Tensor), f"torch input gave {type(first).__name__} output"
+        if mine["scales"] is not None:
+            assert isinstance(recv_x, tuple), "FP8 dispatch must return (x, scales)"
+            expect_equal(f"{call}: recv_x (fp8)", to_numpy(recv_x[0]), want["recv_x"])
+            expect_equal(f"{call}: recv_x_scales", to_numpy(recv_x[1]), want["recv_x_scales"])
         else:
-            assert recv_weights is None
-    else:
-        assert recv_topk is None and recv_weights is None
-    if per_expert_list != want["num_recv_tokens_per_expert_list"]:
-        raise Mismatch(f"num_recv_tokens_per_expert_list: {per_expert_list}, expected "
-                       f"{want['num_recv_tokens_per_expert_list']}")
-    for name, got, expected in zip(
-            ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
-             "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
-        expect_equal(f"handle.{name}", to_numpy(got), expected)
+            expect_equal(f"{call}: recv_x", to_numpy(recv_x), want["recv_x"])
+        if sc["with_topk"]:
+            expect_equal(f"{call}: recv_topk_idx", to_numpy(recv_topk), want["recv_topk_idx"])
+            if sc["with_weights"]:
+                expect_equal(f"{call}: recv_topk_weights", to_numpy(recv_weights), want["recv_topk_weights"])
+            else:
+                assert recv_weights is None
+        else:
+            assert recv_topk is None and recv_weights is None
+        if per_expert_list != want["num_recv_tokens_per_expert_list"]:
+            raise Mismatch(f"{call}: num_recv_tokens_per_expert_list: {per_expert_list}, expected "
+                           f"{want['num_recv_tokens_per_expert_list']}")
+        for name, got, expected in zip(
+                ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                 "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
+            expect_equal(f"{call}: handle.{name}", to_numpy(got), expected)
+
+    def check_allocation(call, expected):
+        if buf.last_dispatch_allocation != expected:
+            raise Mismatch(f"{call}: outputs sized {buf.last_dispatch_allocation!r}, expected {expected!r}")
+
+    # The first call sizes its outputs as the scenario asks (or as the last scenario left the
+    # Buffer's guess); the second, with the same routing, must fit the rows allocated ahead.
+    buf.allocate_ahead = sc["allocation"] != "exact"
+    try:
+        if sc["allocation"] == "retried":
+            buf._capacity_guess.observe(len(mine["topk"]), 0)  # a guess of 64 rows: too few
+        out = fresh_dispatch()
+        if sc["allocation"] != "any":
+            check_allocation("first dispatch", sc["allocation"])
+        check_fresh(out, "first dispatch")
+        again = fresh_dispatch()
+        check_allocation("second dispatch", "exact" if sc["allocation"] == "exact" else "ahead")
+        check_fresh(again, "second dispatch")
+        del again
+    finally:
+        buf.allocate_ahead = True
+    recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
 
     # Cached dispatch: same routing, fresh payload
     if sc["cached"]:

@@ -99,6 +99,12 @@ class RecordingBuffer:
     def __getattr__(self, name):
         return getattr(self._buf, name)
 
+    def __setattr__(self, name, value):  # settings such as allocate_ahead go to the Buffer
+        if name in ("_buf", "_outputs"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._buf, name, value)
+
     def dispatch(self, x, handle=None, **kwargs):
         out = self._buf.dispatch(x, handle=handle, **kwargs)
         self._outputs.append(("cached_dispatch" if handle is not None else "dispatch", out[:3]))
