@@ -35,6 +35,3 @@ class ReceiveCapacityGuess:
     def observe(self, num_tokens: int, num_received: int) -> None:
         """Remember what a dispatch of ``num_tokens`` tokens received."""
         self._last = (int(num_tokens), int(num_received))
-
-    def forget(self) -> None:
-        self._last = None

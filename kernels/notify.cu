@@ -71,13 +71,13 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
 // Block 0 scatters this rank's rows into every peer's area, then after a barrier sums the tables
 // into the rank prefix matrix and the receive counts (published to host-mapped memory for the host
 // to size the outputs), and zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints)
-// before a second barrier, so that no sender writes into a queue that is not yet reset. A host that
-// allocated the outputs before knowing the counts (and launched the dispatch right behind this
-// kernel) states how many rows it allocated; if any rank receives more, every rank sees it in the
-// same table and the verdict VERDICT_OVER_CAPACITY makes the dispatch move nothing, so that the
-// hosts can redo the call with exact sizes. No barrier
+// before a second barrier, so that no sender writes into a queue that is not yet reset. No barrier
 // is needed before the scatter: the area alternates, and a peer can only come back to this one
 // after this rank has passed the second barrier of the next dispatch, long after reading it.
+// A host that allocated the outputs before knowing the counts (and launched the dispatch right
+// behind this kernel) states how many rows it allocated; if any rank receives more, every rank
+// sees it in the same table, and the verdict VERDICT_OVER_CAPACITY makes every rank's dispatch
+// move nothing, so that the hosts can redo the call with exact sizes.
 // Blocks 1..R count, per destination rank, the tokens of each channel (the sender-side channel
 // prefix matrix).
 extern "C" __global__ void __launch_bounds__(1024) notify_dispatch_kernel(

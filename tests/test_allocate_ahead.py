@@ -7,7 +7,6 @@ than its guess (notify_dispatch then refuses the transfer on every rank).
 
 import re
 
-
 from deepep_cupy import buffer as buffer_module, kernels
 from deepep_cupy.buffer import Buffer
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS, ReceiveCapacityGuess
@@ -35,13 +34,6 @@ def test_a_rank_that_sent_nothing_guesses_from_what_it_received():
     guess.observe(0, 300)
     assert guess.rows(0) == int(300 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
     assert guess.rows(100) == guess.rows(0)
-
-
-def test_a_forgotten_guess_waits_for_the_counts_again():
-    guess = ReceiveCapacityGuess()
-    guess.observe(10, 20)
-    guess.forget()
-    assert guess.rows(10) is None
 
 
 def test_the_over_capacity_verdict_is_the_kernels():
