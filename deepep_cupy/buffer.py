@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -63,6 +64,27 @@ def _received_x(recv_rows, recv_scales, dtype_name: str, framework: str):
     """``recv_x`` as dispatch returns it: the rows, or ``(rows, scales)`` for FP8."""
     rows = to_framework(recv_rows, dtype_name, framework)
     return rows if recv_scales is None else (rows, to_framework(recv_scales, "float32", framework))
+
+
+@dataclass(frozen=True)
+class _DispatchInputs:
+    """A dispatch's checked inputs as CuPy arrays (a cached dispatch has no top-k or counts)."""
+    rows: Any
+    scales: Any
+    in_rank: Any
+    plan: layout.DispatchLayout
+    framework: str = "cupy"
+    dtype_name: str = ""
+    topk: Any = None
+    weights: Any = None
+    per_rank: Any = None
+    per_expert: Any = None
+    num_experts: int = 0
+    expert_alignment: int = 1
+
+    @property
+    def num_scales(self) -> int:
+        return _scales_per_token(self.scales)
 
 
 class DispatchHandle(tuple):
@@ -283,8 +305,8 @@ class Buffer:
     def _wait_mapped(self, index: int, kernel_done=None) -> int:
         """Wait until a kernel sets a host-mapped counter (>= 0); raise on a kernel error or the timeout.
 
-        ``kernel_done``: an event recorded after the kernel that sets it. Ranks that are threads
-        of one process wait on it in the driver, without the GIL: a thread polling with the GIL
+        ``kernel_done``: an event recorded after the kernel that sets it (only ranks that are
+        threads of one process record one). Those ranks wait on it in the driver, without the GIL: a thread polling with the GIL
         gets it back before a peer thread wakes up, so the peer, which has yet to launch its own
         half of the exchange, can be kept waiting for a whole interpreter switch interval (5 ms).
         The wait ends with the kernel, which has a timeout of its own.
@@ -488,7 +510,7 @@ class Buffer:
         call = self._fresh_call(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, config)
         _mark("validated")
-        num_tokens = call["rows"].shape[0]
+        num_tokens = call.rows.shape[0]
         rows_ahead = self._capacity_guess.rows(num_tokens) if self.allocate_ahead else None
         out = self._exchange_and_dispatch(call, config, rows_ahead, previous_event, async_finish,
                                           allocate_on_comm_stream)
@@ -505,7 +527,7 @@ class Buffer:
         return out
 
     def _fresh_call(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                    topk_weights, expert_alignment, config) -> Dict[str, Any]:
+                    topk_weights, expert_alignment, config) -> _DispatchInputs:
         """Check a fresh dispatch's arguments; return them as CuPy arrays and plain values."""
         R, dev = self.num_ranks, self._device.id
         rows, scales, dtype_name, framework = self._parse_x(x)
@@ -540,11 +562,12 @@ class Buffer:
         plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
                                       rows.shape[1] * rows.itemsize, num_topk, _scales_per_token(scales))
         self._require_room(plan.total_bytes, "dispatch")
-        return dict(rows=rows, scales=scales, dtype_name=dtype_name, framework=framework, per_rank=per_rank,
-                    in_rank=in_rank, per_expert=per_expert, topk=topk, weights=weights, num_experts=num_experts,
-                    expert_alignment=int(expert_alignment), plan=plan)
+        return _DispatchInputs(rows=rows, scales=scales, in_rank=in_rank, plan=plan, framework=framework,
+                               dtype_name=dtype_name, topk=topk, weights=weights, per_rank=per_rank,
+                               per_expert=per_expert, num_experts=num_experts,
+                               expert_alignment=int(expert_alignment))
 
-    def _exchange_and_dispatch(self, call: Dict[str, Any], config: Config, rows_ahead: Optional[int],
+    def _exchange_and_dispatch(self, call: _DispatchInputs, config: Config, rows_ahead: Optional[int],
                                previous_event, async_finish: bool, allocate_on_comm_stream: bool):
         """The count exchange and the transfer of one fresh dispatch.
 
@@ -555,8 +578,7 @@ class Buffer:
         import cupy
 
         R, C = self.num_ranks, config.num_channels
-        rows, scales, topk, weights = call["rows"], call["scales"], call["topk"], call["weights"]
-        framework = call["framework"]
+        rows, scales, topk, weights, framework = call.rows, call.scales, call.topk, call.weights, call.framework
         outputs = None
         caller = self._begin(framework, previous_event)
         _mark("begun")
@@ -577,8 +599,8 @@ class Buffer:
         verdict = int(mapped[_VERDICT])
         if verdict == _VERDICT_OVER_CAPACITY:
             return None
-        self._check_verdict(verdict, topk, call["num_experts"])
-        per_expert_list = mapped[_EXPERT_COUNTERS:_EXPERT_COUNTERS + call["num_experts"] // R].tolist()
+        self._check_verdict(verdict, topk, call.num_experts)
+        per_expert_list = mapped[_EXPERT_COUNTERS:_EXPERT_COUNTERS + call.num_experts // R].tolist()
         if outputs is None:
             with self._alloc_stream(caller, allocate_on_comm_stream):
                 outputs = self._dispatch_outputs(num_recv, rows, scales, topk, weights)
@@ -589,18 +611,18 @@ class Buffer:
             outputs = tuple(None if a is None else a[:num_recv] for a in outputs)
         recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights = outputs
         _mark("views made")
-        handle = DispatchHandle((*prefix_matrices, recv_channel_prefix_matrix, recv_src_idx, call["in_rank"],
+        handle = DispatchHandle((*prefix_matrices, recv_channel_prefix_matrix, recv_src_idx, call.in_rank,
                                  send_head), framework, id(self))
-        keep = (rows, scales, topk, weights, call["per_rank"], call["per_expert"], call["in_rank"], recv_rows,
+        keep = (rows, scales, topk, weights, call.per_rank, call.per_expert, call.in_rank, recv_rows,
                 recv_scales, recv_topk, recv_weights, handle.arrays)
         event = self._finish(caller, framework, async_finish, keep)
         _mark("finished")
-        return (_received_x(recv_rows, recv_scales, call["dtype_name"], framework),
+        return (_received_x(recv_rows, recv_scales, call.dtype_name, framework),
                 to_framework(recv_topk, "int64", framework), to_framework(recv_weights, "float32", framework),
                 per_expert_list, handle, event)
 
-    def _launch_notify(self, call: Dict[str, Any], config: Config, rows_ahead: Optional[int]):
-        """Launch notify_dispatch (the count exchange) and record ``_notify_done`` behind it.
+    def _launch_notify(self, call: _DispatchInputs, config: Config, rows_ahead: Optional[int]):
+        """Launch notify_dispatch (the count exchange); in-process, record ``_notify_done`` behind it.
 
         Returns:
             ``(rank_prefix_matrix, channel_prefix_matrix)``, written by the kernel.
@@ -608,13 +630,13 @@ class Buffer:
         import cupy
 
         R, C = self.num_ranks, config.num_channels
-        rows, topk, weights, plan = call["rows"], call["topk"], call["weights"], call["plan"]
+        rows, topk, weights, plan = call.rows, call.topk, call.weights, call.plan
         num_topk = 0 if topk is None else topk.shape[1]
         mapped = self._mapped.values
         mapped[_RECV_COUNTER] = -1
         mapped[_VERDICT] = 0
         mapped[_SIGNATURE:_SIGNATURE + 7] = (rows.shape[1] * rows.itemsize, 2 * num_topk + (weights is not None),
-                                             _scales_per_token(call["scales"]), call["num_experts"], config.num_sms,
+                                             call.num_scales, call.num_experts, config.num_sms,
                                              config.num_max_nvl_chunked_send_tokens,
                                              config.num_max_nvl_chunked_recv_tokens)
         with self._comm_stream:
@@ -622,18 +644,19 @@ class Buffer:
             channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
         kernels.launch(
             "notify_dispatch_kernel", 1 + R, self._comm_stream,
-            num_tokens_per_rank=call["per_rank"], num_tokens_per_expert=call["per_expert"],
-            is_token_in_rank=call["in_rank"], rank_prefix_matrix=rank_prefix_matrix,
+            num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
+            is_token_in_rank=call.in_rank, rank_prefix_matrix=rank_prefix_matrix,
             channel_prefix_matrix=channel_prefix_matrix,
             recv_capacity=_NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead,
             recv_counter=self._mapped.device_ptr(_RECV_COUNTER), mismatch_flag=self._mapped.device_ptr(_VERDICT),
             signature=self._mapped.device_ptr(_SIGNATURE),
             recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), topk_idx=topk, num_topk=num_topk,
-            num_tokens=rows.shape[0], num_experts=call["num_experts"], num_channels=C,
-            expert_alignment=call["expert_alignment"], buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R,
+            num_tokens=rows.shape[0], num_experts=call.num_experts, num_channels=C,
+            expert_alignment=call.expert_alignment, buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R,
             rank=self.rank, epoch=self._next_epoch(2), notify_off=self._next_notify_area(), zero_off=plan.meta_off,
             zero_count=plan.zero_count, timeout_ns=self._timeout_ns, error_record=self._mapped.device_ptr(_ERROR_RECORD))
-        self._notify_done.record(self._comm_stream)
+        if self.group.in_process:  # only in-process ranks wait on it (see _wait_mapped)
+            self._notify_done.record(self._comm_stream)
         return rank_prefix_matrix, channel_prefix_matrix
 
     @staticmethod
@@ -671,18 +694,17 @@ class Buffer:
         """Launch the transfer of a dispatch. ``call``: the checked inputs (see ``_fresh_call``; a
         cached dispatch passes no top-k); ``outputs``: see ``_dispatch_outputs``; the handle's
         receive-side arrays are None in cached mode (the kernel skips them)."""
-        rows, scales, topk, weights = call["rows"], call["scales"], call["topk"], call["weights"]
+        rows, topk, plan = call.rows, call.topk, call.plan
         recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights = outputs
-        plan = call["plan"]
         kernels.launch(
             "dispatch_kernel", config.num_sms, self._comm_stream, template_args=(self.num_ranks,),
             recv_x=recv_rows, recv_x_scales=recv_scales, recv_src_idx=recv_src_idx, recv_topk_idx=recv_topk,
             recv_topk_weights=recv_weights, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
-            send_head=send_head, x=rows, x_scales=scales, topk_idx=topk, topk_weights=weights,
-            is_token_in_rank=call["in_rank"], channel_prefix_matrix=channel_prefix_matrix,
+            send_head=send_head, x=rows, x_scales=call.scales, topk_idx=topk, topk_weights=call.weights,
+            is_token_in_rank=call.in_rank, channel_prefix_matrix=channel_prefix_matrix,
             rank_prefix_matrix=rank_prefix_matrix, num_tokens=rows.shape[0],
             hidden_int4=rows.shape[1] * rows.itemsize // 16, num_topk=0 if topk is None else topk.shape[1],
-            num_experts=call["num_experts"], num_scales=_scales_per_token(scales),
+            num_experts=call.num_experts, num_scales=call.num_scales,
             buffer_ptrs=self._nvl.peer_ptrs, rank=self.rank, meta_off=plan.meta_off, x_off=plan.x_off,
             src_idx_off=plan.src_idx_off, topk_idx_off=plan.topk_idx_off, topk_weights_off=plan.topk_weights_off,
             scales_off=plan.scales_off, max_send_tokens=config.num_max_nvl_chunked_send_tokens,
@@ -722,9 +744,8 @@ class Buffer:
         with self._alloc_stream(caller, allocate_on_comm_stream):
             recv_rows = cupy.empty((num_recv, rows.shape[1]), dtype=rows.dtype)
             recv_scales = None if scales is None else cupy.empty((num_recv,) + scales.shape[1:], dtype=np.float32)
-        inputs = dict(rows=rows, scales=scales, topk=None, weights=None, in_rank=in_rank, num_experts=0,
-                      plan=plan)
-        self._launch_dispatch(config, inputs, rank_prefix_matrix, channel_prefix_matrix,
+        self._launch_dispatch(config, _DispatchInputs(rows, scales, in_rank, plan), rank_prefix_matrix,
+                              channel_prefix_matrix,
                               (recv_rows, recv_scales, None, None, None), None, None)
         event = self._finish(caller, framework, async_finish,
                              (rows, scales, recv_rows, recv_scales, handle.arrays))

@@ -6,6 +6,7 @@ than its guess (notify_dispatch then refuses the transfer on every rank).
 """
 
 import re
+from types import SimpleNamespace
 
 from deepep_cupy import buffer as buffer_module, kernels
 from deepep_cupy.buffer import Buffer
@@ -61,7 +62,7 @@ def _buffer_with_exchange(results, allocate_ahead=True):
         num_recv = results[len(calls) - 1]
         return None if num_recv is None else ("recv_x", None, None, [], _Handle(num_recv), None)
 
-    buf._fresh_call = lambda *args: {"rows": _Rows(100)}
+    buf._fresh_call = lambda *args: SimpleNamespace(rows=_Rows(100))
     buf._exchange_and_dispatch = exchange
     return buf, calls
 
