@@ -6,17 +6,17 @@ Public surface (DeepEP-compatible names): :class:`Buffer`, :class:`Config`,
 model every GPU result is checked against.
 """
 
-from .buffer import Buffer, DispatchHandle
-from .comm import (Group, GroupAbortedError, MPIGroup, RankFailed, ThreadGroup, as_group, check_sm_budget,
-                   run_local_group)
+from .buffer import Buffer
+from .comm import Group, MPIGroup, ThreadGroup, as_group, check_sm_budget, run_local_group
 from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
-from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from .errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, KernelBuildError, RankFailed, RankMismatchError
 from .events import EventOverlap
+from .handle import DispatchHandle
 
 __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "as_group",
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
-    "DeepEPError", "DeepEPTimeoutError", "RankMismatchError",
+    "DeepEPError", "DeepEPTimeoutError", "RankMismatchError", "KernelBuildError",
     "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",
 ]
 

@@ -1,126 +1,128 @@
-"""Buffer: the user API of intranode expert-parallel dispatch and combine."""
+"""Buffer: the user API of intranode expert-parallel dispatch and combine.
+
+The methods read as the protocol (docs/DESIGN.md): order the call after the caller's stream,
+exchange counts or reset the queues, allocate the outputs, move the tokens, hand the caller its
+results. The work under them lives in small modules: argument checks and their cached specs
+(``plans``), array libraries (``tensors``), kernel launches with bound arguments (``launch``),
+the host-mapped slots and their errors (``slots``), stream ordering (``streams``), the handle
+(``handle``) and the NVLink buffers (``ipc``).
+
+Per call a Buffer reads its arguments natively (:func:`deepep_cupy.tensors.read`) and looks up
+the plan made for arguments of those kinds; only a call with new kinds of arguments runs the
+checks, compiles or loads kernels and binds their fixed arguments.
+"""
 
 from __future__ import annotations
 
-import os
-import threading
-import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import kernels, layout
-from .arrays import as_cupy, caller_stream, check_array, to_framework
+from . import kernels, plans, slots
 from .capacity import ReceiveCapacityGuess
 from .comm import Group, as_group, check_sm_budget
-from .config import MAX_TOPK, Config, get_combine_config, get_dispatch_config
-from .layout import MAX_LOCAL_EXPERTS
-from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from .config import Config, get_combine_config, get_dispatch_config
+from .constants import MAX_RANKS, VERDICT_OVER_CAPACITY
+from .errors import RankMismatchError
 from .events import EventOverlap
-from .ipc import MappedInts, NvlBuffer
+from .handle import DispatchHandle, handle_layout
+from .ipc import NvlBuffer
+from .launch import KernelCall, parameter_struct
+from .layout import NOTIFY_OFFSETS
+from .slots import ERROR_RECORD, NO_CAPACITY_LIMIT, HostSlots, verdict_error
+from .streams import StreamOrder
+from .tensors import read
 
-# Host-mapped counters (int32 indices).
-_ERROR_RECORD = 0          # 8 ints, see kernels/common.cuh
-_ERROR_MISMATCH = 2        # its code when ranks called a cached dispatch or a combine differently
-_RECV_COUNTER = 8          # tokens this rank receives (-1 until notify_dispatch publishes it)
-_VERDICT = 9               # settings check of notify_dispatch (0 = all ranks agree)
-_SIGNATURE = 16            # 7 ints this rank's settings (+1 written on the device)
-_EXPERT_COUNTERS = 32      # per local expert receive counts
-# Verdicts of notify_dispatch besides the settings check's (kernels/common.cuh).
-_VERDICT_OVER_CAPACITY = 1024   # a rank receives more than the rows its host allocated ahead
-_NO_CAPACITY_LIMIT = 2 ** 31 - 1  # the rows "allocated" when the host waits for the counts
-_MAPPED_INTS = _EXPERT_COUNTERS + MAX_LOCAL_EXPERTS
+__all__ = ["Buffer", "DispatchHandle"]
 
-_KERNEL_NAMES = {
-    1: "barrier", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch sender",
-    5: "dispatch receiver", 6: "cached_notify_combine", 7: "combine sender", 8: "combine receiver",
-}
-
-_TRACE = os.environ.get("DEEPEP_CUPY_HOST_TRACE", "") not in ("", "0")
-#: (stage, time.perf_counter(), thread id) marks of the host path, recorded when DEEPEP_CUPY_HOST_TRACE=1.
-host_trace: List[Tuple[str, float, int]] = []
+#: Plans a Buffer keeps before it forgets them all (a model uses a handful).
+MAX_PLANS = 256
+_NO_CONTEXT = contextlib.nullcontext()
 
 
-def _mark(stage: str) -> None:
-    if _TRACE:
-        host_trace.append((stage, time.perf_counter(), threading.get_ident()))
+class _Plan(NamedTuple):
+    """A checked spec with its kernels bound: ``notify`` (count exchange or queue reset, if any)
+    and ``main``; ``row_args``: how many of the call's arrays must have the first one's rows;
+    ``outputs``: ``(extents after the rows, dtype name)`` of each array the call returns per
+    received row (None for one it does not return)."""
+    spec: Any
+    notify: Optional[KernelCall]
+    main: KernelCall
+    row_args: int = 1
+    outputs: Tuple[Optional[Tuple[Tuple[int, ...], str]], ...] = ()
 
 
-_COMBINE_ELEMENT = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
-_COMBINE_CODES = {name: code for code, name in enumerate(_COMBINE_ELEMENT, 1)}
-_OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2  # compared across ranks with the other settings
-_DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
-_SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per token", "num_experts",
-                     "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
+class _DispatchCall(NamedTuple):
+    """One fresh dispatch's arguments as the kernels take them."""
+    plan: _Plan
+    lib: Any
+    num_tokens: int
+    x: int
+    x_scales: int
+    per_rank: int
+    in_rank: int
+    per_expert: int
+    topk: int
+    weights: int
+    arrays: tuple      # what the caller passed (kept alive for an asynchronous call)
+    in_rank_array: Any
+    topk_array: Any
 
 
-def _scales_per_token(scales) -> int:
-    """FP8 scales per token: 0 without scales, 1 for ``[N]``, S for ``[N, S]``."""
-    return 0 if scales is None else (1 if scales.ndim == 1 else scales.shape[1])
+class _DeviceScope:
+    """Makes the Buffer's GPU current for the duration of a call (nothing to do when it is)."""
+
+    def __init__(self, device_id: int):
+        from cupy.cuda import runtime
+
+        self.device_id = device_id
+        self._runtime = runtime
+        self._previous: List[int] = []
+
+    def __enter__(self):
+        current = self._runtime.getDevice()
+        if current != self.device_id:
+            self._runtime.setDevice(self.device_id)
+        self._previous.append(current)
+
+    def __exit__(self, *exc):
+        previous = self._previous.pop()
+        if previous != self.device_id:
+            self._runtime.setDevice(previous)
 
 
-def _received_x(recv_rows, recv_scales, dtype_name: str, framework: str):
-    """``recv_x`` as dispatch returns it: the rows, or ``(rows, scales)`` for FP8."""
-    rows = to_framework(recv_rows, dtype_name, framework)
-    return rows if recv_scales is None else (rows, to_framework(recv_scales, "float32", framework))
+def _received_arrays(spec: plans.DispatchSpec) -> tuple:
+    """A dispatch's outputs per received row: recv_x, its scales, top-k ids, top-k weights."""
+    rows, k = spec.rows, spec.num_topk
+    return (((rows.hidden,), rows.dtype_name),
+            None if rows.scales is None else (rows.scales_tail, "float32"),
+            ((k,), "int64") if k else None,
+            ((k,), "float32") if spec.with_weights else None)
 
 
-@dataclass(frozen=True)
-class _DispatchInputs:
-    """A dispatch's checked inputs as CuPy arrays (a cached dispatch has no top-k or counts)."""
-    rows: Any
-    scales: Any
-    in_rank: Any
-    plan: layout.DispatchLayout
-    framework: str = "cupy"
-    dtype_name: str = ""
-    topk: Any = None
-    weights: Any = None
-    per_rank: Any = None
-    per_expert: Any = None
-    num_experts: int = 0
-    expert_alignment: int = 1
-
-    @property
-    def num_scales(self) -> int:
-        return _scales_per_token(self.scales)
-
-
-class DispatchHandle(tuple):
-    """The layout of one dispatch, reusable by cached dispatch and by combine.
-
-    A tuple ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-    is_token_in_rank, send_head)`` in the caller's array type (shapes/dtypes in DESIGN.md), that
-    also remembers the Buffer and channel count it was made with.
-    """
-
-    def __new__(cls, arrays: Tuple[Any, ...], framework: str, owner: int):
-        items = arrays if framework == "cupy" else tuple(to_framework(a, str(a.dtype), framework) for a in arrays)
-        self = super().__new__(cls, items)
-        self.arrays = arrays
-        self.owner = owner
-        return self
-
-    @property
-    def num_channels(self) -> int:
-        return self.arrays[1].shape[1]
-
-    @property
-    def num_recv_tokens(self) -> int:
-        return self.arrays[3].shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.arrays[4].shape[0]
+def _split_x(x) -> Tuple[Any, Any]:
+    """``x`` or ``(x_fp8, x_scales)`` -> (rows, scales or None); anything else is left to the checks."""
+    if type(x) is tuple and len(x) == 2:
+        return x
+    return x, None
 
 
 class Buffer:
     """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
 
     Created collectively by every rank of the group, one rank per GPU (or, in one process, one
-    thread per rank). Operations run on the Buffer's own communication stream; without
-    ``async_finish`` the caller's current stream waits for them.
+    thread per rank). Streams follow DeepEP: an operation starts after the work queued on the
+    caller's current stream (or after ``previous_event``); without ``async_finish`` its results
+    are ready for the caller's stream when it returns, with it the caller gets an
+    :class:`EventOverlap`. Asynchronous calls (and those given ``previous_event`` or
+    ``allocate_on_comm_stream``) run on the Buffer's communication stream (:attr:`comm_stream`);
+    plain synchronous calls run straight on the caller's stream, which orders them the same way
+    at less host cost. A Buffer's calls never overlap each other on the GPU, whatever streams
+    they come from (deepep_cupy/streams.py).
+
+    Arrays: CuPy arrays or PyTorch CUDA tensors, read natively; results come back in the caller's
+    library, allocated by its allocator (deepep_cupy/tensors.py for the element types).
 
     Args:
         comm: an mpi4py communicator, or a :class:`deepep_cupy.comm.Group`.
@@ -140,13 +142,32 @@ class Buffer:
         last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
             (the host waited for the counts), ``"ahead"`` (allocated ahead, it fitted) or
             ``"retried"`` (allocated ahead, too small, redone exactly).
+        last_count_wait_s: seconds the last fresh dispatch's host waited for the receive counts
+            (the rest of its host time is Python and driver work).
     """
 
     def __init__(self, comm: Any, num_nvl_bytes: int, *, timeout_s: float = 100.0,
                  device: Optional[int] = None, allocate_ahead: bool = True):
         import cupy
 
-        if not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
+        self._set_up_host(comm, num_nvl_bytes, timeout_s, cupy.cuda.Device(device).id, allocate_ahead)
+        with self._on_device:
+            self._check_group(cupy)
+            shares_gpu = self.group.in_process and self.group.ranks_on_device(self.device_id) > 1
+            self._nvl = NvlBuffer(self.group, self.num_nvl_bytes)
+            try:
+                self._attach(HostSlots(self.rank, self.timeout_s, self.group.in_process),
+                             StreamOrder.create(self.device_id, shares_gpu), self._nvl.peer_ptrs.data.ptr)
+                kernels.warm_up(self.num_ranks)
+            except BaseException:
+                self.destroy()
+                raise
+        self.group.barrier()
+
+    def _set_up_host(self, comm: Any, num_nvl_bytes: int, timeout_s: float, device_id: int,
+                     allocate_ahead: bool) -> None:
+        """The Buffer's host-side state (no GPU work): checked settings, counters, plan cache."""
+        if isinstance(num_nvl_bytes, bool) or not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
             raise ValueError(f"num_nvl_bytes: expected a positive int, got {num_nvl_bytes!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
@@ -155,40 +176,36 @@ class Buffer:
         self.num_ranks = self.group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.timeout_s = float(timeout_s)
-        self._device = cupy.cuda.Device(device)
+        self.device_id = device_id
+        self.allocate_ahead = bool(allocate_ahead)
+        self.last_dispatch_allocation: Optional[str] = None
         self._nvl: Optional[NvlBuffer] = None
-        self._mapped: Optional[MappedInts] = None
-        self._failed: Optional[str] = None
+        self._slots: Optional[HostSlots] = None
+        self._order: Optional[StreamOrder] = None
         self._epoch = 0
         self._notify_count = 0  # picks the notify area (they alternate), the same on every rank
-        self._checked_sms: set = set()
-        self.allocate_ahead = bool(allocate_ahead)
         self._capacity_guess = ReceiveCapacityGuess()
-        self.last_dispatch_allocation: Optional[str] = None
+        self._plans: Dict[tuple, _Plan] = {}
+        self._default_configs: Dict[str, Config] = {}
+        self._checked_sms: set = set()
+        self._on_device = _DeviceScope(device_id)
+        self._context = plans.Context(self.num_ranks, device_id, self.num_nvl_bytes)
 
-        with self._device:
-            self._check_group(cupy)
-            self._shares_gpu = self.group.in_process and self.group.ranks_on_device(self._device.id) > 1
-            self._nvl = NvlBuffer(self.group, self.num_nvl_bytes)
-            try:
-                self._mapped = MappedInts(_MAPPED_INTS)
-                self._comm_stream = cupy.cuda.Stream(non_blocking=True)
-                self._caller_done = cupy.cuda.Event(disable_timing=True)
-                self._comm_done = cupy.cuda.Event(disable_timing=True)
-                self._notify_done = cupy.cuda.Event(disable_timing=True)
-                kernels.warm_up(self.num_ranks)
-            except BaseException:
-                self.destroy()
-                raise
-        self.group.barrier()
+    def _attach(self, host_slots: HostSlots, order: StreamOrder, peer_table_ptr: int) -> None:
+        """Take the slots and the stream order; bind the arguments every kernel shares (see _bind)."""
+        self._slots = host_slots
+        self._order = order
+        self._shared_args = dict(buffer_ptrs=peer_table_ptr, num_ranks=self.num_ranks, rank=self.rank,
+                                 timeout_ns=int(self.timeout_s * 1e9),
+                                 error_record=host_slots.device_ptr(ERROR_RECORD))
 
     # -----------------------------------------------------------------------------------------
     # Lifetime
 
     def _check_group(self, cupy) -> None:
-        if not 2 <= self.num_ranks <= kernels.MAX_RANKS:
-            raise ValueError(f"comm: expected 2..{kernels.MAX_RANKS} ranks, got {self.num_ranks}")
-        me = {"host": self.group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self._device.id),
+        if not 2 <= self.num_ranks <= MAX_RANKS:
+            raise ValueError(f"comm: expected 2..{MAX_RANKS} ranks, got {self.num_ranks}")
+        me = {"host": self.group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self.device_id),
               "bytes": self.num_nvl_bytes}
         everyone = self.group.allgather(me)
         hosts = sorted({e["host"] for e in everyone})
@@ -203,35 +220,42 @@ class Buffer:
                 f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
                 "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")
 
+    @property
+    def comm_stream(self):
+        """The ``cupy.cuda.Stream`` the Buffer's kernels run on."""
+        return self._order.stream
+
     def destroy(self) -> None:
         """Free the NVLink buffer, unmap the peers' and free the host counters (idempotent).
 
         Every rank must call it (it ends with a group barrier only when the Buffer was complete).
         """
-        if self._nvl is None and self._mapped is None:
+        if self._nvl is None and self._slots is None:
             return
-        with self._device:
+        with self._on_device:
             try:
                 # This Buffer's own stream only: ranks sharing the GPU may have kernels in flight
                 # that wait for this rank, and a device-wide synchronize would wait for them.
-                if getattr(self, "_comm_stream", None) is not None:
-                    self._comm_stream.synchronize()
+                if self._order is not None:
+                    self._order.synchronize()
             except Exception:
                 pass
-            complete = self._nvl is not None and self._mapped is not None
-            if complete:
+            if self._nvl is not None and self._slots is not None:
                 # No peer may still write into our buffer when it is freed.
                 try:
                     self.group.barrier()
                 except Exception:
                     pass
-            if self._nvl is not None:
-                self._nvl.close()
-                self._nvl = None
-            if self._mapped is not None:
-                self._mapped.free()
-                self._mapped = None
-        self._failed = "the Buffer was destroyed"
+            self._release()
+
+    def _release(self) -> None:
+        if self._nvl is not None:
+            self._nvl.close()
+            self._nvl = None
+        if self._slots is not None:
+            self._slots.free()
+            self._slots.failed = "the Buffer was destroyed"
+        self._plans.clear()
 
     def __enter__(self) -> "Buffer":
         return self
@@ -241,19 +265,24 @@ class Buffer:
 
     def __del__(self):  # pragma: no cover - a safety net; destroy() is the contract
         try:
-            if self._nvl is not None:
-                self._nvl.close()
-            if self._mapped is not None:
-                self._mapped.free()
+            self._release()
         except Exception:
             pass
 
-    # -----------------------------------------------------------------------------------------
-    # Helpers shared by the operations
-
     @property
-    def _timeout_ns(self) -> int:
-        return int(self.timeout_s * 1e9)
+    def last_count_wait_s(self) -> float:
+        return self._slots.last_wait_s
+
+    # -----------------------------------------------------------------------------------------
+    # What every operation shares
+
+    def check_kernel_errors(self) -> None:
+        """Raise what the Buffer's kernels reported (a timeout, ranks that disagree), if anything.
+
+        Every operation does this first; call it after waiting for an asynchronous call to learn
+        of its failure without starting another one.
+        """
+        self._slots.raise_if_failed()
 
     def _next_epoch(self, barriers: int) -> int:
         """Barrier numbers for a kernel that runs ``barriers`` cross-rank barriers."""
@@ -264,126 +293,54 @@ class Buffer:
     def _next_notify_area(self) -> int:
         """Offset of the notify area for the next call that exchanges data before its transfer
         (the two areas alternate, see deepep_cupy/layout.py)."""
-        offset = layout.NOTIFY_OFFSETS[self._notify_count % 2]
+        offset = NOTIFY_OFFSETS[self._notify_count % 2]
         self._notify_count += 1
         return offset
 
-    def _call_settings(self, op: int, row_bytes: int, row_detail: int, config: Config) -> Dict[str, int]:
-        """Kernel arguments by which a cached dispatch or a combine checks, on the device, that every
-        rank called it with the same settings (kernels/notify.cu, check_and_reset)."""
-        return dict(notify_off=self._next_notify_area(), op=op, row_bytes=row_bytes, row_detail=row_detail,
-                    num_sms=config.num_sms, send_chunk=config.num_max_nvl_chunked_send_tokens,
-                    recv_chunk=config.num_max_nvl_chunked_recv_tokens)
-
-    def _ensure_usable(self) -> None:
-        if self._failed is not None:
-            raise DeepEPError(f"rank {self.rank}: Buffer unusable: {self._failed}")
-        self._raise_kernel_error()
-
-    def _raise_kernel_error(self) -> None:
-        record = self._mapped.values[_ERROR_RECORD:_ERROR_RECORD + 8]
-        if record[0] <= 0:
-            return
-        kernel = _KERNEL_NAMES.get(int(record[1]), f"kernel {int(record[1])}")
-        rank, channel, peer, detail = (int(v) for v in record[2:6])
-        if record[0] == _ERROR_MISMATCH:
-            # Every rank stopped before moving anything, and the queues were reset: still usable.
-            record[:] = 0
-            operation = "combine" if "combine" in kernel else "cached dispatch"
-            raise RankMismatchError(
-                f"rank {rank}: the last {operation} was called with settings that differ between rank 0 and "
-                f"rank {peer} (compared: operation, row bytes, scales per token or element type and top-k, "
-                "num_sms, chunk sizes); no tokens were moved and its outputs are unwritten")
-        where = f"channel {channel}" if channel >= 0 else "whole rank"
-        message = (f"rank {rank}: {kernel} timed out after {self.timeout_s:g} s waiting for rank {peer} "
-                   f"({where}, detail {detail}); a peer did not join or died. The Buffer is unusable: "
-                   "destroy it and create a new one on every rank")
-        self._failed = message
-        raise DeepEPTimeoutError(message, rank=rank, kernel=kernel, channel=None if channel < 0 else channel,
-                                 peer=peer)
-
-    def _wait_mapped(self, index: int, kernel_done=None) -> int:
-        """Wait until a kernel sets a host-mapped counter (>= 0); raise on a kernel error or the timeout.
-
-        ``kernel_done``: an event recorded after the kernel that sets it (only ranks that are
-        threads of one process record one). Those ranks wait on it in the driver, without the GIL: a thread polling with the GIL
-        gets it back before a peer thread wakes up, so the peer, which has yet to launch its own
-        half of the exchange, can be kept waiting for a whole interpreter switch interval (5 ms).
-        The wait ends with the kernel, which has a timeout of its own.
-        """
-        if kernel_done is not None and self.group.in_process:
-            kernel_done.synchronize()
-        values = self._mapped.values
-        # Let the device report its own timeout first: it names the stage and the peer.
-        deadline = time.monotonic() + self.timeout_s + 1.0
-        polls = 0
-        while True:
-            value = int(values[index])
-            if value >= 0:
-                return value
-            if values[_ERROR_RECORD] > 0:
-                self._raise_kernel_error()
-            polls += 1
-            if polls > 1000 or self.group.in_process:
-                # Give the GIL to other ranks' threads and stop burning a core.
-                time.sleep(0 if polls < 100000 else 1e-4)
-                if time.monotonic() > deadline:
-                    self._failed = "a host wait timed out"
-                    raise DeepEPTimeoutError(
-                        f"rank {self.rank}: waited {self.timeout_s:g} s on the host for notify_dispatch "
-                        "to publish the receive counts", rank=self.rank, kernel="host wait")
-
-    def _begin(self, framework: str, previous_event: Optional[EventOverlap]):
-        """Order the communication stream after the caller's work; return the caller's stream."""
-        caller = caller_stream(framework, self._device.id)
-        if caller.ptr == 0 and self._shares_gpu:
-            raise ValueError(
-                f"rank {self.rank}: ranks of this group share GPU {self._device.id}, so each must run on its "
-                "own stream, not the legacy default stream (one rank's wait there would block a peer's "
-                "launch); run_local_group sets one per rank, or use `with cupy.cuda.Stream(non_blocking=True):`")
-        if previous_event is not None and previous_event.event is not None:
-            self._comm_stream.wait_event(previous_event.event)
-        else:
-            # One reusable event: a stream wait captures the event's state when it is enqueued.
-            self._caller_done.record(caller)
-            self._comm_stream.wait_event(self._caller_done)
-        return caller
-
-    def _finish(self, caller, framework: str, async_finish: bool, keep: Tuple[Any, ...]) -> EventOverlap:
-        if async_finish:
-            return EventOverlap(self._comm_stream.record(), keep, framework, self._device.id)
-        self._comm_done.record(self._comm_stream)
-        caller.wait_event(self._comm_done)
-        if self._shares_gpu:
-            # Ranks on one GPU in one process: return only once the transfer is over (the wait
-            # releases the GIL). A host copy issued now (cupy.asnumpy) would sit in the driver
-            # until this rank's kernels end, and it holds up a co-located rank's host copies
-            # meanwhile, so that rank might never launch the kernels ours wait for.
-            self._comm_stream.synchronize()
-            self._raise_kernel_error()
-        return EventOverlap(None, (), framework, self._device.id)
-
-    def _alloc_stream(self, caller, allocate_on_comm_stream: bool):
-        return self._comm_stream if allocate_on_comm_stream else caller
-
-    def _require_room(self, needed: int, what: str) -> None:
-        if needed > self.num_nvl_bytes:
-            raise ValueError(
-                f"num_nvl_bytes: {what} needs {needed} bytes of NVLink buffer with this config, the Buffer "
-                f"has {self.num_nvl_bytes}; create it with deepep_cupy.get_nvl_buffer_size_hint(...) bytes "
-                "or use smaller num_sms / num_max_nvl_chunked_recv_tokens")
-
-    def _config(self, config: Optional[Config], default) -> Config:
+    def _config(self, config: Optional[Config], kind: str) -> Config:
         if config is None:
-            config = default(self.num_ranks)
+            config = self._default_configs.get(kind)
+            if config is None:
+                default = get_dispatch_config if kind == "dispatch" else get_combine_config
+                config = self._default_configs[kind] = default(self.num_ranks)
         elif not isinstance(config, Config):
             raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
         if config.num_sms not in self._checked_sms:
             # Ranks sharing a GPU spin-wait on each other, so all their blocks must be resident at once.
-            sharing = max(1, self.group.ranks_on_device(self._device.id)) if self.group.in_process else 1
-            check_sm_budget({self._device.id: sharing}, config.num_sms)
+            sharing = max(1, self.group.ranks_on_device(self.device_id)) if self.group.in_process else 1
+            check_sm_budget({self.device_id: sharing}, config.num_sms)
             self._checked_sms.add(config.num_sms)
         return config
+
+    def _bind(self, kernel: str, template_args: Tuple[object, ...] = (), *, grid: int, shared_mem: int = 0,
+              **fixed) -> KernelCall:
+        """A kernel call with the Buffer's shared arguments (those the kernel names) and ``fixed`` bound."""
+        names = {name for name, _ in parameter_struct(kernel)._fields_}
+        shared = {name: value for name, value in self._shared_args.items() if name in names}
+        return KernelCall(kernel, template_args, grid=grid, shared_mem=shared_mem, **shared, **fixed)
+
+    def _plan(self, key: tuple, build, *args) -> _Plan:
+        """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan."""
+        with self._on_device:
+            plan = build(*args)
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _begin(self, lib, previous_event: Optional[EventOverlap], async_finish: bool,
+               allocate_on_comm_stream: bool) -> Tuple[int, int]:
+        """Order the call after the caller's work; return ``(caller's stream, stream to run on)``
+        (see deepep_cupy/streams.py)."""
+        caller = lib.current_stream(self.device_id)
+        return caller, self._order.begin(caller, previous_event, async_finish or allocate_on_comm_stream, self.rank)
+
+    def _allocating(self, lib, on_comm_stream: bool):
+        return lib.allocating_on(self._order.stream, self.device_id) if on_comm_stream else _NO_CONTEXT
+
+    def _finish(self, caller: int, run_on: int, lib, async_finish: bool, arrays, outputs, allocated_on_comm: bool):
+        return self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, allocated_on_comm,
+                                  self._slots.raise_if_failed)
 
     # -----------------------------------------------------------------------------------------
     # Layout
@@ -397,72 +354,40 @@ class Buffer:
                 Ids out of that range are not counted here (no host synchronisation is spent on
                 checking them); the dispatch that uses them raises ``ValueError`` on every rank.
             num_experts: experts in total, a multiple of the rank count.
+            previous_event, async_finish, allocate_on_comm_stream: as for :meth:`dispatch`.
 
         Returns:
             ``(num_tokens_per_rank int32 [R], None, num_tokens_per_expert int32 [E],
             is_token_in_rank bool [num_tokens, R], event)``. The ``None`` stands where DeepEP returns
             its RDMA counts (internode only).
         """
-        import cupy
+        self._slots.raise_if_failed()
+        lib, topk_ptr, num_tokens, topk_key = read(topk_idx)
+        key = ("layout", topk_key, num_experts)
+        plan = self._plans.get(key) or self._plan(key, self._layout_plan, topk_idx, num_experts)
+        R, dev = self.num_ranks, self.device_id
+        with self._on_device:
+            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
+            with self._allocating(lib, allocate_on_comm_stream):
+                per_rank = lib.empty((R,), "int32", dev)
+                per_expert = lib.empty((num_experts,), "int32", dev)
+                in_rank = lib.empty((num_tokens, R), "bool", dev)
+            plan.main(run_on, topk_idx=topk_ptr, num_tokens_per_rank=lib.pointer(per_rank),
+                      num_tokens_per_expert=lib.pointer(per_expert), is_token_in_rank=lib.pointer(in_rank),
+                      num_tokens=num_tokens)
+            outputs = (per_rank, per_expert, in_rank)
+            event = self._finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
+                                 allocate_on_comm_stream)
+        return per_rank, None, per_expert, in_rank, event
 
-        self._ensure_usable()
-        with self._device:
-            topk, _, framework = as_cupy(topk_idx, "topk_idx", self._device.id)
-            check_array(topk, "topk_idx", ("int64",), 2)
-            self._check_num_experts(num_experts)
-            if topk.shape[1] > MAX_TOPK:
-                raise ValueError(f"topk_idx: expected at most {MAX_TOPK} columns, got {topk.shape[1]}")
-            num_tokens = topk.shape[0]
-            caller = self._begin(framework, previous_event)
-            with self._alloc_stream(caller, allocate_on_comm_stream):
-                per_rank = cupy.empty(self.num_ranks, dtype=np.int32)
-                per_expert = cupy.empty(num_experts, dtype=np.int32)
-                in_rank = cupy.empty((num_tokens, self.num_ranks), dtype=np.bool_)
-            kernels.launch("dispatch_layout_kernel", 1, self._comm_stream,
-                           shared_mem=4 * (num_experts + self.num_ranks),
-                           topk_idx=topk, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
-                           is_token_in_rank=in_rank, num_tokens=num_tokens, num_topk=topk.shape[1],
-                           num_experts=num_experts, num_ranks=self.num_ranks)
-            event = self._finish(caller, framework, async_finish, (topk, per_rank, per_expert, in_rank))
-            return (to_framework(per_rank, "int32", framework), None,
-                    to_framework(per_expert, "int32", framework),
-                    to_framework(in_rank, "bool", framework), event)
-
-    def _check_num_experts(self, num_experts: int) -> None:
-        if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
-            raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
-        if num_experts % self.num_ranks:
-            raise ValueError(f"num_experts: expected a multiple of the rank count {self.num_ranks}, got {num_experts}")
-        if num_experts // self.num_ranks > MAX_LOCAL_EXPERTS:
-            raise ValueError(f"num_experts: at most {MAX_LOCAL_EXPERTS} experts per rank, got "
-                             f"{num_experts // self.num_ranks}")
-        if num_experts > 8192:
-            raise ValueError(f"num_experts: at most 8192, got {num_experts}")
+    def _layout_plan(self, topk_idx, num_experts) -> _Plan:
+        spec = plans.check_layout(self._context, topk_idx, num_experts)
+        main = self._bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self.num_ranks),
+                          num_topk=spec.num_topk, num_experts=spec.num_experts)
+        return _Plan(spec, None, main)
 
     # -----------------------------------------------------------------------------------------
     # Dispatch
-
-    def _parse_x(self, x) -> Tuple[Any, Optional[Any], str, str]:
-        """``x`` or ``(x_fp8, x_scales)`` -> (rows, scales or None, dtype name, framework)."""
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise TypeError(f"x: expected an array or a tuple (x_fp8, x_scales), got a tuple of {len(x)}")
-            rows, name, framework = as_cupy(x[0], "x[0]", self._device.id)
-            check_array(rows, "x[0]", ("float8_e4m3fn",), 2)
-            scales, _, _ = as_cupy(x[1], "x[1]", self._device.id)
-            if scales.ndim == 1:
-                check_array(scales, "x[1]", ("float32",), 1, (rows.shape[0],))
-            else:
-                check_array(scales, "x[1]", ("float32",), 2, (rows.shape[0], None))
-        else:
-            rows, name, framework = as_cupy(x, "x", self._device.id)
-            check_array(rows, "x", _DISPATCH_DTYPES, 2)
-            scales = None
-        row_bytes = rows.shape[1] * rows.itemsize
-        if row_bytes % 16:
-            raise ValueError(f"x: row bytes must be a multiple of 16, got hidden {rows.shape[1]} x "
-                             f"{rows.itemsize} B = {row_bytes} B")
-        return rows, scales, name, framework
 
     def dispatch(self, x, handle: Optional[DispatchHandle] = None, num_tokens_per_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -493,225 +418,160 @@ class Buffer:
             ``recv_topk_weights`` float32 (0 where the id is -1), both None without top-k;
             the expert counts as a Python list (None in cached mode).
         """
-        self._ensure_usable()
-        config = self._config(config, get_dispatch_config)
-        with self._device:
-            if handle is not None:
-                return self._cached_dispatch(x, handle, config, previous_event, async_finish,
-                                             allocate_on_comm_stream)
-            return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                        topk_idx, topk_weights, expert_alignment, config, previous_event,
-                                        async_finish, allocate_on_comm_stream)
+        self._slots.raise_if_failed()
+        config = self._config(config, "dispatch")
+        if handle is not None:
+            return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream)
+        return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                    topk_weights, expert_alignment, config, previous_event, async_finish,
+                                    allocate_on_comm_stream)
 
     def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, config, previous_event, async_finish,
                         allocate_on_comm_stream):
-        _mark("start")
-        call = self._fresh_call(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+        call = self._read_fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, config)
-        _mark("validated")
-        num_tokens = call.rows.shape[0]
-        rows_ahead = self._capacity_guess.rows(num_tokens) if self.allocate_ahead else None
-        out = self._exchange_and_dispatch(call, config, rows_ahead, previous_event, async_finish,
-                                          allocate_on_comm_stream)
-        if out is None:
-            # A rank received more than its guess: every rank's transfer moved nothing. Again,
-            # with the host waiting for the counts (all ranks come here together).
-            self.last_dispatch_allocation = "retried"
-            out = self._exchange_and_dispatch(call, config, None, previous_event, async_finish,
+        rows_ahead = self._capacity_guess.rows(call.num_tokens) if self.allocate_ahead else None
+        with self._on_device:
+            out = self._exchange_and_transfer(call, rows_ahead, previous_event, async_finish,
                                               allocate_on_comm_stream)
-        else:
-            self.last_dispatch_allocation = "exact" if rows_ahead is None else "ahead"
-        self._capacity_guess.observe(num_tokens, out[4].num_recv_tokens)
-        _mark("returned")
+            if out is None:
+                # A rank received more than its guess: every rank's transfer moved nothing. Again,
+                # with the host waiting for the counts (all ranks come here together).
+                self.last_dispatch_allocation = "retried"
+                out = self._exchange_and_transfer(call, None, previous_event, async_finish,
+                                                  allocate_on_comm_stream)
+            else:
+                self.last_dispatch_allocation = "exact" if rows_ahead is None else "ahead"
+        self._capacity_guess.observe(call.num_tokens, out[4].num_recv_tokens)
         return out
 
-    def _fresh_call(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                    topk_weights, expert_alignment, config) -> _DispatchInputs:
-        """Check a fresh dispatch's arguments; return them as CuPy arrays and plain values."""
-        R, dev = self.num_ranks, self._device.id
-        rows, scales, dtype_name, framework = self._parse_x(x)
-        num_tokens = rows.shape[0]
-        for arg, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                           ("num_tokens_per_expert", num_tokens_per_expert)):
-            if value is None:
-                raise ValueError(f"{arg}: required without a handle (from Buffer.get_dispatch_layout)")
-        per_rank, _, _ = as_cupy(num_tokens_per_rank, "num_tokens_per_rank", dev)
-        check_array(per_rank, "num_tokens_per_rank", ("int32",), 1, (R,))
-        in_rank, _, _ = as_cupy(is_token_in_rank, "is_token_in_rank", dev)
-        check_array(in_rank, "is_token_in_rank", ("bool",), 2, (num_tokens, R))
-        per_expert, _, _ = as_cupy(num_tokens_per_expert, "num_tokens_per_expert", dev)
-        check_array(per_expert, "num_tokens_per_expert", ("int32",), 1)
-        num_experts = per_expert.shape[0]
-        self._check_num_experts(num_experts)
-        if not isinstance(expert_alignment, (int, np.integer)) or expert_alignment < 1:
-            raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
-        topk = weights = None
-        num_topk = 0
-        if topk_idx is not None:
-            topk, _, _ = as_cupy(topk_idx, "topk_idx", dev)
-            check_array(topk, "topk_idx", ("int64",), 2, (num_tokens, None))
-            num_topk = topk.shape[1]
-            if num_topk > MAX_TOPK:
-                raise ValueError(f"topk_idx: expected at most {MAX_TOPK} columns, got {num_topk}")
-            if topk_weights is not None:
-                weights, _, _ = as_cupy(topk_weights, "topk_weights", dev)
-                check_array(weights, "topk_weights", ("float32",), 2, (num_tokens, num_topk))
-        elif topk_weights is not None:
-            raise ValueError("topk_weights: given without topk_idx")
-        plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                      rows.shape[1] * rows.itemsize, num_topk, _scales_per_token(scales))
-        self._require_room(plan.total_bytes, "dispatch")
-        return _DispatchInputs(rows=rows, scales=scales, in_rank=in_rank, plan=plan, framework=framework,
-                               dtype_name=dtype_name, topk=topk, weights=weights, per_rank=per_rank,
-                               per_expert=per_expert, num_experts=num_experts,
-                               expert_alignment=int(expert_alignment))
+    def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
+                    config) -> _DispatchCall:
+        """A fresh dispatch's arguments, checked by the plan made for arguments of their kinds."""
+        rows, scales = _split_x(x)
+        lib, x_ptr, n, x_key = read(rows)
+        _, s_ptr, n_s, s_key = read(scales)
+        _, r_ptr, n_r, r_key = read(per_rank)
+        _, i_ptr, n_i, i_key = read(in_rank)
+        _, e_ptr, n_e, e_key = read(per_expert)
+        _, t_ptr, n_t, t_key = read(topk_idx)
+        _, w_ptr, n_w, w_key = read(topk_weights)
+        key = ("dispatch", type(x) is tuple, x_key, s_key, r_key, n_r, i_key, e_key, n_e, t_key, w_key,
+               expert_alignment, config)
+        plan = self._plans.get(key)
+        if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
+            plan = self._plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
+                              expert_alignment, config)
+        return _DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
+                             (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights), in_rank, topk_idx)
 
-    def _exchange_and_dispatch(self, call: _DispatchInputs, config: Config, rows_ahead: Optional[int],
-                               previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+    def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config):
+        spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
+                                          expert_alignment, config)
+        lay = spec.layout
+        slot = self._slots.device_ptr
+        notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, mismatch_flag=slot(slots.VERDICT),
+                            recv_counter=slot(slots.RECV_COUNT), signature=slot(slots.SIGNATURE),
+                            recv_expert_counter=slot(slots.EXPERT_COUNTS), num_topk=spec.num_topk,
+                            num_experts=spec.num_experts, num_channels=config.num_channels,
+                            expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
+        main = self._bind_transfer(spec)
+        row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
+        return _Plan(spec, notify, main, row_args, _received_arrays(spec))
+
+    def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
+        lay, config = spec.layout, spec.config
+        return self._bind("dispatch_kernel", (self.num_ranks,), grid=config.num_sms,
+                          hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
+                          num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
+                          x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
+                          topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
+                          max_send_tokens=config.num_max_nvl_chunked_send_tokens,
+                          queue_tokens=config.num_max_nvl_chunked_recv_tokens, **fixed)
+
+    def _exchange_and_transfer(self, call: _DispatchCall, rows_ahead: Optional[int], previous_event,
+                               async_finish: bool, allocate_on_comm_stream: bool):
         """The count exchange and the transfer of one fresh dispatch.
 
         With ``rows_ahead`` the outputs get that many rows and the transfer is launched before the
         host has the counts; returns None when some rank receives more than its rows (nothing was
         moved). Without, the host waits for the counts and allocates exactly.
         """
-        import cupy
-
-        R, C = self.num_ranks, config.num_channels
-        rows, scales, topk, weights, framework = call.rows, call.scales, call.topk, call.weights, call.framework
+        plan, lib, dev = call.plan, call.lib, self.device_id
+        spec = plan.spec
+        layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
+        caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
+        with self._allocating(lib, allocate_on_comm_stream):
+            block = lib.empty((layout.total_ints(rows_ahead or 0),), "int32", dev)
+        handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
+        self._slots.start_dispatch(spec.signature)
+        plan.notify(run_on, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
+                    is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
+                    channel_prefix_matrix=handle.channel_prefix_ptr,
+                    recv_capacity=NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead, topk_idx=call.topk,
+                    num_tokens=call.num_tokens, epoch=self._next_epoch(2), notify_off=self._next_notify_area())
+        if self.group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
+            self._order.record_notify_done(run_on)
         outputs = None
-        caller = self._begin(framework, previous_event)
-        _mark("begun")
-        prefix_matrices = self._launch_notify(call, config, rows_ahead)
-        _mark("notify launched")
-        with self._alloc_stream(caller, allocate_on_comm_stream):
-            recv_channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
-            send_head = cupy.empty((rows.shape[0], R), dtype=np.int32)
-            if rows_ahead is not None:
-                outputs = self._dispatch_outputs(rows_ahead, rows, scales, topk, weights)
-        _mark("outputs allocated")
-        if outputs is not None:
-            self._launch_dispatch(config, call, *prefix_matrices, outputs, recv_channel_prefix_matrix, send_head)
-            _mark("dispatch launched")
-        num_recv = self._wait_mapped(_RECV_COUNTER, self._notify_done)
-        _mark("counts arrived")
-        mapped = self._mapped.values
-        verdict = int(mapped[_VERDICT])
-        if verdict == _VERDICT_OVER_CAPACITY:
-            return None
-        self._check_verdict(verdict, topk, call.num_experts)
-        per_expert_list = mapped[_EXPERT_COUNTERS:_EXPERT_COUNTERS + call.num_experts // R].tolist()
+        if rows_ahead is not None:
+            with self._allocating(lib, allocate_on_comm_stream):
+                outputs = self._dispatch_outputs(lib, plan, rows_ahead)
+            self._launch_transfer(run_on, call, outputs, handle)
+        num_recv = self._slots.wait_for_count(self._order.notify_done)
+        verdict = self._slots.verdict()
+        if verdict:
+            self._order.abandon(run_on)
+            if verdict == VERDICT_OVER_CAPACITY:
+                return None
+            raise self._verdict_error(verdict, call)
+        per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
         if outputs is None:
-            with self._alloc_stream(caller, allocate_on_comm_stream):
-                outputs = self._dispatch_outputs(num_recv, rows, scales, topk, weights)
-            self._launch_dispatch(config, call, *prefix_matrices, outputs, recv_channel_prefix_matrix, send_head)
-            _mark("dispatch launched")
+            with self._allocating(lib, allocate_on_comm_stream):
+                outputs = self._dispatch_outputs(lib, plan, num_recv)
+                src_idx = lib.empty((num_recv,), "int32", dev)
+            handle.use_separate_src_idx(src_idx)
+            self._launch_transfer(run_on, call, outputs, handle)
+            allocated = (block, src_idx, *outputs)
         else:
-            # The kernel writes the first num_recv rows; what the caller gets are those rows.
-            outputs = tuple(None if a is None else a[:num_recv] for a in outputs)
-        recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights = outputs
-        _mark("views made")
-        handle = DispatchHandle((*prefix_matrices, recv_channel_prefix_matrix, recv_src_idx, call.in_rank,
-                                 send_head), framework, id(self))
-        keep = (rows, scales, topk, weights, call.per_rank, call.per_expert, call.in_rank, recv_rows,
-                recv_scales, recv_topk, recv_weights, handle.arrays)
-        event = self._finish(caller, framework, async_finish, keep)
-        _mark("finished")
-        return (_received_x(recv_rows, recv_scales, call.dtype_name, framework),
-                to_framework(recv_topk, "int64", framework), to_framework(recv_weights, "float32", framework),
-                per_expert_list, handle, event)
+            allocated = (block, *outputs)
+            trim = lib.trim
+            outputs = [None if a is None else trim(a, num_recv) for a in outputs]
+        handle.num_recv_tokens = num_recv
+        recv_x, recv_scales, recv_topk, recv_weights = outputs
+        event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                             allocate_on_comm_stream)
+        return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, per_expert_list,
+                handle, event)
 
-    def _launch_notify(self, call: _DispatchInputs, config: Config, rows_ahead: Optional[int]):
-        """Launch notify_dispatch (the count exchange); in-process, record ``_notify_done`` behind it.
+    def _dispatch_outputs(self, lib, plan: _Plan, rows: int) -> list:
+        """``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]`` with ``rows`` rows (None for
+        what the call does not return)."""
+        empty, dev = lib.empty, self.device_id
+        return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
 
-        Returns:
-            ``(rank_prefix_matrix, channel_prefix_matrix)``, written by the kernel.
-        """
-        import cupy
+    def _launch_transfer(self, stream: int, call: _DispatchCall, outputs: tuple, handle: DispatchHandle) -> None:
+        recv_x, recv_scales, recv_topk, recv_weights = outputs
+        lib = call.lib
+        call.plan.main(stream, recv_x=lib.pointer(recv_x),
+                       recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales),
+                       recv_src_idx=handle.recv_src_idx_ptr,
+                       recv_topk_idx=0 if recv_topk is None else lib.pointer(recv_topk),
+                       recv_topk_weights=0 if recv_weights is None else lib.pointer(recv_weights),
+                       recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, send_head=handle.send_head_ptr,
+                       x=call.x, x_scales=call.x_scales, topk_idx=call.topk, topk_weights=call.weights,
+                       is_token_in_rank=call.in_rank, channel_prefix_matrix=handle.channel_prefix_ptr,
+                       rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=call.num_tokens)
 
-        R, C = self.num_ranks, config.num_channels
-        rows, topk, weights, plan = call.rows, call.topk, call.weights, call.plan
-        num_topk = 0 if topk is None else topk.shape[1]
-        mapped = self._mapped.values
-        mapped[_RECV_COUNTER] = -1
-        mapped[_VERDICT] = 0
-        mapped[_SIGNATURE:_SIGNATURE + 7] = (rows.shape[1] * rows.itemsize, 2 * num_topk + (weights is not None),
-                                             call.num_scales, call.num_experts, config.num_sms,
-                                             config.num_max_nvl_chunked_send_tokens,
-                                             config.num_max_nvl_chunked_recv_tokens)
-        with self._comm_stream:
-            rank_prefix_matrix = cupy.empty((R, R), dtype=np.int32)
-            channel_prefix_matrix = cupy.empty((R, C), dtype=np.int32)
-        kernels.launch(
-            "notify_dispatch_kernel", 1 + R, self._comm_stream,
-            num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
-            is_token_in_rank=call.in_rank, rank_prefix_matrix=rank_prefix_matrix,
-            channel_prefix_matrix=channel_prefix_matrix,
-            recv_capacity=_NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead,
-            recv_counter=self._mapped.device_ptr(_RECV_COUNTER), mismatch_flag=self._mapped.device_ptr(_VERDICT),
-            signature=self._mapped.device_ptr(_SIGNATURE),
-            recv_expert_counter=self._mapped.device_ptr(_EXPERT_COUNTERS), topk_idx=topk, num_topk=num_topk,
-            num_tokens=rows.shape[0], num_experts=call.num_experts, num_channels=C,
-            expert_alignment=call.expert_alignment, buffer_ptrs=self._nvl.peer_ptrs, num_ranks=R,
-            rank=self.rank, epoch=self._next_epoch(2), notify_off=self._next_notify_area(), zero_off=plan.meta_off,
-            zero_count=plan.zero_count, timeout_ns=self._timeout_ns, error_record=self._mapped.device_ptr(_ERROR_RECORD))
-        if self.group.in_process:  # only in-process ranks wait on it (see _wait_mapped)
-            self._notify_done.record(self._comm_stream)
-        return rank_prefix_matrix, channel_prefix_matrix
+    def _verdict_error(self, verdict: int, call: _DispatchCall) -> Exception:
+        spec = call.plan.spec
+        bad_ids = None
+        if verdict == -(self.rank + 1) and call.topk_array is not None:
+            topk = call.topk_array
+            bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
+        return verdict_error(verdict, self.rank, spec.num_experts, self._slots.signature(), bad_ids)
 
-    @staticmethod
-    def _dispatch_outputs(num_rows: int, rows, scales, topk, weights):
-        """``(recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights)`` with ``num_rows`` rows
-        (None for what the call does not return), on the current stream."""
-        import cupy
-
-        return (cupy.empty((num_rows, rows.shape[1]), dtype=rows.dtype),
-                None if scales is None else cupy.empty((num_rows,) + scales.shape[1:], dtype=np.float32),
-                cupy.empty(num_rows, dtype=np.int32),
-                None if topk is None else cupy.empty((num_rows, topk.shape[1]), dtype=np.int64),
-                None if weights is None else cupy.empty((num_rows, weights.shape[1]), dtype=np.float32))
-
-    def _check_verdict(self, verdict: int, topk, num_experts: int) -> None:
-        if verdict == 0:
-            return
-        if verdict < 0:
-            bad_rank = -verdict - 1
-            detail = ""
-            if bad_rank == self.rank and topk is not None:
-                import cupy
-                bad = cupy.asnumpy(topk[(topk < -1) | (topk >= num_experts)][:4]).tolist()
-                detail = f": values such as {bad}"
-            raise ValueError(f"topk_idx: rank {bad_rank} passed expert ids outside [-1, {num_experts}){detail}; "
-                             "no tokens were moved")
-        other = verdict - 1
-        raise RankMismatchError(
-            f"rank {self.rank}: dispatch settings differ between rank 0 and rank {other} (compared: "
-            f"{', '.join(_SIGNATURE_FIELDS)}); mine are {self._mapped.values[_SIGNATURE:_SIGNATURE + 7].tolist()}; "
-            "no tokens were moved")
-
-    def _launch_dispatch(self, config, call, rank_prefix_matrix, channel_prefix_matrix, outputs,
-                         recv_channel_prefix_matrix, send_head) -> None:
-        """Launch the transfer of a dispatch. ``call``: the checked inputs (see ``_fresh_call``; a
-        cached dispatch passes no top-k); ``outputs``: see ``_dispatch_outputs``; the handle's
-        receive-side arrays are None in cached mode (the kernel skips them)."""
-        rows, topk, plan = call.rows, call.topk, call.plan
-        recv_rows, recv_scales, recv_src_idx, recv_topk, recv_weights = outputs
-        kernels.launch(
-            "dispatch_kernel", config.num_sms, self._comm_stream, template_args=(self.num_ranks,),
-            recv_x=recv_rows, recv_x_scales=recv_scales, recv_src_idx=recv_src_idx, recv_topk_idx=recv_topk,
-            recv_topk_weights=recv_weights, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
-            send_head=send_head, x=rows, x_scales=call.scales, topk_idx=topk, topk_weights=call.weights,
-            is_token_in_rank=call.in_rank, channel_prefix_matrix=channel_prefix_matrix,
-            rank_prefix_matrix=rank_prefix_matrix, num_tokens=rows.shape[0],
-            hidden_int4=rows.shape[1] * rows.itemsize // 16, num_topk=0 if topk is None else topk.shape[1],
-            num_experts=call.num_experts, num_scales=call.num_scales,
-            buffer_ptrs=self._nvl.peer_ptrs, rank=self.rank, meta_off=plan.meta_off, x_off=plan.x_off,
-            src_idx_off=plan.src_idx_off, topk_idx_off=plan.topk_idx_off, topk_weights_off=plan.topk_weights_off,
-            scales_off=plan.scales_off, max_send_tokens=config.num_max_nvl_chunked_send_tokens,
-            queue_tokens=config.num_max_nvl_chunked_recv_tokens, timeout_ns=self._timeout_ns,
-            error_record=self._mapped.device_ptr(_ERROR_RECORD))
-
-    def _handle_arrays(self, handle, config: Config) -> Tuple[Any, ...]:
+    def _check_handle(self, handle, config: Config) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
         if handle.owner != id(self):
@@ -720,37 +580,47 @@ class Buffer:
         if handle.num_channels != config.num_channels:
             raise ValueError(f"config: the handle was made with num_sms={2 * handle.num_channels}, got "
                              f"num_sms={config.num_sms}; dispatch and combine must use the same num_sms")
-        return handle.arrays
+        return handle
 
     def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream):
-        import cupy
+        rows, scales = _split_x(x)
+        lib, x_ptr, n, x_key = read(rows)
+        _, s_ptr, n_s, s_key = read(scales)
+        key = ("cached dispatch", type(x) is tuple, x_key, s_key, config)
+        plan = self._plans.get(key)
+        if plan is None or (n, n_s).count(n) != plan.row_args:
+            plan = self._plan(key, self._cached_plan, x, config)
+        self._check_handle(handle, config)
+        if n != handle.num_tokens:
+            raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
+        spec, num_recv = plan.spec, handle.num_recv_tokens
+        with self._on_device:
+            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
+            plan.notify(run_on, epoch=self._next_epoch(2), notify_off=self._next_notify_area())
+            with self._allocating(lib, allocate_on_comm_stream):
+                recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
+            plan.main(run_on, recv_x=lib.pointer(recv_x),
+                      recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
+                      is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
+                      rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n)
+            outputs = (recv_x, recv_scales)
+            event = self._finish(caller, run_on, lib, async_finish,
+                                 (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
+                                 allocate_on_comm_stream)
+        return (recv_x if recv_scales is None else (recv_x, recv_scales)), None, None, None, handle, event
 
-        rows, scales, dtype_name, framework = self._parse_x(x)
-        (rank_prefix_matrix, channel_prefix_matrix, _, recv_src_idx, in_rank, _) = self._handle_arrays(handle, config)
-        if rows.shape[0] != handle.num_tokens:
-            raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {rows.shape[0]}")
-        num_scales = _scales_per_token(scales)
-        plan = layout.dispatch_layout(self.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                      rows.shape[1] * rows.itemsize, 0, num_scales)
-        self._require_room(plan.total_bytes, "dispatch")
-        num_recv = handle.num_recv_tokens
-        caller = self._begin(framework, previous_event)
-        kernels.launch("cached_notify_dispatch_kernel", 1, self._comm_stream, buffer_ptrs=self._nvl.peer_ptrs,
-                       num_ranks=self.num_ranks, rank=self.rank, epoch=self._next_epoch(2),
-                       **self._call_settings(_OP_CACHED_DISPATCH, rows.shape[1] * rows.itemsize, num_scales,
-                                             config),
-                       zero_off=plan.meta_off, zero_count=plan.zero_count, timeout_ns=self._timeout_ns,
-                       error_record=self._mapped.device_ptr(_ERROR_RECORD))
-        with self._alloc_stream(caller, allocate_on_comm_stream):
-            recv_rows = cupy.empty((num_recv, rows.shape[1]), dtype=rows.dtype)
-            recv_scales = None if scales is None else cupy.empty((num_recv,) + scales.shape[1:], dtype=np.float32)
-        self._launch_dispatch(config, _DispatchInputs(rows, scales, in_rank, plan), rank_prefix_matrix,
-                              channel_prefix_matrix,
-                              (recv_rows, recv_scales, None, None, None), None, None)
-        event = self._finish(caller, framework, async_finish,
-                             (rows, scales, recv_rows, recv_scales, handle.arrays))
-        recv_x = _received_x(recv_rows, recv_scales, dtype_name, framework)
-        return recv_x, None, None, None, handle, event
+    def _cached_plan(self, x, config):
+        spec = plans.check_cached_dispatch(self._context, x, config)
+        lay = spec.layout
+        notify = self._bind("cached_notify_dispatch_kernel", grid=1, op=plans.OP_CACHED_DISPATCH,
+                            row_bytes=spec.rows.row_bytes, row_detail=spec.rows.num_scales, num_sms=config.num_sms,
+                            send_chunk=config.num_max_nvl_chunked_send_tokens,
+                            recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
+                            zero_count=lay.zero_count)
+        # A cached dispatch neither moves top-k nor writes the handle's receive side.
+        main = self._bind_transfer(spec, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
+                                   recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)
+        return _Plan(spec, notify, main, 1 + (spec.rows.scales is not None), _received_arrays(spec))
 
     # -----------------------------------------------------------------------------------------
     # Combine
@@ -766,76 +636,65 @@ class Buffer:
             handle: the handle returned by that dispatch.
             topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``.
             config: :class:`Config` with the dispatch's ``num_sms`` (default: :func:`get_combine_config`).
+            previous_event, async_finish, allocate_on_comm_stream: as for :meth:`dispatch`.
 
         Returns:
             ``(combined_x [num_tokens, hidden] like x, combined_topk_weights float32 or None, event)``:
             ``combined_x[t]`` is the float32 sum, over the ranks the token went to in ascending
             order, of their rows, rounded to x's dtype (0 for tokens sent nowhere).
         """
-        import cupy
+        self._slots.raise_if_failed()
+        config = self._config(config, "combine")
+        lib, x_ptr, n, x_key = read(x)
+        _, w_ptr, n_w, w_key = read(topk_weights)
+        key = ("combine", x_key, w_key, config)
+        plan = self._plans.get(key)
+        if plan is None or (n, n_w).count(n) != plan.row_args:
+            plan = self._plan(key, self._combine_plan, x, topk_weights, config)
+        self._check_handle(handle, config)
+        if n != handle.num_recv_tokens:
+            raise ValueError(f"x: expected {handle.num_recv_tokens} rows (the tokens the handle's dispatch "
+                             f"received), got {n}")
+        spec, num_tokens, dev = plan.spec, handle.num_tokens, self.device_id
+        with self._on_device:
+            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
+            with self._allocating(lib, allocate_on_comm_stream):
+                combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
+                combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
+            plan.notify(run_on, epoch=self._next_epoch(2), notify_off=self._next_notify_area(),
+                        send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr, num_tokens=num_tokens)
+            plan.main(run_on, combined_x=lib.pointer(combined),
+                      combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
+                      x=x_ptr, topk_weights=w_ptr, rank_prefix_matrix=handle.rank_prefix_ptr,
+                      recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, combine_head=handle.combine_head_ptr,
+                      num_tokens=num_tokens)
+            outputs = (combined, combined_weights)
+            event = self._finish(caller, run_on, lib, async_finish, (x, topk_weights, handle.block, *outputs),
+                                 outputs, allocate_on_comm_stream)
+        return combined, combined_weights, event
 
-        self._ensure_usable()
-        config = self._config(config, get_combine_config)
-        with self._device:
-            rows, dtype_name, framework = as_cupy(x, "x", self._device.id)
-            check_array(rows, "x", tuple(_COMBINE_ELEMENT), 2)
-            (rank_prefix_matrix, _, recv_channel_prefix_matrix, _, _, send_head) = self._handle_arrays(handle, config)
-            if rows.shape[0] != handle.num_recv_tokens:
-                raise ValueError(f"x: expected {handle.num_recv_tokens} rows (the tokens the handle's dispatch "
-                                 f"received), got {rows.shape[0]}")
-            row_bytes = rows.shape[1] * rows.itemsize
-            if row_bytes % 16:
-                raise ValueError(f"x: row bytes must be a multiple of 16, got {row_bytes}")
-            weights = None
-            num_topk = 0
-            if topk_weights is not None:
-                weights, _, _ = as_cupy(topk_weights, "topk_weights", self._device.id)
-                check_array(weights, "topk_weights", ("float32",), 2, (rows.shape[0], None))
-                num_topk = weights.shape[1]
-                if num_topk > MAX_TOPK:
-                    raise ValueError(f"topk_weights: expected at most {MAX_TOPK} columns, got {num_topk}")
-            plan = layout.combine_layout(self.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                         row_bytes, num_topk)
-            self._require_room(plan.total_bytes, "combine")
-            num_tokens = handle.num_tokens
-            caller = self._begin(framework, previous_event)
-            with self._comm_stream:
-                combine_head = cupy.empty((num_tokens, self.num_ranks), dtype=np.int32)
-            with self._alloc_stream(caller, allocate_on_comm_stream):
-                combined = cupy.empty((num_tokens, rows.shape[1]), dtype=rows.dtype)
-                combined_weights = None if weights is None else cupy.empty((num_tokens, num_topk), dtype=np.float32)
-            kernels.launch("cached_notify_combine_kernel", 1 + config.num_channels, self._comm_stream,
-                           buffer_ptrs=self._nvl.peer_ptrs, num_ranks=self.num_ranks, rank=self.rank,
-                           epoch=self._next_epoch(2),
-                           **self._call_settings(_OP_COMBINE, row_bytes,
-                                                 _COMBINE_CODES[dtype_name] * 256 + num_topk, config),
-                           zero_off=plan.meta_off, zero_count=plan.zero_count,
-                           send_head=send_head, combine_head=combine_head, num_tokens=num_tokens,
-                           num_channels=config.num_channels, timeout_ns=self._timeout_ns,
-                           error_record=self._mapped.device_ptr(_ERROR_RECORD))
-            kernels.launch(
-                "combine_kernel", config.num_sms, self._comm_stream,
-                template_args=(_COMBINE_ELEMENT[dtype_name], self.num_ranks),
-                combined_x=combined, combined_topk_weights=combined_weights, x=rows, topk_weights=weights,
-                rank_prefix_matrix=rank_prefix_matrix, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
-                combine_head=combine_head, num_tokens=num_tokens, hidden_int4=row_bytes // 16, num_topk=num_topk,
-                buffer_ptrs=self._nvl.peer_ptrs, rank=self.rank, meta_off=plan.meta_off, x_off=plan.x_off,
-                topk_weights_off=plan.topk_weights_off, max_send_tokens=config.num_max_nvl_chunked_send_tokens,
-                queue_tokens=config.num_max_nvl_chunked_recv_tokens, timeout_ns=self._timeout_ns,
-                error_record=self._mapped.device_ptr(_ERROR_RECORD))
-            event = self._finish(caller, framework, async_finish,
-                                 (rows, weights, combined, combined_weights, combine_head, handle.arrays))
-            return (to_framework(combined, dtype_name, framework),
-                    to_framework(combined_weights, "float32", framework), event)
+    def _combine_plan(self, x, topk_weights, config):
+        spec = plans.check_combine(self._context, x, topk_weights, config)
+        lay = spec.layout
+        notify = self._bind("cached_notify_combine_kernel", grid=1 + config.num_channels, op=plans.OP_COMBINE,
+                            row_bytes=spec.row_bytes, row_detail=spec.row_detail, num_sms=config.num_sms,
+                            send_chunk=config.num_max_nvl_chunked_send_tokens,
+                            recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
+                            zero_count=lay.zero_count, num_channels=config.num_channels)
+        main = self._bind("combine_kernel", (spec.element, self.num_ranks), grid=config.num_sms,
+                          hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk, meta_off=lay.meta_off,
+                          x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
+                          max_send_tokens=config.num_max_nvl_chunked_send_tokens,
+                          queue_tokens=config.num_max_nvl_chunked_recv_tokens)
+        return _Plan(spec, notify, main, 1 + (spec.num_topk > 0))
 
     # -----------------------------------------------------------------------------------------
 
     def barrier(self) -> None:
         """A device-side barrier of all ranks on the communication stream; the host waits for it."""
-        self._ensure_usable()
-        with self._device:
-            kernels.launch("barrier_kernel", 1, self._comm_stream, buffer_ptrs=self._nvl.peer_ptrs,
-                           num_ranks=self.num_ranks, rank=self.rank, epoch=self._next_epoch(1),
-                           timeout_ns=self._timeout_ns, error_record=self._mapped.device_ptr(_ERROR_RECORD))
-            self._comm_stream.synchronize()
-            self._raise_kernel_error()
+        self._slots.raise_if_failed()
+        with self._on_device:
+            stream = self._order.begin_on_comm_stream()
+            self._bind("barrier_kernel", grid=1)(stream, epoch=self._next_epoch(1))
+            self._order.synchronize()
+            self._slots.raise_if_failed()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from .errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, RankFailed, RankMismatchError
 
 
 class Group(abc.ABC):
@@ -115,44 +115,6 @@ def as_group(comm_or_group: Any) -> Group:
 
 #: How long a rank of a :class:`ThreadGroup` waits in a collective for the others by default.
 DEFAULT_THREAD_TIMEOUT_S = 300.0
-
-
-class RankFailed(DeepEPError):
-    """A rank of :func:`run_local_group` raised; raised ``from`` that rank's exception.
-
-    Which rank is named: the first (in time) to raise an exception that is not a
-    :class:`DeepEPError`; failing that, the first to raise one that is not a
-    :class:`GroupAbortedError`; failing that, the first. Timeouts and aborts are usually the other
-    ranks' reaction to a failure, and a rank's clean-up (``with Buffer(...)``: destroy) can run
-    before its own exception reaches :func:`run_local_group`.
-
-    Attributes:
-        rank: the rank named (see above).
-        exception: that exception (also the ``__cause__``).
-        failures: ``{rank: exception}`` of every rank that raised, the first one included.
-        stuck: ranks whose thread was still running when :func:`run_local_group` gave up on them
-            (empty when every thread finished).
-    """
-
-    def __init__(self, rank: int, exception: BaseException, failures: Optional[Dict[int, BaseException]] = None,
-                 stuck: Sequence[int] = ()):
-        self.rank = rank
-        self.exception = exception
-        self.failures = dict(failures) if failures else {rank: exception}
-        self.stuck = list(stuck)
-        message = f"rank {rank} failed: {type(exception).__name__}: {exception}"
-        others = sorted(set(self.failures) - {rank})
-        if others:
-            message += f" (ranks {others} raised too, most because of it)"
-        if self.stuck:
-            message += (f"; ranks {self.stuck} did not finish in time after that and were left running "
-                        "(daemon threads: they end with the process)")
-        super().__init__(message)
-
-
-class GroupAbortedError(DeepEPError):
-    """A collective of a :class:`ThreadGroup` gave up because the group was aborted (another rank
-    failed, or the launcher was interrupted): a consequence, not a cause."""
 
 
 class _Hub:
@@ -497,7 +459,7 @@ def _allocator_for(devices: Sequence[int], rank: int):
 
 
 #: The GIL switch interval (seconds) while :func:`run_local_group` runs rank threads.
-RANK_SWITCH_INTERVAL_S = 1e-4
+RANK_SWITCH_INTERVAL_S = 2e-5
 
 
 def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] = None,
@@ -514,8 +476,7 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
     While the ranks run, the interpreter's GIL switch interval is at most
     :data:`RANK_SWITCH_INTERVAL_S`: a rank thread whose CUDA wait has ended gets the GIL back
     from a busy peer thread within that time instead of CPython's default 5 ms, which stalled
-    every rank's next launch (in-process dispatch benchmark on 2 x H200: FP8 mean 305-332 us
-    instead of 328-344 us).
+    every rank's next launch (docs/PERF_NOTES.md has the measurements behind the value).
 
     The rank threads are daemon threads, always waited for while they are healthy; only a rank
     still stuck ``timeout_s`` after another failed is left behind (and named), so that it cannot

@@ -1,18 +1,20 @@
-"""Performance settings of dispatch and combine, and the NVLink buffer size they need."""
+"""Performance settings of dispatch and combine, the NVLink buffer size they need, and the file
+of tuned configs (written by ``python -m deepep_cupy.bench --tune --save-config``)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
 
 from . import layout
-from .layout import MAX_LOCAL_EXPERTS  # noqa: F401  (re-exported)
-from .kernels import MAX_RANKS
-
-#: The most top-k entries per token the kernels handle (one warp lane each).
-MAX_TOPK = 32
+from .constants import FP8_SCALE_BLOCK, MAX_RANKS, MAX_TOPK
 #: Environment variable naming a JSON file of tuned configs (written by ``bench --save-config``).
 CONFIG_ENV = "DEEPEP_CUPY_CONFIG"
 
@@ -45,6 +47,15 @@ class Config:
                 "Config: num_max_nvl_chunked_send_tokens "
                 f"({self.num_max_nvl_chunked_send_tokens}) must not exceed num_max_nvl_chunked_recv_tokens "
                 f"({self.num_max_nvl_chunked_recv_tokens}): a sender waits for a whole chunk of free slots")
+
+    def __hash__(self) -> int:
+        # Hashed on every call (plans are cached by it): computed once.
+        try:
+            return self._hash
+        except AttributeError:
+            object.__setattr__(self, "_hash", hash((self.num_sms, self.num_max_nvl_chunked_send_tokens,
+                                                    self.num_max_nvl_chunked_recv_tokens)))
+            return self._hash
 
     @property
     def num_channels(self) -> int:
@@ -82,7 +93,7 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
         return max(get_nvl_buffer_size_hint(hidden_bytes, num_ranks, c, num_topk=num_topk)
                    for c in (get_dispatch_config(num_ranks), get_combine_config(num_ranks)))
     # FP8 rows carry hidden / 128 float scales; count them on top of the widest row.
-    num_scales = max(1, hidden_bytes // 2 // 128)
+    num_scales = max(1, hidden_bytes // 2 // FP8_SCALE_BLOCK)
     d = layout.dispatch_layout(num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
                                hidden_bytes, num_topk, num_scales)
     c = layout.combine_layout(num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
@@ -102,20 +113,139 @@ def _check_num_ranks(num_ranks: int) -> None:
         raise ValueError(f"num_ranks: expected 2..{MAX_RANKS}, got {num_ranks}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The tuned-config file (format in the deepep_cupy.bench docstring): the bench writes it, the
+# library reads it through DEEPEP_CUPY_CONFIG.
+
+CONFIG_KEYS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
+
+
+def _jsonable(obj: Any) -> Any:
+    """Convert NumPy scalars/arrays, tuples and non-finite floats into plain JSON values."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return _jsonable(obj.item())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def write_json(path: str, doc: Dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+def config_to_dict(config: Any) -> Dict[str, int]:
+    """A ``deepep_cupy.Config`` (or a dict with its keys) as ``{num_sms, ..send_tokens, ..recv_tokens}``."""
+    if isinstance(config, dict):
+        return {k: int(config[k]) for k in CONFIG_KEYS}
+    return {k: int(getattr(config, k)) for k in CONFIG_KEYS}
+
+
+def config_document(num_ranks: int, dispatch: Any, combine: Any, device: Optional[str] = None,
+                    measured: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The ``--save-config`` document (format in the :mod:`deepep_cupy.bench` docstring)."""
+    doc = {"num_ranks": int(num_ranks), "device": device,
+           "dispatch": config_to_dict(dispatch), "combine": config_to_dict(combine)}
+    if measured:
+        doc["measured"] = _jsonable(measured)
+    return doc
+
+
+def save_config(path: str, num_ranks: int, dispatch: Any, combine: Any, device: Optional[str] = None,
+                measured: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Write :func:`config_document` to ``path``; returns the document."""
+    doc = config_document(num_ranks, dispatch, combine, device, measured)
+    write_json(path, doc)
+    return doc
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_config_document(path: str, doc: Any) -> None:
+    """Raise a ``ValueError`` naming ``path`` and the problem unless ``doc`` is a valid config document."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object with 'num_ranks', 'dispatch' and 'combine' "
+                         f"(or a list of them), got {type(doc).__name__}")
+    missing = [k for k in ("num_ranks", "dispatch", "combine") if k not in doc]
+    if missing:
+        raise ValueError(f"{path}: missing {missing}")
+    if not _is_positive_int(doc["num_ranks"]):
+        raise ValueError(f"{path}: 'num_ranks' must be a positive integer, got {doc['num_ranks']!r}")
+    for op in ("dispatch", "combine"):
+        config = doc[op]
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: '{op}' must be an object with the keys {list(CONFIG_KEYS)}, got {config!r}")
+        problems = []
+        missing = [k for k in CONFIG_KEYS if k not in config]
+        if missing:
+            problems.append(f"lacks {missing}")
+        unknown = sorted(set(config) - set(CONFIG_KEYS))
+        if unknown:
+            problems.append(f"has unknown keys {unknown}")
+        bad = {k: config[k] for k in CONFIG_KEYS if k in config and not _is_positive_int(config[k])}
+        if bad:
+            problems.append(f"needs positive integers, got {bad}")
+        if problems:
+            raise ValueError(f"{path}: '{op}' " + "; ".join(problems))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_config_file(path: str, stamp: Tuple[int, int]) -> Any:
+    """The validated contents of ``path``; ``stamp`` (mtime in ns, size) makes an edited file be read again."""
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    for entry in doc if isinstance(doc, list) else [doc]:
+        _check_config_document(path, entry)
+    return doc
+
+
+def _read_config_file(path: str) -> Any:
+    """A tuned-config file's contents (one document or a list of them), read and validated once per
+    version of the file. Shared: do not modify it.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: naming the file: it is not JSON, or not a valid config document.
+    """
+    path = os.path.abspath(os.fspath(path))
+    status = os.stat(path)
+    return _parse_config_file(path, (status.st_mtime_ns, status.st_size))
+
+
+def load_config(path: str) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
+    """Read and validate a ``--save-config`` file: ``{"num_ranks", "dispatch", "combine", ...}``
+    (a list of such documents if the file holds a list). Returns the caller's own copy."""
+    return copy.deepcopy(_read_config_file(path))
+
+
 def _tuned(kind: str, num_ranks: int) -> Optional[Config]:
     """The config saved by ``python -m deepep_cupy.bench --tune --save-config PATH``, if any."""
     path = os.environ.get(CONFIG_ENV)
     if not path:
         return None
     try:
-        with open(path) as f:
-            saved = json.load(f)
+        saved = _read_config_file(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{CONFIG_ENV}={path}: cannot read a tuned config file ({exc})") from None
     entries = saved if isinstance(saved, list) else [saved]
     for entry in entries:
         if entry.get("num_ranks") == num_ranks and kind in entry:
-            return Config(**entry[kind])
+            try:
+                return Config(**entry[kind])
+            except ValueError as exc:
+                raise ValueError(f"{CONFIG_ENV}={path}: '{kind}' for {num_ranks} ranks: {exc}") from None
     return None
 
 

@@ -1,4 +1,6 @@
-"""Exceptions raised by deepep_cupy."""
+"""Every exception type deepep_cupy raises besides the built-in TypeError / ValueError."""
+
+from typing import Dict, Optional, Sequence
 
 
 class DeepEPError(RuntimeError):
@@ -22,3 +24,49 @@ class DeepEPTimeoutError(DeepEPError, TimeoutError):
 
 class RankMismatchError(DeepEPError, ValueError):
     """Ranks called a collective operation with settings that disagree (raised on every rank)."""
+
+
+class KernelBuildError(DeepEPError):
+    """A kernel could not be compiled or loaded, or its sources were not found."""
+
+
+class RankFailed(DeepEPError):
+    """A rank of :func:`run_local_group` raised; raised ``from`` that rank's exception.
+
+    Which rank is named: the first (in time) to raise an exception that is not a
+    :class:`DeepEPError`; failing that, the first to raise one that is not a
+    :class:`GroupAbortedError`; failing that, the first. Timeouts and aborts are usually the other
+    ranks' reaction to a failure, and a rank's clean-up (``with Buffer(...)``: destroy) can run
+    before its own exception reaches :func:`run_local_group`.
+
+    Attributes:
+        rank: the rank named (see above).
+        exception: that exception (also the ``__cause__``).
+        failures: ``{rank: exception}`` of every rank that raised, the first one included.
+        stuck: ranks whose thread was still running when :func:`run_local_group` gave up on them
+            (empty when every thread finished).
+    """
+
+    def __init__(self, rank: int, exception: BaseException, failures: Optional[Dict[int, BaseException]] = None,
+                 stuck: Sequence[int] = ()):
+        self.rank = rank
+        self.exception = exception
+        self.failures = dict(failures) if failures else {rank: exception}
+        self.stuck = list(stuck)
+        message = f"rank {rank} failed: {type(exception).__name__}: {exception}"
+        others = sorted(set(self.failures) - {rank})
+        if others:
+            message += f" (ranks {others} raised too, most because of it)"
+        if self.stuck:
+            message += (f"; ranks {self.stuck} did not finish in time after that and were left running "
+                        "(daemon threads: they end with the process)")
+        super().__init__(message)
+
+
+class GroupAbortedError(DeepEPError):
+    """A collective of a :class:`ThreadGroup` gave up because the group was aborted (another rank
+    failed, or the launcher was interrupted): a consequence, not a cause."""
+
+
+class NcclUnavailable(DeepEPError):
+    """The NCCL baseline of ``python -m deepep_cupy.bench`` cannot run; the message says why."""

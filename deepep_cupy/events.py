@@ -17,13 +17,16 @@ class EventOverlap:
     Args:
         event: a ``cupy.cuda.Event`` or ``None`` (already complete for the caller's stream).
         extra_tensors: objects to keep alive until the event has been waited for.
+        lib: the caller's array library (a :class:`deepep_cupy.tensors.ArrayLib`): whose current
+            stream waits. ``None``: CuPy's.
+        device_id: the GPU whose current stream waits (default: CuPy's current device).
     """
 
-    def __init__(self, event: Optional[Any] = None, extra_tensors: Tuple[Any, ...] = (),
-                 framework: str = "cupy", device_id: Optional[int] = None):
+    def __init__(self, event: Optional[Any] = None, extra_tensors: Tuple[Any, ...] = (), lib: Any = None,
+                 device_id: Optional[int] = None):
         self.event = event
         self.extra_tensors = extra_tensors
-        self._framework = framework
+        self._lib = lib
         self._device_id = device_id
 
     def current_stream_wait(self) -> None:
@@ -32,10 +35,10 @@ class EventOverlap:
             return
         import cupy
 
-        from .arrays import caller_stream
-
         device_id = cupy.cuda.Device().id if self._device_id is None else self._device_id
-        caller_stream(self._framework, device_id).wait_event(self.event)
+        stream_ptr = (cupy.cuda.get_current_stream().ptr if self._lib is None
+                      else self._lib.current_stream(device_id))
+        cupy.cuda.runtime.streamWaitEvent(stream_ptr, self.event.ptr, 0)
         self.extra_tensors = ()
 
     def synchronize(self) -> None:

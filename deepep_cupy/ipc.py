@@ -5,19 +5,16 @@ and opened by every peer (``cudaIpcOpenMemHandle``). Inside one process (the thr
 ranks exchange the raw device pointers and enable peer access instead. Either way each rank ends
 with ``peer_ptrs``: a device array of R pointers, entry r valid on this rank's device and naming
 rank r's buffer (entry ``rank`` its own).
-
-Also here: host-mapped pinned memory (``cudaHostAlloc(..., Mapped)``) through which kernels hand
-small results (receive counts, error records) to a host that polls them.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import List
 
 import numpy as np
 
 from .comm import Group
+from .errors import DeepEPError
 
 
 def _runtime():
@@ -25,34 +22,11 @@ def _runtime():
     return runtime
 
 
-class MappedInts:
-    """``count`` int32 in pinned host memory that kernels read and write directly.
-
-    ``values`` is a NumPy view the host reads without any CUDA call; ``device_ptr(i)`` is the
-    address of entry ``i`` for kernels (unified addressing makes it the host address).
-    """
-
-    def __init__(self, count: int):
-        runtime = _runtime()
-        self._ptr = runtime.hostAlloc(count * 4, runtime.hostAllocMapped | runtime.hostAllocPortable)
-        self.values = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(self._ptr))
-        self.values[:] = 0
-
-    def device_ptr(self, index: int) -> int:
-        return self._ptr + 4 * index
-
-    def free(self) -> None:
-        if self._ptr:
-            self.values = None
-            _runtime().freeHost(self._ptr)
-            self._ptr = 0
-
-
 def _enable_peer_access(peer_devices: List[int], device_id: int) -> None:
     runtime = _runtime()
     for peer in set(peer_devices) - {device_id}:
         if not runtime.deviceCanAccessPeer(device_id, peer):
-            raise RuntimeError(f"deepep_cupy: GPU {device_id} cannot access GPU {peer} as a peer (no NVLink/P2P path)")
+            raise DeepEPError(f"deepep_cupy: GPU {device_id} cannot access GPU {peer} as a peer (no NVLink/P2P path)")
         try:
             runtime.deviceEnablePeerAccess(peer)
         except runtime.CUDARuntimeError as exc:

@@ -1,13 +1,14 @@
-"""Finding, compiling and launching the project's CUDA kernels.
+"""Finding and compiling the project's CUDA kernels, and what the host knows of their parameters.
 
 The CUDA C++ sources live in ``kernels/`` (shipped in the wheel as ``deepep_cupy/_kernels``).
 Each ``.cu`` file is one stage; its template instances are listed in :data:`SOURCES` and
-compiled together by ``cupy.RawModule(name_expressions=...)`` for the device's own
-architecture. Local ``#include "x.cuh"`` lines are inlined here, before compiling, so that
-CuPy's on-disk kernel cache (keyed by the source text) sees header edits too.
+compiled by ``cupy.RawModule(name_expressions=...)`` for the device's own architecture. Local
+``#include "x.cuh"`` lines are inlined here, before compiling, so that CuPy's on-disk kernel
+cache (keyed by the source text) sees header edits too; ``constants.cuh`` is not a file but
+:func:`deepep_cupy.constants.cuda_header`, the numbers the host shares with the kernels.
 
-Every launch goes through :func:`launch`, which packs arguments by the kernel's declared
-signature: the one place where Python values become C types.
+:data:`SIGNATURES` mirrors every kernel's parameter list (checked against the sources on CPU);
+:mod:`deepep_cupy.launch` lays out the parameter blocks from it.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ import ctypes
 import functools
 import os
 import re
-import struct
 import threading
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
-import numpy as np
-
-from .layout import MAX_RANKS  # noqa: E402  (one definition for the package)
+from .constants import BLOCK_THREADS, MAX_RANKS, cuda_header
+from .errors import KernelBuildError
 
 RANK_COUNTS = tuple(range(2, MAX_RANKS + 1))
 
@@ -41,6 +40,9 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
 
 #: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
+
+#: The include that stands for the constants shared with Python (generated, not a file).
+GENERATED_HEADER = "constants.cuh"
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -64,6 +66,8 @@ def read_source(name: str) -> str:
         if file_name in seen:
             return ""
         seen.add(file_name)
+        if file_name == GENERATED_HEADER:
+            return cuda_header()
         text = (kernel_dir() / file_name).read_text()
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
@@ -131,7 +135,7 @@ def _load_now(function_ptr: int) -> None:
         return  # a driver before CUDA 12.4: nothing to force
     status = func_load(ctypes.c_void_p(function_ptr))
     if status != 0:
-        raise RuntimeError(f"deepep_cupy: cuFuncLoad failed with CUresult {status}")
+        raise KernelBuildError(f"deepep_cupy: cuFuncLoad failed with CUresult {status}")
 
 
 def warm_up(num_ranks: int) -> None:
@@ -146,79 +150,7 @@ def warm_up(num_ranks: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument packing and launch
-#
-# Kernels are launched through the driver (cuLaunchKernel) with all parameters packed by
-# ``struct`` into one buffer and a table of pointers into it. The host path of an operation is
-# a handful of launches, so this costs a few microseconds of Python per launch where CuPy's
-# per-argument conversion costs tens of microseconds for these 20-30 parameter kernels.
-
-_STRUCT_CODES = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
-
-
-def _pointer(value) -> int:
-    if value is None:
-        return 0
-    try:
-        return value.data.ptr  # a CuPy array (the common case first: this runs per argument)
-    except AttributeError:
-        pass
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    raise TypeError(f"deepep_cupy: cannot pass {type(value).__name__} as a device pointer")
-
-
-class ArgumentPacker:
-    """Packs keyword values into a kernel's parameter buffer, laid out like a C struct
-    (each parameter at its natural alignment: the CUDA ABI for kernel parameters)."""
-
-    def __init__(self, signature: Sequence[Tuple[str, str]]):
-        self.signature = tuple(signature)
-        self.names = tuple(name for name, _ in signature)
-        self.params = tuple((name, kind == "ptr") for name, kind in signature)
-        codes = "".join(_STRUCT_CODES[kind] for _, kind in signature)
-        self.layout = struct.Struct("@" + codes)
-        # Byte offset of each parameter in the packed buffer (after struct's alignment padding).
-        self.offsets = tuple(struct.calcsize("@" + codes[:i + 1]) - struct.calcsize("@" + codes[i])
-                             for i in range(len(codes)))
-
-    def values(self, values: Dict[str, object]) -> list:
-        if len(values) != len(self.names):
-            self._complain(values)
-        try:
-            return [_pointer(values[name]) if is_pointer else values[name] for name, is_pointer in self.params]
-        except KeyError:
-            self._complain(values)
-
-    def _complain(self, values: Dict[str, object]) -> None:
-        missing = [name for name in self.names if name not in values]
-        extra = sorted(set(values) - set(self.names))
-        raise TypeError(f"deepep_cupy: kernel arguments missing {missing}, unexpected {extra}")
-
-    def pack(self, values: Dict[str, object]) -> bytes:
-        return self.layout.pack(*self.values(values))
-
-
-class _Launcher:
-    """One compiled kernel instance with its own parameter storage and pointer table.
-
-    cuLaunchKernel copies the parameters when it is called, so the storage is reused; the lock
-    keeps ranks that share a GPU (threads of one process) from packing into it at once.
-    """
-
-    def __init__(self, kernel: str, function_ptr: int):
-        self.packer = ArgumentPacker(SIGNATURES[kernel])
-        self.function_ptr = function_ptr
-        self.block = block_threads(kernel)
-        self.storage = ctypes.create_string_buffer(max(self.packer.layout.size, 1))
-        base = ctypes.addressof(self.storage)
-        self.param_ptrs = (ctypes.c_void_p * len(self.packer.offsets))(*[base + o for o in self.packer.offsets])
-        self.param_ptrs_address = ctypes.addressof(self.param_ptrs)
-        self.lock = threading.Lock()
-
-
-_launchers: Dict[tuple, _Launcher] = {}
-
+# Parameters
 
 def _signature(text: str) -> Tuple[Tuple[str, str], ...]:
     return tuple(tuple(item.split(":")) for item in text.split())
@@ -260,73 +192,11 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "queue_tokens:i32 timeout_ns:i64 error_record:ptr"),
 }
 
-#: Threads per block of the small kernels. The transfer kernels' counts are the ``#define`` in
-#: their source (it also sets their launch bounds), see :func:`block_threads`.
-BLOCK_THREADS = {
-    "dispatch_layout_kernel": 1024,
-    "notify_dispatch_kernel": 1024,
-    "cached_notify_dispatch_kernel": 256,
-    "barrier_kernel": 32,
-    "cached_notify_combine_kernel": 32 * MAX_RANKS,
-}
-_BLOCK_DEFINES = {"dispatch_kernel": ("dispatch.cu", "DISPATCH_THREADS"),
-                  "combine_kernel": ("combine.cu", "COMBINE_THREADS")}
-
-
 def block_threads(kernel: str) -> int:
-    """Threads per block that ``kernel`` is launched with."""
-    if kernel in BLOCK_THREADS:
-        return BLOCK_THREADS[kernel]
-    file_name, define = _BLOCK_DEFINES[kernel]
-    found = re.search(rf"^\s*#\s*define\s+{define}\s+(\d+)", read_source(file_name), re.MULTILINE)
-    if found is None:
-        raise RuntimeError(f"deepep_cupy: {file_name} does not #define {define}")
-    return int(found.group(1))
+    """Threads per block that ``kernel`` is launched with (:data:`deepep_cupy.constants.BLOCK_THREADS`)."""
+    return BLOCK_THREADS[kernel]
 
 
 def name_expression(kernel: str, template_args: Sequence[object] = ()) -> str:
     """``kernel<arg, ...>`` as listed in :data:`SOURCES` (the bare name for non-templates)."""
     return f"{kernel}<{', '.join(str(a) for a in template_args)}>" if template_args else kernel
-
-
-class _Profile:
-    """Opt-in per-kernel GPU times (``DEEPEP_CUPY_PROFILE=1``): events around every launch."""
-
-    def __init__(self):
-        self.enabled = os.environ.get("DEEPEP_CUPY_PROFILE", "") not in ("", "0")
-        self.pending: List[Tuple[str, object, object]] = []
-
-    def report(self) -> Dict[str, Tuple[int, float]]:
-        """{kernel: (launches, mean milliseconds)} since the last report (synchronises)."""
-        import cupy
-
-        totals: Dict[str, List[float]] = {}
-        for name, start, end in self.pending:
-            end.synchronize()
-            totals.setdefault(name, []).append(cupy.cuda.get_elapsed_time(start, end))
-        self.pending = []
-        return {name: (len(ts), sum(ts) / len(ts)) for name, ts in totals.items()}
-
-
-profile = _Profile()
-
-
-def launch(kernel: str, grid: int, stream, *, template_args: Tuple[object, ...] = (),
-           shared_mem: int = 0, **values) -> None:
-    """Launch ``kernel`` (with ``template_args``) on ``stream``, packing ``values`` by its signature."""
-    from cupy.cuda import driver, runtime
-
-    key = (runtime.getDevice(), kernel, template_args)
-    launcher = _launchers.get(key)
-    if launcher is None:
-        function = get_kernel(name_expression(kernel, template_args)).kernel
-        launcher = _launchers.setdefault(key, _Launcher(kernel, function.ptr))
-    args = launcher.packer.values(values)
-    with launcher.lock:
-        launcher.packer.layout.pack_into(launcher.storage, 0, *args)
-        if profile.enabled:
-            start = stream.record()
-        driver.launchKernel(launcher.function_ptr, grid, 1, 1, launcher.block, 1, 1, shared_mem, stream.ptr,
-                            launcher.param_ptrs_address, 0)
-    if profile.enabled:
-        profile.pending.append((kernel, start, stream.record()))

@@ -32,14 +32,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .constants import MAX_LOCAL_EXPERTS, MAX_RANKS, SIGNATURE_INTS
+
 ALIGNMENT = 128
 SIGNAL_BYTES = 128
-SIGNATURE_INTS = 8
 INT_BYTES = 4
-#: The most ranks a group may have (the kernels are instantiated for 2..MAX_RANKS).
-MAX_RANKS = 8
-#: The most experts per rank (sizes the notify areas and the host-mapped receive counters).
-MAX_LOCAL_EXPERTS = 4096
 
 
 def _align(n: int) -> int:

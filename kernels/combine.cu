@@ -15,7 +15,6 @@
 // Receiver blocks: warp 0 keeps the queues (polls tails, publishes heads), the other warps
 // reduce tokens round-robin and report how far each queue has been consumed.
 
-#define COMBINE_THREADS 768
 #define COMBINE_SEND_UNROLL 4
 
 template <typename T, int kNumRanks>

@@ -8,35 +8,20 @@
 typedef long long int64_t_;
 typedef unsigned long long uint64_t_;
 
-#define DEEPEP_MAX_RANKS 8
+#include "constants.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // Error record (host-mapped pinned memory, int[8]), written by the first thread that gives up.
-//   [0] code (0 = fine, 1 = timeout)   [1] kernel id   [2] rank   [3] channel   [4] peer rank
+//   [0] code (0 = fine, ERROR_TIMEOUT, ERROR_MISMATCH)   [1] kernel id (KERNEL_*)   [2] rank
+//   [3] channel   [4] peer rank (for ERROR_MISMATCH: the rank that differs)
 //   [5] detail (tokens still expected, or the value waited for)
 // The host reads it after a wait and raises a Python exception naming rank, kernel and channel.
-enum KernelId {
-    KERNEL_BARRIER = 1,
-    KERNEL_NOTIFY_DISPATCH = 2,
-    KERNEL_CACHED_NOTIFY_DISPATCH = 3,
-    KERNEL_DISPATCH_SENDER = 4,
-    KERNEL_DISPATCH_RECEIVER = 5,
-    KERNEL_CACHED_NOTIFY_COMBINE = 6,
-    KERNEL_COMBINE_SENDER = 7,
-    KERNEL_COMBINE_RECEIVER = 8,
-};
-
-#define ERROR_TIMEOUT 1
-#define ERROR_MISMATCH 2  // the ranks called with different settings: [4] = the rank that differs
-
-// Int index, in every rank's own NVLink buffer, of the verdict of the last count exchange or
-// queue reset (0: all ranks agree on the call's settings). Written only by the rank itself; the
-// transfer kernels read it first and move nothing when it is not 0, so ranks that disagree all
-// stop instead of waiting for each other.
-#define VERDICT_INT 16
-// The verdict when a rank receives more tokens than the rows its host allocated ahead of the
-// counts: nothing moves, no error is recorded, and the hosts redo the call with exact sizes.
-#define VERDICT_OVER_CAPACITY 1024
+//
+// Every rank's NVLink buffer holds, at int VERDICT_INT, the rank's verdict on the current call's
+// settings (0: all ranks agree; VERDICT_OVER_CAPACITY: a rank would receive more tokens than its
+// host allocated rows for). Written only by the rank itself; the transfer kernels read it first
+// and move nothing when it is not 0, so ranks that disagree all stop instead of waiting for
+// each other.
 
 __device__ __forceinline__ int* verdict_word(void* const* buffer_ptrs, int rank) {
     return reinterpret_cast<int*>(buffer_ptrs[rank]) + VERDICT_INT;

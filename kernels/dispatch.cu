@@ -19,7 +19,6 @@
 // threads form one group of kWarpsPerRank warps per peer rank, synchronised by named barrier
 // (peer + 1).
 
-#define DISPATCH_THREADS 512
 // 16-byte loads each lane keeps in flight while copying a token (latency hiding over NVLink).
 #define DISPATCH_UNROLL 8
 

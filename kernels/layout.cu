@@ -6,7 +6,7 @@
 // in shared memory and write the totals directly (no zeroing launch, no global atomics).
 // Dynamic shared memory: int expert_counts[num_experts], then int rank_counts[num_ranks].
 // Expert ids outside [0, num_experts) are skipped here (memory safety); dispatch reports them.
-extern "C" __global__ void __launch_bounds__(1024) dispatch_layout_kernel(
+extern "C" __global__ void __launch_bounds__(DISPATCH_LAYOUT_THREADS) dispatch_layout_kernel(
         const int64_t_* topk_idx, int* num_tokens_per_rank, int* num_tokens_per_expert,
         bool* is_token_in_rank, int num_tokens, int num_topk, int num_experts, int num_ranks) {
     extern __shared__ int shared_counts[];

@@ -2,8 +2,6 @@
 // counts before a dispatch, and the queue resets before a cached dispatch or a combine.
 #include "common.cuh"
 
-#define SIGNATURE_INTS 8
-
 // Zero `count` ints at byte offset `offset` of `base`, with all threads of the block.
 __device__ __forceinline__ void zero_ints(void* base, int64_t_ offset, int count) {
     int* ints = reinterpret_cast<int*>(reinterpret_cast<char*>(base) + offset);
@@ -80,7 +78,7 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
 // move nothing, so that the hosts can redo the call with exact sizes.
 // Blocks 1..R count, per destination rank, the tokens of each channel (the sender-side channel
 // prefix matrix).
-extern "C" __global__ void __launch_bounds__(1024) notify_dispatch_kernel(
+extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dispatch_kernel(
         const int* num_tokens_per_rank, const int* num_tokens_per_expert, const bool* is_token_in_rank,
         int* rank_prefix_matrix, int* channel_prefix_matrix, int recv_capacity,
         int* recv_counter, int* mismatch_flag, const int* signature, int* recv_expert_counter,
@@ -204,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(1024) notify_dispatch_kernel(
 // settings a cached dispatch and a combine compare across ranks: which operation (`op`), row
 // bytes, scales per token (dispatch) or element type and top-k (combine) in `row_detail`,
 // num_sms, and the two chunk sizes.
-extern "C" __global__ void cached_notify_dispatch_kernel(
+extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_DISPATCH_THREADS) cached_notify_dispatch_kernel(
         void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ notify_off,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
         int64_t_ zero_off, int zero_count, int64_t_ timeout_ns, int* error_record) {
@@ -213,8 +211,8 @@ extern "C" __global__ void cached_notify_dispatch_kernel(
                     error_record, KERNEL_CACHED_NOTIFY_DISPATCH);
 }
 
-extern "C" __global__ void barrier_kernel(void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
-                                          int64_t_ timeout_ns, int* error_record) {
+extern "C" __global__ void __launch_bounds__(BARRIER_THREADS) barrier_kernel(
+        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ timeout_ns, int* error_record) {
     rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record, KERNEL_BARRIER);
 }
 
@@ -225,7 +223,7 @@ extern "C" __global__ void barrier_kernel(void* const* buffer_ptrs, int num_rank
 //                                                sent to r, or 2^30 when none follows.
 // A combine receiver that meets a token not sent to r can then still tell the sender of r how
 // far the queue has been consumed.
-extern "C" __global__ void cached_notify_combine_kernel(
+extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_COMBINE_THREADS) cached_notify_combine_kernel(
         void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ notify_off,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
         int64_t_ zero_off, int zero_count, const int* send_head, int* combine_head, int num_tokens,

@@ -11,7 +11,7 @@ for stage in $STAGES; do
   case $stage in
     env)
       nvidia-smi -L; nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; head -5 "$OUT/topo.txt"
-      python3 -c "import cupy, mpi4py; print('cupy', cupy.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount(), 'mpi4py', mpi4py.__version__)";;
+      python3 -c "import cupy, mpi4py, torch; print('cupy', cupy.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount(), 'mpi4py', mpi4py.__version__, 'torch', torch.__version__)";;
     worker)
       DEEPEP_TEST_TIMEOUT_S=${DEEPEP_TEST_TIMEOUT_S:-15} timeout ${WORKER_TIMEOUT:-400} \
         mpirun -n 2 python3 tests/workers/gpu_worker.py ${SCENARIOS:-} > "$OUT/worker.log" 2>&1
@@ -26,7 +26,7 @@ for line in open(sys.argv[1]):
 PY
       grep -v "^RESULT" "$OUT/worker.log" | tail -30;;
     perf)
-      DEEPEP_CUPY_PROFILE=${PROFILE:-0} timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_CONFIGS:-24:16:256} 2>&1 | tee "$OUT/perf.log" | tail -${PERF_TAIL:-20};;
+      DEEPEP_CUPY_PROFILE=${PROFILE:-0} timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_ARGS:-} 2>&1 | tee "$OUT/perf.log" | tail -${PERF_TAIL:-60};;
     ab)
       # Same-run A/B of kernel variants (AB_VARIANTS: "name:DEFINE=value,DEFINE=value ...", built from
       # kernels/ by sed) and of allocate-ahead on/off, alternated AB_ROUNDS times.
@@ -38,7 +38,7 @@ PY
           for ahead in ${AB_AHEAD:-1}; do
             echo "--- round $round variant $name ($defines) allocate_ahead=$ahead"
             DEEPEP_CUPY_KERNEL_DIR=$dir PERF_ALLOCATE_AHEAD=$ahead timeout ${PERF_TIMEOUT:-150} \
-              mpirun -n 2 python3 scripts/quick_perf.py ${PERF_CONFIGS:-24:32:512} 2>&1 | grep -v "host stages" | tail -7
+              mpirun -n 2 python3 scripts/quick_perf.py ${PERF_ARGS:-} 2>&1 | tail -14
           done
         done
       done 2>&1 | tee -a "$OUT/ab.log";;

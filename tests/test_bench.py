@@ -1,35 +1,24 @@
 """CPU tests of deepep_cupy.bench: arguments, accounting, tables, JSON, configs, the NCCL index build."""
 
-import importlib
-import importlib.util
 import json
 import math
+import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-
-def _load_bench():
-    try:
-        return importlib.import_module("deepep_cupy.bench")
-    except Exception:  # the package __init__ may be unfinished: load the module by path
-        path = Path(__file__).resolve().parents[1] / "deepep_cupy" / "bench.py"
-        spec = importlib.util.spec_from_file_location("deepep_cupy_bench_standalone", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-
-bench = _load_bench()
+from deepep_cupy import bench
+from deepep_cupy.bench import calls, report
 
 
 # ---------------------------------------------------------------------------------------------- import
 
 def test_import_touches_no_gpu_stack():
-    # importing the module must not need cupy, MPI or NCCL (it is loaded above already)
-    assert hasattr(bench, "main")
+    code = ("import sys, deepep_cupy.bench; "
+            "print(sorted(m for m in ('cupy', 'mpi4py', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
     for name in ("time_op", "format_table", "results_to_json", "dispatch_bytes", "gbps", "build_parser",
                  "parse_args", "build_send_index", "copy_ceiling", "run_nccl_baseline"):
         assert callable(getattr(bench, name))
@@ -395,3 +384,52 @@ def test_checks_against_the_reference_pass_and_catch_a_flipped_bit():
         checks = bench.compare_rank(reference, bad, ref, hosts[rank], rank, 16, R)
         assert not all(ok for ok, _ in checks["combine BF16"])
         assert all(ok for ok, _ in checks["dispatch BF16"])
+
+
+# ---------------------------------------------------------------------------------------------- what a loop sees
+
+def _calls_rank(scale, libs=("cupy", "torch"), tokens=(128, 4096)):
+    points = []
+    for n in tokens:
+        for lib in libs:
+            ops = {op: {"loop_us": scale * (10 + i) * n / 128, "host_us": scale * (5 + i)} for i, op in enumerate(calls.OPS)}
+            ops["dispatch BF16"].update(wait_us=scale, host_work_us=scale * 4)
+            points.append({"lib": lib, "num_tokens": n, "ops": ops})
+    return {"points": points}
+
+
+def test_calls_figures_are_the_slowest_ranks():
+    summary = report.summarize_calls([_calls_rank(1.0), _calls_rank(2.0)])
+    row = next(r for r in summary["rows"] if (r["op"], r["lib"], r["num_tokens"]) == ("layout", "torch", 4096))
+    assert row["loop_us"] == 2.0 * 10 * 32 and row["host_us"] == 2.0 * 5
+    dispatch = next(r for r in summary["rows"] if r["op"] == "dispatch BF16")
+    assert dispatch["wait_us"] == 2.0 and dispatch["host_work_us"] == 8.0
+
+
+def test_the_calls_table_shows_every_op_library_and_token_count_next_to_deepep():
+    text = report.render_calls(report.summarize_calls([_calls_rank(1.0)]))
+    for op in calls.OPS:
+        assert op in text
+    assert "128 tok" in text and "4096 tok" in text and "DeepEP V1 (torch)" in text
+    assert "450" in text  # DeepEP V1's fresh BF16 dispatch at 4096 tokens
+    assert "waiting for counts" in text
+
+
+def test_the_calls_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "calls.png"
+    assert report.plot_calls(str(path), report.summarize_calls([_calls_rank(1.0)]), {"num_ranks": 2}) is None
+    assert path.stat().st_size > 0
+
+
+def test_calls_options_parse_and_refuse_unknown_libraries(capsys):
+    args = bench.parse_args(["--calls-tokens", "128,256", "--calls-libs", "torch", "--calls-iters", "5"])
+    assert (args.calls_tokens, args.calls_libs, args.calls_iters, args.calls) == ([128, 256], ["torch"], 5, True)
+    assert bench.parse_args(["--no-calls"]).calls is False
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--calls-libs", "jax"])
+
+
+def test_calls_are_in_the_json_document():
+    doc = bench.results_to_json({}, calls=report.summarize_calls([_calls_rank(1.0)]))
+    assert json.loads(json.dumps(doc))["calls"]["rows"]

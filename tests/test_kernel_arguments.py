@@ -1,11 +1,13 @@
 """Kernel argument packing: the Python signatures mirror the CUDA declarations (CPU only)."""
 
+import ctypes
 import re
 import struct
 
 import pytest
 
 from deepep_cupy import kernels
+from deepep_cupy.launch import ParameterBlock, parameter_struct
 
 
 def _declared_parameters(kernel):
@@ -42,32 +44,47 @@ def test_every_signature_has_a_block_size_and_a_compiled_instance(kernel):
     assert any(e.split("<")[0] == kernel for exprs in kernels.SOURCES.values() for e in exprs)
 
 
-def test_parameters_sit_at_their_c_alignment():
-    packer = kernels.ArgumentPacker([("a", "i32"), ("b", "i64"), ("c", "i32"), ("d", "ptr"), ("e", "f32")])
-    assert packer.offsets == (0, 8, 16, 24, 32)
+def test_parameters_sit_at_their_c_alignment(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k", (("a", "i32"), ("b", "i64"), ("c", "i32"), ("d", "ptr"), ("e", "f32")))
+    fields = parameter_struct("k")
+    assert [getattr(fields, name).offset for name in "abcde"] == [0, 8, 16, 24, 32]
 
 
-def test_packed_buffer_holds_the_values():
-    packer = kernels.ArgumentPacker([("n", "i32"), ("deadline", "i64"), ("ptr", "ptr"), ("scale", "f32")])
-    packed = packer.pack({"n": -3, "deadline": 2 ** 40, "ptr": 0xDEADBEEF, "scale": 1.5})
-    assert struct.unpack("@iqQf", packed) == (-3, 2 ** 40, 0xDEADBEEF, 1.5)
+@pytest.mark.parametrize("kernel", sorted(kernels.SIGNATURES))
+def test_the_parameter_block_is_laid_out_like_a_c_struct(kernel):
+    codes = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
+    layout = "@" + "".join(codes[kind] for _, kind in kernels.SIGNATURES[kernel])
+    assert ctypes.sizeof(parameter_struct(kernel)) == struct.calcsize(layout)
 
 
-def test_none_is_a_null_pointer():
-    packer = kernels.ArgumentPacker([("p", "ptr")])
-    assert struct.unpack("@Q", packer.pack({"p": None})) == (0,)
+def test_the_block_holds_fixed_and_assigned_values(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k2", (("n", "i32"), ("deadline", "i64"), ("p", "ptr"), ("scale", "f32")))
+    block = ParameterBlock("k2", n=-3, deadline=2 ** 40)
+    block.assign({"p": 0xDEADBEEF, "scale": 1.5})
+    assert struct.unpack("@iqQf", block.as_bytes()[:struct.calcsize("@iqQf")]) == (-3, 2 ** 40, 0xDEADBEEF, 1.5)
 
 
-def test_missing_and_unexpected_arguments_are_named():
-    packer = kernels.ArgumentPacker([("alpha", "i32"), ("beta", "i32")])
-    with pytest.raises(TypeError, match=r"missing \['beta'\], unexpected \['gamma'\]"):
-        packer.pack({"alpha": 1, "gamma": 2})
+def test_the_pointer_table_points_at_each_field(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k3", (("a", "i32"), ("b", "ptr")))
+    block = ParameterBlock("k3", a=7, b=9)
+    table = (ctypes.c_void_p * 2).from_address(block.table_address)
+    assert ctypes.c_int32.from_address(table[0]).value == 7 and ctypes.c_uint64.from_address(table[1]).value == 9
 
 
-def test_an_object_that_is_no_pointer_is_refused():
-    packer = kernels.ArgumentPacker([("p", "ptr")])
-    with pytest.raises(TypeError, match="device pointer"):
-        packer.pack({"p": "not a pointer"})
+def test_none_is_a_null_pointer(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k4", (("p", "ptr"),))
+    assert struct.unpack("@Q", ParameterBlock("k4", p=None).as_bytes()) == (0,)
+
+
+def test_unset_parameters_are_named(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k5", (("alpha", "i32"), ("beta", "i32"), ("gamma", "ptr")))
+    assert ParameterBlock("k5", alpha=1).missing({"gamma": 2}) == ["beta"]
+
+
+def test_an_unknown_fixed_argument_is_refused(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k6", (("alpha", "i32"),))
+    with pytest.raises(TypeError, match=r"k6 has no parameters \['delta'\]"):
+        ParameterBlock("k6", delta=2)
 
 
 def test_name_expressions_of_template_instances():

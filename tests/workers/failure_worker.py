@@ -79,7 +79,7 @@ def case_argument_checks(comm, ep, cupy):
             return lambda: buf.dispatch(x_arg, **kwargs)
 
         messages = {
-            "dtype": expect(TypeError, "x: unsupported dtype", dispatch(x.astype(cupy.float64))),
+            "dtype": expect(TypeError, "x: expected dtype bfloat16 or float16 or float32, got float64", dispatch(x.astype(cupy.float64))),
             "ndim": expect(ValueError, "x: expected 2 dimensions", dispatch(x[:, 0].copy())),
             "layout": expect(ValueError, "contiguous", dispatch(cupy.asfortranarray(x))),
             "host": expect(TypeError, "NumPy array on the host", dispatch(xs[rank])),

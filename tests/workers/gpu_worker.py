@@ -263,7 +263,7 @@ def _run_scenario(buf, sc):
         else:
             assert combined_weights is None
     cupy.cuda.get_current_stream().synchronize()  # not the device: ranks may share it
-    buf._raise_kernel_error()  # a device-side timeout must not pass unnoticed
+    buf.check_kernel_errors()  # a device-side timeout must not pass unnoticed
     return {"recv_tokens": int(want["recv_x"].shape[0])}
 
 
@@ -271,8 +271,8 @@ def kernel_error(buf):
     """What the Buffer's kernels reported, if anything: a wrong result can come from a kernel that
     timed out, which the Buffer only raises at its next call."""
     try:
-        buf._comm_stream.synchronize()   # the kernels end by themselves: they have a timeout
-        buf._raise_kernel_error()
+        buf.comm_stream.synchronize()   # the kernels end by themselves: they have a timeout
+        buf.check_kernel_errors()
     except Exception as exc:  # noqa: BLE001 - reported, not handled
         return f" [kernel error: {type(exc).__name__}: {exc}]"
     return ""

@@ -1,0 +1,85 @@
+"""Numbers the host code and the CUDA kernels must agree on, defined once.
+
+Python imports them from here. The kernels see them as ``#define``s: every ``#include
+"constants.cuh"`` in ``kernels/`` is replaced, when a source is read for compiling, by
+:func:`cuda_header` (there is no such file to drift out of date; ``python -m
+deepep_cupy.constants`` prints it). Tuning knobs private to one kernel (unroll depths) stay in
+that kernel's source.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+#: The most ranks a group may have (the transfer kernels are instantiated for 2..MAX_RANKS).
+MAX_RANKS = 8
+#: The most experts per rank (sizes the notify areas and the host-mapped receive counters).
+MAX_LOCAL_EXPERTS = 4096
+#: The most experts in all (the layout kernel counts them in shared memory).
+MAX_EXPERTS = 8192
+#: The most top-k entries per token (one warp lane each).
+MAX_TOPK = 32
+#: FP8 values per float32 scale in the ``[num_tokens, hidden // FP8_SCALE_BLOCK]`` scale layout.
+FP8_SCALE_BLOCK = 128
+#: Ints per rank in the settings table that ranks compare before moving tokens (the last one
+#: flags the rank's own input as invalid).
+SIGNATURE_INTS = 8
+
+#: Codes of a kernel error record (``[0]`` of it; 0 = no error).
+ERROR_TIMEOUT = 1
+ERROR_MISMATCH = 2  # ranks called a cached dispatch or a combine with different settings
+
+#: Int index, in every rank's NVLink buffer, of its verdict on the running call (0: go ahead).
+VERDICT_INT = 16
+#: The verdict when a rank receives more tokens than its host allocated rows for: nothing moves
+#: and the hosts redo the call with exact sizes.
+VERDICT_OVER_CAPACITY = 1024
+
+#: Stage names as error records and exceptions name them, by the id the kernels report.
+KERNEL_STAGES: Dict[int, str] = {
+    1: "barrier", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch sender",
+    5: "dispatch receiver", 6: "cached_notify_combine", 7: "combine sender", 8: "combine receiver",
+}
+
+#: Threads per block of every kernel (the launch uses it; the kernels use it in their launch
+#: bounds and their warp-role split).
+BLOCK_THREADS: Dict[str, int] = {
+    "dispatch_layout_kernel": 1024,
+    "notify_dispatch_kernel": 1024,
+    "cached_notify_dispatch_kernel": 256,
+    "barrier_kernel": 32,
+    "cached_notify_combine_kernel": 32 * MAX_RANKS,  # one warp per peer rank
+    "dispatch_kernel": 512,
+    "combine_kernel": 768,
+}
+
+
+def _macro(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).upper()
+
+
+def cuda_defines() -> Dict[str, int]:
+    """Every constant the kernels use, by its C macro name."""
+    defines = {
+        "DEEPEP_MAX_RANKS": MAX_RANKS,
+        "SIGNATURE_INTS": SIGNATURE_INTS,
+        "ERROR_TIMEOUT": ERROR_TIMEOUT,
+        "ERROR_MISMATCH": ERROR_MISMATCH,
+        "VERDICT_INT": VERDICT_INT,
+        "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,
+    }
+    defines.update({f"KERNEL_{_macro(stage)}": kernel_id for kernel_id, stage in KERNEL_STAGES.items()})
+    defines.update({_macro(kernel[:-len("_kernel")]) + "_THREADS": n for kernel, n in BLOCK_THREADS.items()})
+    return defines
+
+
+def cuda_header() -> str:
+    """The text that stands for ``#include "constants.cuh"`` in the kernel sources."""
+    lines = ["// Generated from deepep_cupy/constants.py: numbers shared by the host and the kernels.",
+             "#pragma once"]
+    lines += [f"#define {name} {value}" for name, value in cuda_defines().items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - a convenience for reading the generated header
+    print(cuda_header(), end="")

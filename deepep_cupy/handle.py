@@ -1,0 +1,130 @@
+"""The handle a fresh dispatch returns: its layout, reused by cached dispatch and by combine.
+
+A handle's integer arrays live in one allocation of the caller's array library (one allocation
+per dispatch instead of six), carved as :class:`HandleLayout` says; the arrays DeepEP's handle
+tuple holds are views of it, made when the caller first looks at them. The kernels only need the
+addresses, which the handle computes once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+INT32_BYTES = 4
+
+
+class HandleLayout(NamedTuple):
+    """Int32 offsets of a handle's arrays in its allocation (R ranks, C channels, N tokens).
+
+    ``rank_prefix_matrix [R, R]``, ``channel_prefix_matrix [R, C]``,
+    ``recv_channel_prefix_matrix [R, C]``, ``send_head [N, R]``, then ``combine_head [N, R]``
+    (scratch of every combine with this handle: cached_notify_combine derives it from
+    ``send_head``), then ``recv_src_idx`` with one entry per received row.
+    """
+    num_ranks: int
+    num_channels: int
+    num_tokens: int
+    rank_prefix: int
+    channel_prefix: int
+    recv_channel_prefix: int
+    send_head: int
+    combine_head: int
+    recv_src_idx: int
+
+    def total_ints(self, rows: int) -> int:
+        """Ints to allocate for a handle with ``rows`` received rows."""
+        return self.recv_src_idx + rows
+
+
+@functools.lru_cache(maxsize=256)
+def handle_layout(num_ranks: int, num_channels: int, num_tokens: int) -> HandleLayout:
+    R, C, N = num_ranks, num_channels, num_tokens
+    channel_prefix = R * R
+    recv_channel_prefix = channel_prefix + R * C
+    send_head = recv_channel_prefix + R * C
+    combine_head = send_head + N * R
+    return HandleLayout(R, C, N, 0, channel_prefix, recv_channel_prefix, send_head, combine_head,
+                        combine_head + N * R)
+
+
+class DispatchHandle:
+    """The layout of one dispatch, reusable by cached dispatch and by combine.
+
+    Behaves as DeepEP's handle tuple ``(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`` (shapes and dtypes in
+    docs/DESIGN.md), in the caller's array type: it unpacks, indexes and iterates like one. It also
+    remembers the Buffer it was made by.
+
+    Args:
+        lib: the caller's array library.
+        block: the int32 allocation holding the handle's arrays (carved by ``layout``).
+        layout: where each array lies in ``block``.
+        num_recv_tokens: rows the dispatch received.
+        is_token_in_rank: the caller's array, kept as given.
+        in_rank_ptr: its device address.
+        owner: ``id`` of the Buffer that made the handle.
+    """
+
+    def __init__(self, lib, block, layout: HandleLayout, num_recv_tokens: int, is_token_in_rank: Any,
+                 in_rank_ptr: int, owner: int):
+        self.lib = lib
+        self.block = block
+        self.layout = layout
+        self.num_recv_tokens = num_recv_tokens
+        self.is_token_in_rank = is_token_in_rank
+        self.owner = owner
+        base = lib.pointer(block)
+        self.rank_prefix_ptr = base + INT32_BYTES * layout.rank_prefix
+        self.channel_prefix_ptr = base + INT32_BYTES * layout.channel_prefix
+        self.recv_channel_prefix_ptr = base + INT32_BYTES * layout.recv_channel_prefix
+        self.send_head_ptr = base + INT32_BYTES * layout.send_head
+        self.combine_head_ptr = base + INT32_BYTES * layout.combine_head
+        self.recv_src_idx_ptr = base + INT32_BYTES * layout.recv_src_idx
+        self.in_rank_ptr = in_rank_ptr
+        self._src_idx = None
+        self._items = None
+
+    def use_separate_src_idx(self, src_idx) -> None:
+        """Keep ``recv_src_idx`` in its own allocation (made once the receive count was known)."""
+        self._src_idx = src_idx
+        self.recv_src_idx_ptr = self.lib.pointer(src_idx)
+
+    @property
+    def num_channels(self) -> int:
+        return self.layout.num_channels
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
+
+    def _view(self, start: int, shape) -> Any:
+        size = 1
+        for extent in shape:
+            size *= extent
+        return self.block[start:start + size].reshape(shape)
+
+    @property
+    def items(self) -> tuple:
+        """DeepEP's handle tuple (made on first use)."""
+        if self._items is None:
+            L, R, C, N = self.layout, self.layout.num_ranks, self.layout.num_channels, self.layout.num_tokens
+            src_idx = (self._view(L.recv_src_idx, (self.num_recv_tokens,)) if self._src_idx is None
+                       else self._src_idx)
+            self._items = (self._view(L.rank_prefix, (R, R)), self._view(L.channel_prefix, (R, C)),
+                           self._view(L.recv_channel_prefix, (R, C)), src_idx, self.is_token_in_rank,
+                           self._view(L.send_head, (N, R)))
+        return self._items
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __repr__(self) -> str:
+        return (f"DispatchHandle(num_tokens={self.num_tokens}, num_recv_tokens={self.num_recv_tokens}, "
+                f"num_channels={self.num_channels}, lib={self.lib.name})")

@@ -1,0 +1,147 @@
+"""Launching a kernel through a parameter block that lives as long as the plan using it.
+
+``cuLaunchKernel`` takes a kernel's parameters as a table of pointers to their values. A
+:class:`KernelCall` keeps the values in one C struct laid out like the kernel's parameter list
+(each field at its natural alignment, which is the CUDA ABI) and the pointer table next to it.
+It is made once per kernel instance and operation plan, with every argument that does not change
+between calls written then (the peer buffer table, rank, timeout, error record, shapes, buffer
+offsets); a call assigns only what changes (pointers, epochs) and launches. The driver copies the
+parameters when the launch is issued, so the block can be rewritten right after.
+
+One :class:`KernelCall` must not be used by two threads at once: each rank owns its plans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Dict, List, Tuple
+
+from . import kernels
+
+_FIELD_TYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_struct(kernel: str) -> type:
+    """A ``ctypes.Structure`` type with one field per parameter of ``kernel``, in order."""
+    fields = [(name, _FIELD_TYPES[kind]) for name, kind in kernels.SIGNATURES[kernel]]
+    return type(f"{kernel}_parameters", (ctypes.Structure,), {"_fields_": fields})
+
+
+class ParameterBlock:
+    """A kernel's parameters as one C struct, plus the pointer table ``cuLaunchKernel`` reads.
+
+    Args:
+        kernel: a name in :data:`deepep_cupy.kernels.SIGNATURES`.
+        fixed: values for parameters that stay the same on every launch.
+
+    Attributes:
+        values: the struct; assign its fields by parameter name (pointers as ints, 0 for none).
+    """
+
+    def __init__(self, kernel: str, **fixed):
+        struct_type = parameter_struct(kernel)
+        self.kernel = kernel
+        self.names = tuple(name for name, _ in struct_type._fields_)
+        unknown = sorted(set(fixed) - set(self.names))
+        if unknown:
+            raise TypeError(f"deepep_cupy: {kernel} has no parameters {unknown}")
+        self.values = struct_type()
+        base = ctypes.addressof(self.values)
+        self._pointer_table = (ctypes.c_void_p * len(self.names))(
+            *[base + getattr(struct_type, name).offset for name in self.names])
+        self.table_address = ctypes.addressof(self._pointer_table)
+        self.fixed = frozenset(fixed)
+        self.assign(fixed)
+
+    def assign(self, values: Dict[str, object]) -> None:
+        """Set parameters by name; ``None`` is a null pointer."""
+        for name, value in values.items():
+            setattr(self.values, name, 0 if value is None else value)
+
+    def missing(self, per_call: Dict[str, object]) -> List[str]:
+        """Parameters neither fixed nor in ``per_call``, in declaration order."""
+        return [name for name in self.names if name not in self.fixed and name not in per_call]
+
+    def as_bytes(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self.values), ctypes.sizeof(self.values))
+
+
+class KernelCall:
+    """One compiled kernel instance bound to a grid, a block size and its fixed arguments.
+
+    Args:
+        kernel: the kernel's name; ``template_args`` pick its instance.
+        grid: blocks per launch.
+        shared_mem: dynamic shared memory bytes.
+        fixed: arguments that never change for this call site.
+    """
+
+    def __init__(self, kernel: str, template_args: Tuple[object, ...] = (), *, grid: int, shared_mem: int = 0,
+                 **fixed):
+        self.params = ParameterBlock(kernel, **fixed)
+        self.name = kernels.name_expression(kernel, template_args)
+        self.function_ptr = kernels.get_kernel(self.name).kernel.ptr
+        self.grid = grid
+        self.block = kernels.block_threads(kernel)
+        self.shared_mem = shared_mem
+        # cuLaunchKernel's arguments before the stream, and after it.
+        self.geometry = (self.function_ptr, grid, 1, 1, self.block, 1, 1, shared_mem)
+        self.parameters = (self.params.table_address, 0)
+        self._checked = False
+
+    def __call__(self, stream_ptr: int, **values) -> None:
+        """Launch on ``stream_ptr`` with ``values`` for the parameters that change per call.
+
+        The first launch checks that ``values`` and the fixed arguments name every parameter.
+        """
+        if not self._checked:
+            missing = self.params.missing(values)
+            if missing:
+                raise TypeError(f"deepep_cupy: {self.name} launched without {missing}")
+            self._checked = True
+        self.params.assign(values)
+        launch(self, stream_ptr)
+
+
+class _Profile:
+    """Opt-in per-kernel GPU times (``DEEPEP_CUPY_PROFILE=1``): events around every launch."""
+
+    def __init__(self):
+        self.enabled = os.environ.get("DEEPEP_CUPY_PROFILE", "") not in ("", "0")
+        self.pending: List[Tuple[str, object, object]] = []
+
+    def report(self) -> Dict[str, Tuple[int, float]]:
+        """{kernel: (launches, mean milliseconds)} since the last report (synchronises)."""
+        import cupy
+
+        totals: Dict[str, List[float]] = {}
+        for name, start, end in self.pending:
+            end.synchronize()
+            totals.setdefault(name, []).append(cupy.cuda.get_elapsed_time(start, end))
+        self.pending = []
+        return {name: (len(ts), sum(ts) / len(ts)) for name, ts in totals.items()}
+
+
+profile = _Profile()
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    from cupy.cuda import driver
+
+    return driver
+
+
+def launch(call: KernelCall, stream_ptr: int) -> None:
+    """``cuLaunchKernel`` of ``call`` as its parameter block stands (with profiling events when enabled)."""
+    if profile.enabled:
+        import cupy
+
+        stream = cupy.cuda.ExternalStream(stream_ptr)
+        start = stream.record()
+    _driver().launchKernel(*call.geometry, stream_ptr, *call.parameters)
+    if profile.enabled:
+        profile.pending.append((call.name.split("<")[0], start, stream.record()))

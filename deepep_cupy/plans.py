@@ -1,0 +1,243 @@
+"""Argument checks, and the specs they produce for the operations to cache.
+
+Every check here is complete: it reads the arguments with :func:`deepep_cupy.tensors.describe`
+and raises ``TypeError``/``ValueError`` naming the argument before anything runs. What it returns
+is a frozen *spec*: everything an operation needs to know about arguments of those kinds (element
+type, row size, top-k width, buffer layout, the settings ranks compare). A Buffer keeps the spec,
+with its kernel calls bound, under the key :func:`deepep_cupy.tensors.read` gives the arguments,
+so later calls with arguments of the same kinds skip the checks: a key holds everything the
+checks look at except the row counts, which the fast path compares itself.
+
+Nothing here touches a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from . import layout
+from .config import Config
+from .constants import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK
+from .tensors import ITEMSIZE, ArrayInfo, check_array, describe
+
+DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
+FP8_DTYPE = "float8_e4m3fn"
+#: C element type of each dtype combine reduces (the tag types are defined in kernels/common.cuh).
+COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
+#: Which operation a cached dispatch / combine announces in the settings ranks compare.
+OP_CACHED_DISPATCH, OP_COMBINE = 1, 2
+
+
+class Context(NamedTuple):
+    """What the checks need to know of the Buffer."""
+    num_ranks: int
+    device_id: int
+    num_nvl_bytes: int
+
+
+@dataclass(frozen=True)
+class Rows:
+    """``x`` as a dispatch sees it: the rows, and the FP8 scales if any."""
+    info: ArrayInfo
+    scales: Optional[ArrayInfo]
+
+    @property
+    def lib(self):
+        return self.info.lib
+
+    @property
+    def dtype_name(self) -> str:
+        return self.info.dtype_name
+
+    @property
+    def hidden(self) -> int:
+        return self.info.shape[1]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.info.shape[1] * ITEMSIZE[self.dtype_name]
+
+    @property
+    def num_scales(self) -> int:
+        """FP8 scales per token: 0 without scales, 1 for ``[N]``, S for ``[N, S]``."""
+        if self.scales is None:
+            return 0
+        return 1 if len(self.scales.shape) == 1 else self.scales.shape[1]
+
+    @property
+    def scales_tail(self) -> Optional[Tuple[int, ...]]:
+        """The scales' shape after the token axis (``()`` for ``[N]``), None without scales."""
+        return None if self.scales is None else tuple(self.scales.shape[1:])
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    lib: Any
+    num_topk: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    """A dispatch's arguments of one kind (fresh: with layout inputs; cached: without)."""
+    rows: Rows
+    config: Config
+    layout: layout.DispatchLayout
+    num_topk: int = 0
+    with_weights: bool = False
+    num_experts: int = 0
+    expert_alignment: int = 1
+
+    @functools.cached_property
+    def signature(self) -> Tuple[int, ...]:
+        """The settings of a fresh dispatch every rank must share (slots.SIGNATURE_FIELDS)."""
+        c = self.config
+        return (self.rows.row_bytes, 2 * self.num_topk + self.with_weights, self.rows.num_scales,
+                self.num_experts, c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens)
+
+
+@dataclass(frozen=True)
+class CombineSpec:
+    lib: Any
+    dtype_name: str
+    hidden: int
+    row_bytes: int
+    num_topk: int
+    config: Config
+    layout: layout.CombineLayout
+
+    @property
+    def element(self) -> str:
+        return COMBINE_ELEMENTS[self.dtype_name]
+
+    @property
+    def row_detail(self) -> int:
+        """Element type and top-k width, as combine announces them in the settings ranks compare."""
+        return (list(COMBINE_ELEMENTS).index(self.dtype_name) + 1) * 256 + self.num_topk
+
+
+def check_num_experts(num_experts: Any, num_ranks: int) -> int:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts: expected a multiple of the rank count {num_ranks}, got {num_experts}")
+    if num_experts // num_ranks > MAX_LOCAL_EXPERTS:
+        raise ValueError(f"num_experts: at most {MAX_LOCAL_EXPERTS} experts per rank, got {num_experts // num_ranks}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts: at most {MAX_EXPERTS}, got {num_experts}")
+    return int(num_experts)
+
+
+def _check_topk_width(num_topk: int, arg: str) -> None:
+    if num_topk > MAX_TOPK:
+        raise ValueError(f"{arg}: expected at most {MAX_TOPK} columns, got {num_topk}")
+
+
+def require_room(needed: int, ctx: Context, what: str) -> None:
+    if needed > ctx.num_nvl_bytes:
+        raise ValueError(
+            f"num_nvl_bytes: {what} needs {needed} bytes of NVLink buffer with this config, the Buffer has "
+            f"{ctx.num_nvl_bytes}; create it with deepep_cupy.get_nvl_buffer_size_hint(...) bytes or use "
+            "smaller num_sms / num_max_nvl_chunked_recv_tokens")
+
+
+def check_layout(ctx: Context, topk_idx: Any, num_experts: Any) -> LayoutSpec:
+    """Check :meth:`Buffer.get_dispatch_layout`'s arguments."""
+    topk = describe(topk_idx, "topk_idx", ctx.device_id)
+    check_array(topk, "topk_idx", ("int64",), 2)
+    num_experts = check_num_experts(num_experts, ctx.num_ranks)
+    _check_topk_width(topk.shape[1], "topk_idx")
+    return LayoutSpec(topk.lib, topk.shape[1], num_experts)
+
+
+def check_rows(x: Any, ctx: Context) -> Rows:
+    """``x`` or ``(x_fp8, x_scales)`` of a dispatch."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise TypeError(f"x: expected an array or a tuple (x_fp8, x_scales), got a tuple of {len(x)}")
+        rows = describe(x[0], "x[0]", ctx.device_id)
+        check_array(rows, "x[0]", (FP8_DTYPE,), 2)
+        scales = describe(x[1], "x[1]", ctx.device_id)
+        if len(scales.shape) == 1:
+            check_array(scales, "x[1]", ("float32",), 1, (rows.shape[0],))
+        else:
+            check_array(scales, "x[1]", ("float32",), 2, (rows.shape[0], None))
+    else:
+        rows = describe(x, "x", ctx.device_id)
+        check_array(rows, "x", DISPATCH_DTYPES, 2)
+        scales = None
+    row_bytes = rows.shape[1] * ITEMSIZE[rows.dtype_name]
+    if row_bytes % 16:
+        raise ValueError(f"x: row bytes must be a multiple of 16, got hidden {rows.shape[1]} x "
+                         f"{ITEMSIZE[rows.dtype_name]} B = {row_bytes} B")
+    return Rows(rows, scales)
+
+
+def check_fresh_dispatch(ctx: Context, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                         topk_idx, topk_weights, expert_alignment, config: Config) -> DispatchSpec:
+    """Check a dispatch without a handle."""
+    R, dev = ctx.num_ranks, ctx.device_id
+    rows = check_rows(x, ctx)
+    num_tokens = rows.info.shape[0]
+    for arg, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                       ("num_tokens_per_expert", num_tokens_per_expert)):
+        if value is None:
+            raise ValueError(f"{arg}: required without a handle (from Buffer.get_dispatch_layout)")
+    check_array(describe(num_tokens_per_rank, "num_tokens_per_rank", dev), "num_tokens_per_rank", ("int32",), 1, (R,))
+    check_array(describe(is_token_in_rank, "is_token_in_rank", dev), "is_token_in_rank", ("bool",), 2,
+                (num_tokens, R))
+    per_expert = describe(num_tokens_per_expert, "num_tokens_per_expert", dev)
+    check_array(per_expert, "num_tokens_per_expert", ("int32",), 1)
+    num_experts = check_num_experts(per_expert.shape[0], R)
+    if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, (int, np.integer)) \
+            or expert_alignment < 1:
+        raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
+    num_topk = 0
+    with_weights = False
+    if topk_idx is not None:
+        topk = describe(topk_idx, "topk_idx", dev)
+        check_array(topk, "topk_idx", ("int64",), 2, (num_tokens, None))
+        num_topk = topk.shape[1]
+        _check_topk_width(num_topk, "topk_idx")
+        if topk_weights is not None:
+            check_array(describe(topk_weights, "topk_weights", dev), "topk_weights", ("float32",), 2,
+                        (num_tokens, num_topk))
+            with_weights = True
+    elif topk_weights is not None:
+        raise ValueError("topk_weights: given without topk_idx")
+    plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens, rows.row_bytes,
+                                  num_topk, rows.num_scales)
+    require_room(plan.total_bytes, ctx, "dispatch")
+    return DispatchSpec(rows, config, plan, num_topk, with_weights, num_experts, int(expert_alignment))
+
+
+def check_cached_dispatch(ctx: Context, x, config: Config) -> DispatchSpec:
+    """Check a dispatch with a handle (the handle itself is checked per call)."""
+    rows = check_rows(x, ctx)
+    plan = layout.dispatch_layout(ctx.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                  rows.row_bytes, 0, rows.num_scales)
+    require_room(plan.total_bytes, ctx, "dispatch")
+    return DispatchSpec(rows, config, plan)
+
+
+def check_combine(ctx: Context, x, topk_weights, config: Config) -> CombineSpec:
+    """Check a combine's ``x`` and ``topk_weights`` (the handle is checked per call)."""
+    rows = describe(x, "x", ctx.device_id)
+    check_array(rows, "x", tuple(COMBINE_ELEMENTS), 2)
+    row_bytes = rows.shape[1] * ITEMSIZE[rows.dtype_name]
+    if row_bytes % 16:
+        raise ValueError(f"x: row bytes must be a multiple of 16, got {row_bytes}")
+    num_topk = 0
+    if topk_weights is not None:
+        weights = describe(topk_weights, "topk_weights", ctx.device_id)
+        check_array(weights, "topk_weights", ("float32",), 2, (rows.shape[0], None))
+        num_topk = weights.shape[1]
+        _check_topk_width(num_topk, "topk_weights")
+    plan = layout.combine_layout(ctx.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                 row_bytes, num_topk)
+    require_room(plan.total_bytes, ctx, "combine")
+    return CombineSpec(rows.lib, rows.dtype_name, rows.shape[1], row_bytes, num_topk, config, plan)

@@ -1,0 +1,217 @@
+"""The host-mapped slots through which kernels hand small results and errors to the host.
+
+Each Buffer owns a few hundred int32 in pinned host memory mapped into the device's address
+space (``cudaHostAlloc(..., Mapped)``). Kernels write them with system-scope stores; the host
+reads them through a NumPy view, without any CUDA call:
+
+    [ERROR_RECORD, +8)   the first kernel error: code, kernel id, rank, channel, peer, detail
+                         (kernels/common.cuh); 0 in [0] means none
+    RECV_COUNT           tokens this rank receives in the running fresh dispatch (-1 until known)
+    VERDICT              notify_dispatch's verdict on the call (0: go ahead, see below)
+    [SIGNATURE, +7)      this rank's settings of the running dispatch, compared across ranks
+    [EXPERT_COUNTS, ...) tokens this rank receives per local expert (rounded up to the alignment)
+
+Verdicts: 0 all ranks agree; ``p + 1`` rank p's settings differ from rank 0's; ``-(p + 1)``
+rank p's expert ids are out of range; :data:`VERDICT_OVER_CAPACITY` a rank receives more than
+the rows its host allocated ahead.
+
+This module also turns an error record into the exception the host raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from typing import Optional
+
+import numpy as np
+
+from .constants import ERROR_MISMATCH, KERNEL_STAGES, MAX_LOCAL_EXPERTS, SIGNATURE_INTS, VERDICT_OVER_CAPACITY
+from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+
+ERROR_RECORD = 0
+ERROR_RECORD_INTS = 8
+RECV_COUNT = 8
+VERDICT = 9
+SIGNATURE = 16
+EXPERT_COUNTS = 32
+SLOT_INTS = EXPERT_COUNTS + MAX_LOCAL_EXPERTS
+#: The row capacity a fresh dispatch states when its host waits for the counts (no limit).
+NO_CAPACITY_LIMIT = 2 ** 31 - 1
+
+SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per token", "num_experts",
+                    "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
+assert len(SIGNATURE_FIELDS) == SIGNATURE_INTS - 1
+
+
+class MappedInts:
+    """``count`` int32 in pinned host memory that kernels read and write directly.
+
+    ``values`` is a NumPy view the host reads without any CUDA call; ``device_ptr(i)`` is the
+    address of entry ``i`` for kernels (unified addressing makes it the host address).
+    """
+
+    def __init__(self, count: int):
+        from cupy.cuda import runtime
+
+        self._ptr = runtime.hostAlloc(count * 4, runtime.hostAllocMapped | runtime.hostAllocPortable)
+        self.values = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(self._ptr))
+        self.values[:] = 0
+
+    def device_ptr(self, index: int) -> int:
+        return self._ptr + 4 * index
+
+    def free(self) -> None:
+        if self._ptr:
+            from cupy.cuda import runtime
+
+            self.values = None
+            runtime.freeHost(self._ptr)
+            self._ptr = 0
+
+
+def kernel_error(record, rank: int, timeout_s: float) -> Optional[DeepEPError]:
+    """The exception an error record stands for, or None when it records nothing.
+
+    A settings disagreement (every rank stopped before moving anything and the queues were reset)
+    gives a :class:`RankMismatchError` after which the Buffer stays usable; anything else is a
+    :class:`DeepEPTimeoutError` after which it is not.
+    """
+    code = int(record[0])
+    if code <= 0:
+        return None
+    stage = KERNEL_STAGES.get(int(record[1]), f"kernel {int(record[1])}")
+    where_rank, channel, peer, detail = (int(v) for v in record[2:6])
+    if code == ERROR_MISMATCH:
+        operation = "combine" if "combine" in stage else "cached dispatch"
+        return RankMismatchError(
+            f"rank {where_rank}: the last {operation} was called with settings that differ between rank 0 and "
+            f"rank {peer} (compared: operation, row bytes, scales per token or element type and top-k, "
+            "num_sms, chunk sizes); no tokens were moved and its outputs are unwritten")
+    where = f"channel {channel}" if channel >= 0 else "whole rank"
+    return DeepEPTimeoutError(
+        f"rank {where_rank}: {stage} timed out after {timeout_s:g} s waiting for rank {peer} ({where}, detail "
+        f"{detail}); a peer did not join or died. The Buffer is unusable: destroy it and create a new one on "
+        "every rank", rank=where_rank, kernel=stage, channel=None if channel < 0 else channel, peer=peer)
+
+
+def verdict_error(verdict: int, rank: int, num_experts: int, signature, bad_ids=None) -> Optional[Exception]:
+    """The exception a fresh dispatch raises for notify_dispatch's ``verdict`` (None for 0).
+
+    ``bad_ids``: a few of this rank's out-of-range expert ids, when it is the rank at fault.
+    """
+    if verdict == 0 or verdict == VERDICT_OVER_CAPACITY:
+        return None
+    if verdict < 0:
+        bad_rank = -verdict - 1
+        detail = f": values such as {bad_ids}" if bad_ids else ""
+        return ValueError(f"topk_idx: rank {bad_rank} passed expert ids outside [-1, {num_experts}){detail}; "
+                          "no tokens were moved")
+    return RankMismatchError(
+        f"rank {rank}: dispatch settings differ between rank 0 and rank {verdict - 1} (compared: "
+        f"{', '.join(SIGNATURE_FIELDS)}); mine are {list(signature)}; no tokens were moved")
+
+
+class HostSlots:
+    """A Buffer's mapped slots and the protocol around them.
+
+    Args:
+        rank: the Buffer's rank (named in messages).
+        timeout_s: how long a host wait lasts before it gives up (the kernels' own deadline
+            comes first; see :meth:`wait_for_count`).
+        in_process: ranks are threads of this process (waits then go through an event).
+    """
+
+    def __init__(self, rank: int, timeout_s: float, in_process: bool, mapped=None):
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.in_process = in_process
+        self.mapped = mapped if mapped is not None else MappedInts(SLOT_INTS)
+        self.values = self.mapped.values
+        self.failed: Optional[str] = None
+        self._posted_signature = None
+        #: Seconds the last :meth:`wait_for_count` waited.
+        self.last_wait_s = 0.0
+
+    def device_ptr(self, index: int) -> int:
+        return self.mapped.device_ptr(index)
+
+    def free(self) -> None:
+        self.mapped.free()
+        self.values = None
+
+    def raise_if_failed(self) -> None:
+        """Raise what the kernels recorded since the last check, or the reason the Buffer died."""
+        if self.failed is not None:
+            raise DeepEPError(f"rank {self.rank}: Buffer unusable: {self.failed}")
+        if self.values[ERROR_RECORD] > 0:
+            self._raise_record()
+
+    def _raise_record(self) -> None:
+        record = self.values[ERROR_RECORD:ERROR_RECORD + ERROR_RECORD_INTS]
+        error = kernel_error(record, self.rank, self.timeout_s)
+        if isinstance(error, RankMismatchError):
+            record[:] = 0  # reported once: nothing was moved, so the next call may go ahead
+        else:
+            self.failed = str(error)
+        raise error
+
+    def start_dispatch(self, signature) -> None:
+        """Clear the count and verdict slots and post this rank's settings for notify_dispatch
+        (only when they changed: the kernel reads them on every call)."""
+        values = self.values
+        values[RECV_COUNT] = -1
+        values[VERDICT] = 0
+        if signature is not self._posted_signature:
+            values[SIGNATURE:SIGNATURE + SIGNATURE_INTS - 1] = signature
+            self._posted_signature = signature
+
+    def wait_for_count(self, kernel_done=None) -> int:
+        """Wait until notify_dispatch publishes the receive count; raise a kernel error or a timeout.
+
+        Separate processes poll the slot, giving up the GIL between reads (``os.sched_yield``
+        releases it), so other Python threads of the process keep running; ``time.sleep(0)`` would
+        cost a timer slack (~50 us) per read. In-process ranks first wait on
+        ``kernel_done`` (an event recorded after notify_dispatch) in the driver: a thread polling
+        with the GIL gets it back before a peer thread wakes up, so a peer that still has to
+        launch its half of the exchange could be kept waiting a whole switch interval.
+        """
+        start = time.perf_counter()
+        if kernel_done is not None and self.in_process:
+            kernel_done.synchronize()
+        values = self.values
+        value = int(values[RECV_COUNT])
+        if value >= 0:
+            self.last_wait_s = time.perf_counter() - start
+            return value
+        # The device reports its own timeout first (it names the stage and the peer).
+        deadline = time.monotonic() + self.timeout_s + 1.0
+        yield_gil = os.sched_yield
+        polls = 0
+        while True:
+            value = int(values[RECV_COUNT])
+            if value >= 0:
+                self.last_wait_s = time.perf_counter() - start
+                return value
+            if values[ERROR_RECORD] > 0:
+                self._raise_record()
+            if polls < 100000:
+                yield_gil()
+            else:  # long past any dispatch: stop burning a core
+                time.sleep(1e-4)
+            polls += 1
+            if not polls & 1023 and time.monotonic() > deadline:
+                self.failed = "a host wait timed out"
+                raise DeepEPTimeoutError(
+                    f"rank {self.rank}: waited {self.timeout_s:g} s on the host for notify_dispatch to publish "
+                    "the receive counts", rank=self.rank, kernel="host wait")
+
+    def verdict(self) -> int:
+        return int(self.values[VERDICT])
+
+    def expert_counts(self, num_local_experts: int) -> list:
+        return self.values[EXPERT_COUNTS:EXPERT_COUNTS + num_local_experts].tolist()
+
+    def signature(self) -> list:
+        return self.values[SIGNATURE:SIGNATURE + SIGNATURE_INTS - 1].tolist()

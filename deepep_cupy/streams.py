@@ -1,0 +1,148 @@
+"""Which stream a Buffer's kernels run on, and how calls are ordered against the caller's work.
+
+DeepEP's contract, which every operation keeps:
+
+* the call's kernels run after the work already queued on the caller's current stream (or,
+  given ``previous_event``, after that event instead);
+* without ``async_finish`` the caller's stream can use the results at once; with it, the caller
+  gets an :class:`EventOverlap` and the inputs and outputs are kept alive until that event
+  (PyTorch: ``record_stream`` on the communication stream, as DeepEP does; CuPy: references held
+  by the event object);
+* ``allocate_on_comm_stream`` allocates the outputs for the communication stream (PyTorch is told
+  that the caller's stream uses them too);
+* a Buffer's calls run one after the other on the GPU, whatever streams they were issued from:
+  they share its NVLink queues.
+
+How: a call with ``previous_event``, ``async_finish`` or ``allocate_on_comm_stream`` runs on the
+Buffer's communication stream, ordered by events as DeepEP does. A plain synchronous call runs
+its kernels straight on the caller's stream: the same order as "wait for the caller, run on the
+communication stream, make the caller wait", with one event operation instead of four. Calls stay
+in order across streams because each records an event at its end; the next call waits for it
+only when it runs on another stream than the last one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from .events import EventOverlap
+
+
+class StreamOrder:
+    """The communication stream of one Buffer and the ordering of its calls.
+
+    Args:
+        device_id: the Buffer's GPU.
+        shares_gpu: other ranks of an in-process group run on this GPU (see :meth:`finish`).
+        stream: the communication stream (a ``cupy.cuda.Stream``); ``new_event`` makes events
+            (``.ptr``, ``.synchronize()``); ``runtime`` is ``cupy.cuda.runtime``. :meth:`create`
+            makes all three.
+    """
+
+    def __init__(self, device_id: int, shares_gpu: bool, stream, new_event: Callable[[], Any], runtime):
+        self.device_id = device_id
+        self.shares_gpu = shares_gpu
+        self.stream = stream
+        self.ptr = stream.ptr
+        self._new_event = new_event
+        self._runtime = runtime
+        self._caller_done, self._last_done, self.notify_done = new_event(), new_event(), new_event()
+        # Where the Buffer's last call left off: a stream, and an event recorded after the call.
+        self._last_stream: Optional[int] = None
+        self._last_event = self._last_done
+        self._done: dict = {}  # per array library: the (immutable) EventOverlap of a finished call
+
+    @classmethod
+    def create(cls, device_id: int, shares_gpu: bool) -> "StreamOrder":
+        """A new communication stream on the current device (CuPy's stream, events and runtime)."""
+        import cupy
+
+        return cls(device_id, shares_gpu, cupy.cuda.Stream(non_blocking=True),
+                   lambda: cupy.cuda.Event(disable_timing=True), cupy.cuda.runtime)
+
+    def begin(self, caller_ptr: int, previous_event: Optional[EventOverlap], on_comm_stream: bool,
+              rank: int) -> int:
+        """Order the call; return the stream its kernels run on.
+
+        ``on_comm_stream``: the call must run on the communication stream (asynchronous, after
+        ``previous_event``, or allocating there); otherwise it runs on the caller's stream.
+        """
+        if caller_ptr == 0 and self.shares_gpu:
+            raise ValueError(
+                f"rank {rank}: ranks of this group share GPU {self.device_id}, so each must run on its own "
+                "stream, not the legacy default stream (one rank's wait there would block a peer's launch); "
+                "run_local_group sets one per rank, or use `with cupy.cuda.Stream(non_blocking=True):`")
+        runtime = self._runtime
+        if previous_event is not None and previous_event.event is None:
+            previous_event = None  # the event of a synchronous call: nothing to wait for
+        run_on = self.ptr if on_comm_stream or previous_event is not None else caller_ptr
+        if self._last_stream is not None and self._last_stream != run_on:
+            runtime.streamWaitEvent(run_on, self._last_event.ptr, 0)  # after the Buffer's last call
+        if run_on == self.ptr:
+            if previous_event is not None:
+                runtime.streamWaitEvent(self.ptr, previous_event.event.ptr, 0)
+            else:
+                # One reusable event: a stream wait captures the event's state when it is enqueued.
+                runtime.eventRecord(self._caller_done.ptr, caller_ptr)
+                runtime.streamWaitEvent(self.ptr, self._caller_done.ptr, 0)
+        return run_on
+
+    def begin_on_comm_stream(self) -> int:
+        """Order a call that concerns only the Buffer (a barrier) after its last call; return the
+        communication stream it runs on."""
+        if self._last_stream is not None and self._last_stream != self.ptr:
+            self._runtime.streamWaitEvent(self.ptr, self._last_event.ptr, 0)
+        return self.ptr
+
+    def record_notify_done(self, stream_ptr: int) -> None:
+        """Record :attr:`notify_done` on ``stream_ptr`` (in-process count waits use it)."""
+        self._runtime.eventRecord(self.notify_done.ptr, stream_ptr)
+
+    def finish(self, caller_ptr: int, run_on: int, lib, async_finish: bool, arrays: Sequence[Any],
+               outputs: Sequence[Any] = (), allocated_on_comm: bool = False,
+               check_errors=None) -> EventOverlap:
+        """Hand the caller the call's results (or an event for them); keep ``arrays`` alive as needed.
+
+        Args:
+            run_on: the stream :meth:`begin` chose.
+            arrays: every array the call's kernels touch (inputs, outputs, handle arrays).
+            outputs: the arrays allocated for the call (told about the caller's stream when they
+                were allocated for the communication stream).
+            check_errors: called after the wait that ranks sharing a GPU do (see below).
+        """
+        if allocated_on_comm:
+            lib.used_on(outputs, caller_ptr, self.device_id)
+        runtime = self._runtime
+        if async_finish:
+            event = self._new_event()
+            runtime.eventRecord(event.ptr, self.ptr)
+            lib.used_on(arrays, self.ptr, self.device_id)
+            self._last_stream, self._last_event = self.ptr, event
+            return EventOverlap(event, tuple(arrays), lib, self.device_id)
+        runtime.eventRecord(self._last_done.ptr, run_on)
+        if run_on != caller_ptr:
+            runtime.streamWaitEvent(caller_ptr, self._last_done.ptr, 0)
+        self._last_stream, self._last_event = caller_ptr, self._last_done
+        if self.shares_gpu:
+            # Ranks on one GPU in one process: return only once the transfer is over (the wait
+            # releases the GIL). A host copy issued now (cupy.asnumpy) would sit in the driver
+            # until this rank's kernels end, and it holds up a co-located rank's host copies
+            # meanwhile, so that rank might never launch the kernels ours wait for.
+            runtime.streamSynchronize(caller_ptr)
+            if check_errors is not None:
+                check_errors()
+        done = self._done.get(lib)
+        if done is None:
+            done = self._done[lib] = EventOverlap(None, (), lib, self.device_id)
+        return done
+
+    def abandon(self, run_on: int) -> None:
+        """A call that stops after launching kernels on ``run_on`` (a redone or refused dispatch):
+        later calls still come after them."""
+        self._runtime.eventRecord(self._last_done.ptr, run_on)
+        self._last_stream, self._last_event = run_on, self._last_done
+
+    def synchronize(self) -> None:
+        """Wait for every call of the Buffer (destroy uses it)."""
+        self.stream.synchronize()
+        self._last_event.synchronize()

@@ -1,0 +1,211 @@
+"""A Buffer whose host path runs on the CPU: fake device arrays, a recording launcher.
+
+Everything the Buffer does on the host is real (argument reads and checks, plans, kernel
+parameter blocks with their completeness check, slots, allocate-ahead decisions, handles); only
+what needs a GPU is replaced:
+
+* :class:`FakeArray` (a NumPy array that claims to live on a GPU) and :class:`FakeLib` (its
+  :class:`deepep_cupy.tensors.ArrayLib`), registered so that ``tensors.read`` knows it;
+* kernels are "loaded" as null functions and launches are recorded by :class:`Launches`, which
+  plays notify_dispatch's part in the slot protocol from a script;
+* :class:`FakeOrder` stands for the stream order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+
+from deepep_cupy import buffer as buffer_module, launch, slots, tensors
+from deepep_cupy.buffer import Buffer
+from deepep_cupy.comm import Group
+from deepep_cupy.constants import VERDICT_OVER_CAPACITY
+from deepep_cupy.events import EventOverlap
+from deepep_cupy.slots import HostSlots
+
+DEVICE = 0
+
+
+class FakeArray(np.ndarray):
+    """A NumPy array standing for a device array on ``device_id`` (its host address as pointer)."""
+
+    device_id = DEVICE
+
+    def __array_finalize__(self, obj):
+        self.device_id = getattr(obj, "device_id", DEVICE)
+
+
+def on_device(data, device_id: int = DEVICE) -> FakeArray:
+    array = np.ascontiguousarray(data).view(FakeArray)
+    array.device_id = device_id
+    return array
+
+
+class FakeLib(tensors.ArrayLib):
+    name = "fake"
+    _NAMES = {dtype: name for name, dtype in tensors.STORAGE.items()}
+
+    def __init__(self):
+        self.allocations = []
+        self.used_on_calls = []
+
+    def read(self, a):
+        return (self, a.ctypes.data, a.shape[0] if a.ndim else -1,
+                (self, a.dtype, a.shape[1:], a.flags.c_contiguous, a.device_id))
+
+    def describe(self, a, arg, device_id):
+        if a.device_id != device_id:
+            raise ValueError(f"{arg}: expected an array on GPU {device_id} (the Buffer's), got one on GPU "
+                             f"{a.device_id}")
+        return tensors.ArrayInfo(self, self._NAMES.get(a.dtype), a.dtype, a.shape, a.flags.c_contiguous, a.strides)
+
+    def empty(self, shape, dtype_name, device_id):
+        array = on_device(np.full(shape, 0x5A, dtype=tensors.STORAGE[dtype_name]), device_id)
+        self.allocations.append((tuple(shape), dtype_name))
+        return array
+
+    def pointer(self, array):
+        return array.ctypes.data
+
+    def current_stream(self, device_id):
+        return 0x5757
+
+    def allocating_on(self, stream, device_id):
+        return contextlib.nullcontext()
+
+    def used_on(self, arrays, stream_ptr, device_id):
+        self.used_on_calls.append((len([a for a in arrays if a is not None]), stream_ptr))
+
+
+class Launches:
+    """Records every launch (kernel name, its parameters as a dict) and answers count exchanges.
+
+    ``received``: what each notify_dispatch reports as this rank's receive count, in order (the
+    last one repeats); a count above the capacity the host stated gives VERDICT_OVER_CAPACITY.
+    ``verdict``: a verdict to report instead (e.g. a settings mismatch).
+    """
+
+    def __init__(self, host_slots: HostSlots, received=(100,), expert_counts=(), verdict: int = 0):
+        self.slots = host_slots
+        self.received = list(received)
+        self.expert_counts = list(expert_counts)
+        self.verdict = verdict
+        self.log = []
+
+    def __call__(self, call, stream_ptr):
+        params = {name: getattr(call.params.values, name) for name in call.params.names}
+        self.log.append((call.name, params))
+        if call.name == "notify_dispatch_kernel":
+            count = self.received.pop(0) if len(self.received) > 1 else self.received[0]
+            values = self.slots.values
+            values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(self.expert_counts)] = self.expert_counts
+            values[slots.VERDICT] = self.verdict or (VERDICT_OVER_CAPACITY if count > params["recv_capacity"] else 0)
+            values[slots.RECV_COUNT] = count
+
+    def names(self):
+        return [name for name, _ in self.log]
+
+    def last(self, name):
+        return next(params for kernel, params in reversed(self.log) if kernel == name)
+
+
+class FakeOrder:
+    """The stream order, reduced to what the host path asks of it."""
+
+    def __init__(self):
+        self.stream = SimpleNamespace(ptr=0x0C0C)
+        self.ptr = self.stream.ptr
+        self.notify_done = None
+        self.begun = []
+        self.finished = []
+
+    def begin(self, caller_ptr, previous_event, on_comm_stream, rank):
+        self.begun.append(caller_ptr)
+        return self.ptr if on_comm_stream else caller_ptr
+
+    def record_notify_done(self, stream_ptr):
+        pass
+
+    def abandon(self, run_on):
+        pass
+
+    def finish(self, caller_ptr, run_on, lib, async_finish, arrays, outputs=(), allocated_on_comm=False,
+               check_errors=None):
+        self.finished.append((async_finish, len(arrays)))
+        if async_finish:
+            lib.used_on(arrays, self.ptr, DEVICE)
+            return EventOverlap(object(), tuple(arrays), lib, DEVICE)
+        return EventOverlap(None, (), lib, DEVICE)
+
+    def synchronize(self):
+        pass
+
+
+class FakeMapped:
+    def __init__(self):
+        self.values = np.zeros(slots.SLOT_INTS, dtype=np.int32)
+
+    def device_ptr(self, index):
+        return 0x7000_0000 + 4 * index
+
+    def free(self):
+        pass
+
+
+class FakeGroup(Group):
+    """One rank's view of a group whose collectives are never needed on the host path."""
+
+    in_process = False
+
+    def __init__(self, rank=0, size=2):
+        self._rank, self._size = rank, size
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def size(self):
+        return self._size
+
+    def allgather(self, obj):
+        raise AssertionError("the host path makes no collective calls")
+
+    def barrier(self):
+        raise AssertionError("the host path makes no collective calls")
+
+
+def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allocate_ahead=True, **launch_script):
+    """A Buffer of rank ``rank`` of ``num_ranks`` with fake hardware; returns ``(buffer, launches, lib)``."""
+    lib = FakeLib()
+    monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
+    monkeypatch.setattr(buffer_module.kernels, "get_kernel", lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=0)))
+    monkeypatch.setattr(buffer_module, "check_sm_budget", lambda ranks_per_device, num_sms: None)
+    buf = Buffer.__new__(Buffer)
+    buf._set_up_host(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)
+    buf._on_device = contextlib.nullcontext()
+    host_slots = HostSlots(rank, 5.0, in_process=False, mapped=FakeMapped())
+    buf._attach(host_slots, FakeOrder(), 0xB0F)
+    launches = Launches(host_slots, **launch_script)
+    router = launch.launch if isinstance(launch.launch, _Router) else _Router()
+    router.add(buf, launches)
+    monkeypatch.setattr(launch, "launch", router)
+    return buf, launches, lib
+
+
+class _Router:
+    """Sends each launch to the :class:`Launches` of the fake Buffer whose plan holds the call."""
+
+    def __init__(self):
+        self.routes = []
+
+    def add(self, buf, launches):
+        self.routes.append((buf, launches))
+
+    def __call__(self, call, stream_ptr):
+        for buf, launches in self.routes:
+            if any(call is p.main or call is p.notify for p in buf._plans.values()):
+                return launches(call, stream_ptr)
+        raise AssertionError(f"a launch of {call.name} from no fake Buffer's plan")

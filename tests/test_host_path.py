@@ -1,0 +1,333 @@
+"""The Buffer's host path, run on the CPU with fake device arrays and a recording launcher.
+
+What a call launches and with which arguments, how plans are reused without weakening the
+checks, how a fresh dispatch sizes its outputs, and what comes back (tests/host_fakes.py says
+what is faked). The GPU tests check the same calls against the reference on real devices.
+"""
+
+import numpy as np
+import pytest
+
+import deepep_cupy as ep
+from deepep_cupy import plans, reference as ref
+from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
+from deepep_cupy.constants import VERDICT_OVER_CAPACITY
+from deepep_cupy.layout import NOTIFY_OFFSETS
+
+from host_fakes import fake_buffer, on_device
+
+R, N, H, K, E = 2, 64, 256, 4, 16
+CONFIG = ep.Config(8, 4, 32)
+
+
+def workload(num_tokens=N, seed=0, hidden=H):
+    rng = np.random.default_rng(seed)
+    topk = ref.random_routing(rng, num_tokens, E, K)
+    per_rank, per_expert, in_rank = ref.get_dispatch_layout(topk, E, R)
+    x = ref.float32_to_bfloat16_bits(rng.standard_normal((num_tokens, hidden), dtype=np.float32))
+    return dict(x=on_device(x), num_tokens_per_rank=on_device(per_rank.astype(np.int32)),
+                is_token_in_rank=on_device(in_rank), num_tokens_per_expert=on_device(per_expert.astype(np.int32)),
+                topk_idx=on_device(topk), topk_weights=on_device(rng.random((num_tokens, K), dtype=np.float32)))
+
+
+def dispatch(buf, w, **changes):
+    return buf.dispatch(**{**w, "config": CONFIG, **changes})
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return fake_buffer(monkeypatch, received=(100,), expert_counts=list(range(E // R)))
+
+
+# --- what is launched ------------------------------------------------------------------------
+
+def test_a_fresh_dispatch_exchanges_counts_then_moves_tokens(fake):
+    buf, launches, _ = fake
+    dispatch(buf, workload())
+    assert launches.names() == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+
+
+def test_every_operation_sets_every_kernel_parameter(fake):
+    # KernelCall refuses a first launch that leaves a parameter unset: run every kind of call.
+    buf, launches, _ = fake
+    w = workload()
+    buf.get_dispatch_layout(w["topk_idx"], E)
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, w)
+    dispatch(buf, w, topk_idx=None, topk_weights=None)
+    dispatch(buf, w, topk_weights=None)
+    fp8 = (on_device(np.zeros((N, H), np.uint8)), on_device(np.ones((N, H // 128), np.float32)))
+    dispatch(buf, w, x=fp8)
+    buf.dispatch(w["x"], handle=handle, config=CONFIG)
+    buf.dispatch(fp8, handle=handle, config=CONFIG)
+    buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
+    buf.combine(recv_x, handle, config=CONFIG)
+    assert set(launches.names()) == {"dispatch_layout_kernel", "notify_dispatch_kernel", "dispatch_kernel<2>",
+                                     "cached_notify_dispatch_kernel", "cached_notify_combine_kernel",
+                                     "combine_kernel<bf16_t, 2>"}
+
+
+def test_the_transfer_reads_the_callers_arrays_and_writes_the_returned_ones(fake):
+    buf, launches, _ = fake
+    w = workload()
+    recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w)
+    p = launches.last("dispatch_kernel<2>")
+    assert p["x"] == w["x"].ctypes.data and p["topk_idx"] == w["topk_idx"].ctypes.data
+    assert p["is_token_in_rank"] == w["is_token_in_rank"].ctypes.data
+    assert p["recv_x"] == recv_x.ctypes.data and p["recv_topk_idx"] == recv_topk.ctypes.data
+    assert p["recv_topk_weights"] == recv_w.ctypes.data
+    assert p["send_head"] == handle[5].ctypes.data and p["recv_src_idx"] == handle[3].ctypes.data
+    assert p["rank_prefix_matrix"] == handle[0].ctypes.data == launches.last("notify_dispatch_kernel")["rank_prefix_matrix"]
+    assert p["buffer_ptrs"] == 0xB0F and p["num_tokens"] == N and p["hidden_int4"] == H * 2 // 16
+
+
+def test_a_cached_dispatch_moves_no_topk_and_writes_no_handle(fake):
+    buf, launches, _ = fake
+    w = workload()
+    handle = dispatch(buf, w)[4]
+    buf.dispatch(w["x"], handle=handle, config=CONFIG)
+    assert launches.names()[-2:] == ["cached_notify_dispatch_kernel", "dispatch_kernel<2>"]
+    p = launches.last("dispatch_kernel<2>")
+    assert p["topk_idx"] == p["recv_topk_idx"] == p["send_head"] == p["recv_channel_prefix_matrix"] == 0
+    assert p["channel_prefix_matrix"] == handle[1].ctypes.data
+
+
+def test_combine_resets_its_queues_then_reduces_with_the_handles_scratch(fake):
+    buf, launches, _ = fake
+    w = workload()
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, w)
+    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
+    assert launches.names()[-2:] == ["cached_notify_combine_kernel", "combine_kernel<bf16_t, 2>"]
+    notify, main = launches.last("cached_notify_combine_kernel"), launches.last("combine_kernel<bf16_t, 2>")
+    assert notify["combine_head"] == main["combine_head"] != 0
+    assert notify["send_head"] == handle[5].ctypes.data
+    assert combined.shape == (N, H) and combined.dtype == np.uint16 and combined_w.shape == (N, K)
+
+
+def test_barriers_advance_the_epoch_and_notify_areas_alternate(fake):
+    buf, launches, _ = fake
+    w = workload()
+    handle = dispatch(buf, w)[4]
+    buf.dispatch(w["x"], handle=handle, config=CONFIG)
+    dispatch(buf, w)
+    epochs = [p["epoch"] for _, p in launches.log if "notify" in _]
+    areas = [p["notify_off"] for _, p in launches.log if "notify" in _]
+    assert epochs == [1, 3, 5]
+    assert areas == [NOTIFY_OFFSETS[0], NOTIFY_OFFSETS[1], NOTIFY_OFFSETS[0]]
+
+
+# --- what comes back -------------------------------------------------------------------------
+
+def test_outputs_have_the_received_row_count_and_the_callers_types(fake):
+    buf, _, lib = fake
+    w = workload()
+    dispatch(buf, w)  # the second call allocates ahead and returns views
+    recv_x, recv_topk, recv_w, per_expert, handle, event = dispatch(buf, w)
+    assert recv_x.shape == (100, H) and recv_x.dtype == np.uint16
+    assert recv_topk.shape == (100, K) and recv_topk.dtype == np.int64
+    assert recv_w.shape == (100, K) and recv_w.dtype == np.float32
+    assert per_expert == list(range(E // R))
+    assert all(type(a).__name__ == "FakeArray" for a in (recv_x, recv_topk, recv_w))
+    assert event.event is None
+
+
+def test_the_handle_unpacks_like_deepeps_tuple(fake):
+    buf, _, _ = fake
+    w = workload()
+    handle = dispatch(buf, w)[4]
+    rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head = handle
+    C = CONFIG.num_channels
+    assert rank_prefix.shape == (R, R) and channel_prefix.shape == recv_channel_prefix.shape == (R, C)
+    assert recv_src_idx.shape == (100,) and send_head.shape == (N, R)
+    assert in_rank is w["is_token_in_rank"] and len(handle) == 6 and handle[0] is rank_prefix
+    assert all(a.dtype == np.int32 for a in (rank_prefix, channel_prefix, recv_src_idx, send_head))
+
+
+def test_fp8_returns_rows_and_scales_of_the_received_tokens(fake):
+    buf, _, _ = fake
+    w = workload()
+    fp8 = (on_device(np.zeros((N, H), np.uint8)), on_device(np.ones((N, H // 128), np.float32)))
+    recv_x = dispatch(buf, w, x=fp8)[0]
+    assert isinstance(recv_x, tuple) and recv_x[0].shape == (100, H) and recv_x[1].shape == (100, H // 128)
+    per_token = (fp8[0], on_device(np.ones(N, np.float32)))
+    assert dispatch(buf, w, x=per_token)[0][1].shape == (100,)
+
+
+def test_the_layout_returns_counts_and_membership(fake):
+    buf, launches, _ = fake
+    w = workload()
+    per_rank, none, per_expert, in_rank, _ = buf.get_dispatch_layout(w["topk_idx"], E)
+    assert none is None and per_rank.shape == (R,) and per_expert.shape == (E,) and in_rank.shape == (N, R)
+    assert in_rank.dtype == np.bool_ and launches.last("dispatch_layout_kernel")["num_tokens"] == N
+
+
+def test_an_async_call_returns_an_event_and_keeps_its_arrays(fake):
+    buf, _, lib = fake
+    out = dispatch(buf, workload(), async_finish=True)
+    assert out[-1].event is not None and len(out[-1].extra_tensors) > 0
+    assert lib.used_on_calls
+
+
+# --- plans: checks run once per kind of arguments, and still catch every bad call -------------
+
+def test_calls_with_arguments_of_the_same_kinds_are_checked_once(fake, monkeypatch):
+    buf, _, _ = fake
+    checked = []
+    original = plans.check_fresh_dispatch
+    monkeypatch.setattr(plans, "check_fresh_dispatch", lambda *a: checked.append(1) or original(*a))
+    for seed in range(3):
+        dispatch(buf, workload(seed=seed))
+    assert len(checked) == 1
+    dispatch(buf, workload(num_tokens=32))  # another token count: same kinds of arguments
+    assert len(checked) == 1
+    dispatch(buf, workload(hidden=512))     # another row size: a new kind
+    assert len(checked) == 2
+
+
+def test_rows_that_disagree_are_refused_after_a_plan_exists(fake):
+    buf, _, _ = fake
+    w = workload()
+    dispatch(buf, w)
+    with pytest.raises(ValueError, match=r"is_token_in_rank: expected shape \(64, 2\), got \(32, 2\)"):
+        dispatch(buf, w, is_token_in_rank=on_device(np.zeros((32, R), bool)))
+    with pytest.raises(ValueError, match=r"topk_weights: expected shape \(64, 4\), got \(63, 4\)"):
+        dispatch(buf, w, topk_weights=on_device(np.zeros((63, K), np.float32)))
+
+
+def test_a_wrong_dtype_is_refused_after_a_plan_exists(fake):
+    buf, _, _ = fake
+    w = workload()
+    dispatch(buf, w)
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16 or float16 or float32, got float64"):
+        dispatch(buf, w, x=on_device(np.zeros((N, H), np.float64)))
+    with pytest.raises(TypeError, match="topk_idx: expected dtype int64, got int32"):
+        dispatch(buf, w, topk_idx=on_device(w["topk_idx"].astype(np.int32)))
+
+
+def test_a_non_contiguous_x_is_refused(fake):
+    buf, _, _ = fake
+    w = workload(hidden=2 * H)
+    with pytest.raises(ValueError, match="x: expected a contiguous"):
+        dispatch(buf, w, x=w["x"][:, ::2])
+
+
+def test_an_array_on_another_gpu_is_refused(fake):
+    buf, _, _ = fake
+    w = workload()
+    dispatch(buf, w)
+    with pytest.raises(ValueError, match=r"num_tokens_per_rank: expected an array on GPU 0 \(the Buffer's\)"):
+        dispatch(buf, w, num_tokens_per_rank=on_device(np.zeros(R, np.int32), device_id=1))
+
+
+def test_host_memory_is_refused(fake):
+    buf, _, _ = fake
+    w = workload()
+    with pytest.raises(TypeError, match="topk_idx: expected a device array .* NumPy array on the host"):
+        buf.get_dispatch_layout(np.asarray(w["topk_idx"]), E)
+    with pytest.raises(TypeError, match="x: expected a CuPy array or a PyTorch CUDA tensor, got list"):
+        dispatch(buf, w, x=[1, 2])
+
+
+def test_a_failed_check_launches_nothing_and_leaves_the_buffer_usable(fake):
+    buf, launches, _ = fake
+    w = workload()
+    with pytest.raises(ValueError, match="topk_weights: given without topk_idx"):
+        dispatch(buf, w, topk_idx=None)
+    assert launches.log == []
+    dispatch(buf, w)
+
+
+# --- sizing a fresh dispatch's outputs ahead of its counts -----------------------------------
+
+def test_the_first_dispatch_waits_for_the_counts(monkeypatch):
+    buf, launches, lib = fake_buffer(monkeypatch, received=(180,))
+    dispatch(buf, workload())
+    assert buf.last_dispatch_allocation == "exact"
+    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == 2 ** 31 - 1
+    assert (180, H) in [shape for shape, _ in lib.allocations]
+
+
+def test_the_next_dispatch_allocates_ahead_from_the_last_count(monkeypatch):
+    buf, launches, lib = fake_buffer(monkeypatch, received=(180, 170))
+    dispatch(buf, workload())
+    dispatch(buf, workload())
+    rows = int(180 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    assert buf.last_dispatch_allocation == "ahead"
+    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == rows
+    assert (rows, H) in [shape for shape, _ in lib.allocations]
+
+
+def test_a_dispatch_that_outgrows_its_guess_is_redone_with_exact_sizes(monkeypatch):
+    buf, launches, _ = fake_buffer(monkeypatch, received=(10, 400, 400, 390))
+    dispatch(buf, workload())
+    recv_x = dispatch(buf, workload())[0]
+    assert buf.last_dispatch_allocation == "retried" and recv_x.shape == (400, H)
+    assert launches.names()[2:] == ["notify_dispatch_kernel", "dispatch_kernel<2>",
+                                    "notify_dispatch_kernel", "dispatch_kernel<2>"]
+    dispatch(buf, workload())  # the retried call's count is the next guess
+    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == int(400 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+
+
+def test_without_allocate_ahead_every_dispatch_waits_for_the_counts(monkeypatch):
+    buf, launches, _ = fake_buffer(monkeypatch, allocate_ahead=False, received=(180, 170))
+    dispatch(buf, workload())
+    dispatch(buf, workload())
+    assert buf.last_dispatch_allocation == "exact"
+    assert [p["recv_capacity"] for name, p in launches.log if name.startswith("notify")] == [2 ** 31 - 1] * 2
+
+
+# --- verdicts of the count exchange ----------------------------------------------------------
+
+def test_settings_that_differ_between_ranks_raise_rank_mismatch(monkeypatch):
+    buf, launches, _ = fake_buffer(monkeypatch, verdict=2)
+    with pytest.raises(ep.RankMismatchError, match="between rank 0 and rank 1"):
+        dispatch(buf, workload())
+    launches.verdict = 0
+    dispatch(buf, workload())  # nothing was moved; the Buffer goes on
+
+
+def test_expert_ids_out_of_range_are_named_on_the_rank_that_passed_them(monkeypatch):
+    buf, _, _ = fake_buffer(monkeypatch, verdict=-1)
+    w = workload()
+    w["topk_idx"][3, 1] = E + 5
+    with pytest.raises(ValueError, match=rf"rank 0 passed expert ids outside \[-1, {E}\): values such as \[{E + 5}\]"):
+        dispatch(buf, w)
+
+
+def test_over_capacity_is_not_an_error(monkeypatch):
+    assert VERDICT_OVER_CAPACITY > 0
+    buf, _, _ = fake_buffer(monkeypatch, received=(50, 5000, 5000))
+    dispatch(buf, workload())
+    assert dispatch(buf, workload())[0].shape == (5000, H)
+
+
+# --- handles ---------------------------------------------------------------------------------
+
+def test_a_handle_is_only_valid_on_its_buffer(monkeypatch):
+    buf, _, _ = fake_buffer(monkeypatch)
+    other, _, _ = fake_buffer(monkeypatch)
+    w = workload()
+    handle = dispatch(buf, w)[4]
+    with pytest.raises(ValueError, match="handle: it was made by another Buffer"):
+        other.dispatch(w["x"], handle=handle, config=CONFIG)
+    with pytest.raises(TypeError, match="handle: expected the handle returned by Buffer.dispatch, got tuple"):
+        buf.dispatch(w["x"], handle=tuple(handle), config=CONFIG)
+
+
+def test_cached_dispatch_needs_the_handles_token_count_and_channels(fake):
+    buf, _, _ = fake
+    w = workload()
+    handle = dispatch(buf, w)[4]
+    with pytest.raises(ValueError, match="x: the handle routes 64 tokens, got 32"):
+        buf.dispatch(workload(num_tokens=32)["x"], handle=handle, config=CONFIG)
+    with pytest.raises(ValueError, match="config: the handle was made with num_sms=8, got num_sms=12"):
+        buf.dispatch(w["x"], handle=handle, config=ep.Config(12, 4, 32))
+
+
+def test_combine_needs_one_row_per_received_token(fake):
+    buf, _, _ = fake
+    w = workload()
+    recv_x, _, _, _, handle, _ = dispatch(buf, w)
+    with pytest.raises(ValueError, match=r"x: expected 100 rows \(the tokens the handle's dispatch received\), got 99"):
+        buf.combine(recv_x[:99], handle, config=CONFIG)
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16 or float16 or float32, got float8_e4m3fn"):
+        buf.combine(on_device(np.zeros((100, H), np.uint8)), handle, config=CONFIG)

@@ -1,0 +1,113 @@
+"""The host-mapped slot protocol: error records become exceptions, and the wait for the counts
+(CPU only: the slots are a NumPy array).
+
+Kernels write ``[code, kernel id, rank, channel, peer, detail]`` into the error record
+(kernels/common.cuh); the Buffer reads it at its next call, or right after a call where ranks
+share a GPU.
+"""
+
+import numpy as np
+import pytest
+
+import deepep_cupy as ep
+from deepep_cupy import slots
+from deepep_cupy.constants import KERNEL_STAGES, VERDICT_OVER_CAPACITY
+from deepep_cupy.slots import HostSlots
+
+from host_fakes import FakeMapped
+
+STAGE_IDS = {stage: kernel_id for kernel_id, stage in KERNEL_STAGES.items()}
+
+
+def slots_with_record(*record, in_process=False):
+    host_slots = HostSlots(0, 5.0, in_process, mapped=FakeMapped())
+    host_slots.values[:len(record)] = record
+    return host_slots
+
+
+def test_an_empty_record_raises_nothing():
+    slots_with_record().raise_if_failed()
+
+
+def test_a_settings_disagreement_raises_rank_mismatch_naming_the_rank_that_differs():
+    record = slots_with_record(2, STAGE_IDS["cached_notify_combine"], 0, -1, 1, 2)
+    with pytest.raises(ep.RankMismatchError, match="last combine .* between rank 0 and rank 1"):
+        record.raise_if_failed()
+
+
+def test_a_settings_disagreement_leaves_the_buffer_usable():
+    record = slots_with_record(2, STAGE_IDS["cached_notify_dispatch"], 1, -1, 1, 2)
+    with pytest.raises(ep.RankMismatchError, match="cached dispatch"):
+        record.raise_if_failed()
+    record.raise_if_failed()  # reported once; nothing was moved, so the next call may go ahead
+
+
+def test_a_timeout_names_rank_kernel_channel_and_peer():
+    record = slots_with_record(1, STAGE_IDS["dispatch receiver"], 0, 3, 1, 17)
+    with pytest.raises(ep.DeepEPTimeoutError, match="rank 0: dispatch receiver timed out after 5 s waiting "
+                                                    "for rank 1 \\(channel 3") as info:
+        record.raise_if_failed()
+    assert (info.value.rank, info.value.kernel, info.value.channel, info.value.peer) == (0, "dispatch receiver", 3, 1)
+
+
+def test_after_a_timeout_the_buffer_stays_unusable():
+    record = slots_with_record(1, STAGE_IDS["notify_dispatch"], 0, -1, 1, 1)
+    with pytest.raises(ep.DeepEPTimeoutError, match="whole rank"):
+        record.raise_if_failed()
+    with pytest.raises(ep.DeepEPError, match="unusable"):
+        record.raise_if_failed()
+
+
+def test_a_dispatch_posts_its_settings_and_clears_the_count():
+    host_slots = slots_with_record()
+    host_slots.values[slots.RECV_COUNT] = 12
+    host_slots.start_dispatch((1, 2, 3, 4, 5, 6, 7))
+    assert host_slots.values[slots.RECV_COUNT] == -1 and host_slots.signature() == [1, 2, 3, 4, 5, 6, 7]
+
+
+class _KernelDone:
+    def __init__(self, host_slots, value):
+        self.slots, self.value, self.waited = host_slots, value, False
+
+    def synchronize(self):  # the kernel ends and has published the count
+        self.waited = True
+        self.slots.values[slots.RECV_COUNT] = self.value
+
+
+def test_in_process_ranks_wait_for_the_counts_on_the_kernel_event_not_by_polling():
+    host_slots = slots_with_record(in_process=True)
+    host_slots.values[slots.RECV_COUNT] = -1
+    done = _KernelDone(host_slots, 1234)
+    assert host_slots.wait_for_count(done) == 1234 and done.waited
+
+
+def test_ranks_in_separate_processes_poll_the_counts():
+    host_slots = slots_with_record()
+    host_slots.values[slots.RECV_COUNT] = 77
+    done = _KernelDone(host_slots, 1234)
+    assert host_slots.wait_for_count(done) == 77 and not done.waited
+
+
+def test_a_kernel_error_during_the_counts_wait_raises_it():
+    host_slots = slots_with_record(1, STAGE_IDS["notify_dispatch"], 0, -1, 1, 1, in_process=True)
+    host_slots.values[slots.RECV_COUNT] = -1
+    with pytest.raises(ep.DeepEPTimeoutError, match="notify_dispatch timed out"):
+        host_slots.wait_for_count(_KernelDone(host_slots, -1))
+
+
+def test_a_wait_that_outlasts_the_timeout_raises_and_marks_the_buffer_failed():
+    host_slots = HostSlots(0, 0.01, False, mapped=FakeMapped())
+    host_slots.values[slots.RECV_COUNT] = -1
+    with pytest.raises(ep.DeepEPTimeoutError, match="waited 0.01 s on the host"):
+        host_slots.wait_for_count()
+    with pytest.raises(ep.DeepEPError, match="unusable"):
+        host_slots.raise_if_failed()
+
+
+def test_verdicts_become_errors_that_name_the_rank():
+    assert slots.verdict_error(0, 0, 16, ()) is None
+    assert slots.verdict_error(VERDICT_OVER_CAPACITY, 0, 16, ()) is None
+    error = slots.verdict_error(-2, 0, 16, (), None)
+    assert isinstance(error, ValueError) and "rank 1 passed expert ids outside [-1, 16)" in str(error)
+    error = slots.verdict_error(2, 0, 16, np.arange(7))
+    assert isinstance(error, ep.RankMismatchError) and "rank 0 and rank 1" in str(error)

@@ -1,0 +1,118 @@
+"""Which stream a call runs on and how calls are ordered (CPU only: a recording CUDA runtime).
+
+The rules are deepep_cupy/streams.py's: a plain synchronous call runs on the caller's stream; an
+asynchronous one, one after ``previous_event`` or one allocating on the communication stream runs
+there, ordered by events; a call never overlaps the Buffer's previous call.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from deepep_cupy.events import EventOverlap
+from deepep_cupy.streams import StreamOrder
+
+COMM, CALLER, OTHER = 100, 200, 300
+
+
+class Runtime:
+    def __init__(self):
+        self.log = []
+
+    def eventRecord(self, event, stream):
+        self.log.append(("record", event, stream))
+
+    def streamWaitEvent(self, stream, event, flags):
+        self.log.append(("wait", stream, event))
+
+    def streamSynchronize(self, stream):
+        self.log.append(("sync", stream))
+
+
+class Lib:
+    def __init__(self):
+        self.used = []
+
+    def used_on(self, arrays, stream_ptr, device_id):
+        self.used.append(stream_ptr)
+
+
+def make_order(shares_gpu=False):
+    events = iter(range(1, 100))
+    order = StreamOrder(0, shares_gpu, SimpleNamespace(ptr=COMM), lambda: SimpleNamespace(ptr=next(events)),
+                        Runtime())
+    return order, order._runtime.log
+
+
+def call(order, caller=CALLER, previous=None, async_finish=False, on_comm=False, lib=None):
+    lib = lib or Lib()
+    run_on = order.begin(caller, previous, async_finish or on_comm, rank=0)
+    event = order.finish(caller, run_on, lib, async_finish, ("x",), ("out",), on_comm)
+    return run_on, event
+
+
+def test_a_synchronous_call_runs_on_the_callers_stream_with_one_event_record():
+    order, log = make_order()
+    run_on, event = call(order)
+    assert run_on == CALLER and event.event is None
+    assert log == [("record", order._last_done.ptr, CALLER)]
+
+
+def test_an_asynchronous_call_runs_on_the_comm_stream_after_the_caller():
+    order, log = make_order()
+    run_on, event = call(order, async_finish=True)
+    caller_done = order._caller_done.ptr
+    assert run_on == COMM and event.event is not None
+    assert log[:2] == [("record", caller_done, CALLER), ("wait", COMM, caller_done)]
+    assert log[2] == ("record", event.event.ptr, COMM)
+
+
+def test_a_previous_event_replaces_the_wait_for_the_caller():
+    order, log = make_order()
+    previous = EventOverlap(SimpleNamespace(ptr=77))
+    call(order, previous=previous, async_finish=True)
+    assert ("wait", COMM, 77) in log and not any(e[0] == "record" and e[2] == CALLER for e in log)
+
+
+def test_a_call_from_another_stream_waits_for_the_buffers_last_call():
+    order, log = make_order()
+    call(order, caller=CALLER)
+    log.clear()
+    call(order, caller=OTHER)
+    assert log[0] == ("wait", OTHER, order._last_done.ptr)
+
+
+def test_calls_from_one_stream_need_no_waits():
+    order, log = make_order()
+    for _ in range(3):
+        call(order)
+    assert not any(entry[0] == "wait" for entry in log)
+
+
+def test_a_synchronous_call_after_an_asynchronous_one_waits_for_it():
+    order, log = make_order()
+    _, event = call(order, async_finish=True)
+    log.clear()
+    run_on, _ = call(order)
+    assert run_on == CALLER and log[0] == ("wait", CALLER, event.event.ptr)
+
+
+def test_outputs_allocated_on_the_comm_stream_are_marked_as_used_by_the_caller():
+    order, _ = make_order()
+    lib = Lib()
+    call(order, on_comm=True, lib=lib)
+    assert CALLER in lib.used
+
+
+def test_the_legacy_default_stream_is_refused_when_ranks_share_the_gpu():
+    order, _ = make_order(shares_gpu=True)
+    with pytest.raises(ValueError, match="share GPU 0, so each must run on its own stream"):
+        order.begin(0, None, False, rank=3)
+
+
+def test_ranks_sharing_a_gpu_return_after_the_call_finished():
+    order, log = make_order(shares_gpu=True)
+    checked = []
+    run_on = order.begin(CALLER, None, False, rank=0)
+    order.finish(CALLER, run_on, Lib(), False, (), (), False, lambda: checked.append(1))
+    assert ("sync", CALLER) in log and checked == [1]

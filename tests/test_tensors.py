@@ -1,0 +1,79 @@
+"""Reading and checking array arguments (CPU only: ArrayInfo values and fake arrays stand in)."""
+
+import numpy as np
+import pytest
+
+from deepep_cupy import tensors
+from deepep_cupy.tensors import ArrayInfo, check_array
+
+from host_fakes import FakeArray, FakeLib, on_device
+
+
+def info(dtype_name, shape, contiguous=True):
+    return ArrayInfo(None, dtype_name, dtype_name, shape, contiguous, (0,) * len(shape))
+
+
+def test_wrong_dtype_names_argument_expected_and_given():
+    with pytest.raises(TypeError, match="topk_idx: expected dtype int64, got int32"):
+        check_array(info("int32", (4, 8)), "topk_idx", ("int64",), 2)
+
+
+def test_a_dtype_no_kernel_moves_is_named_as_the_library_calls_it():
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16, got torch.float64|x: expected dtype bfloat16, got float64"):
+        check_array(ArrayInfo(None, None, "torch.float64", (4, 8), True, (64, 8)), "x", ("bfloat16",), 2)
+
+
+def test_wrong_number_of_dimensions():
+    with pytest.raises(ValueError, match=r"x: expected 2 dimensions, got shape \(4,\)"):
+        check_array(info("bfloat16", (4,)), "x", ("bfloat16",), 2)
+
+
+def test_wrong_extent_names_the_axis():
+    with pytest.raises(ValueError, match=r"is_token_in_rank: expected shape \(16, 2\), got \(16, 4\) \(axis 1\)"):
+        check_array(info("bool", (16, 4)), "is_token_in_rank", ("bool",), 2, (16, 2))
+
+
+def test_wildcard_extent_accepts_anything():
+    check_array(info("float32", (16, 7)), "x_scales", ("float32",), 2, (16, None))
+
+
+def test_non_contiguous_layout_is_refused():
+    with pytest.raises(ValueError, match="x: expected a contiguous"):
+        check_array(info("bfloat16", (4, 8), contiguous=False), "x", ("bfloat16",), 2)
+
+
+def test_storage_dtypes_of_the_named_types():
+    assert tensors.STORAGE["bfloat16"] == np.uint16
+    assert tensors.STORAGE["float8_e4m3fn"] == np.uint8
+    assert tensors.ITEMSIZE["float32"] == 4
+
+
+def test_a_numpy_array_is_refused_as_host_memory():
+    with pytest.raises(TypeError, match=r"topk_idx: expected a device array .* NumPy array on the host"):
+        tensors.describe(np.zeros((4, 2), np.int64), "topk_idx", 0)
+
+
+def test_a_list_is_refused_with_its_type():
+    with pytest.raises(TypeError, match="x: expected a CuPy array or a PyTorch CUDA tensor, got list"):
+        tensors.describe([1, 2, 3], "x", 0)
+
+
+def test_an_absent_argument_reads_as_no_array_with_no_rows():
+    lib, ptr, rows, key = tensors.read(None)
+    assert (lib, ptr, key) == (None, 0, None) and rows < -1
+
+
+def test_something_that_is_no_array_gets_a_key_no_plan_has():
+    assert tensors.read("abc")[3] == ("not an array", str)
+
+
+def test_a_key_holds_everything_but_the_row_count(monkeypatch):
+    lib = FakeLib()
+    monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
+    a, b = on_device(np.zeros((8, 4), np.int64)), on_device(np.zeros((3, 4), np.int64))
+    (_, ptr_a, rows_a, key_a), (_, _, rows_b, key_b) = tensors.read(a), tensors.read(b)
+    assert ptr_a == a.ctypes.data and (rows_a, rows_b) == (8, 3) and key_a == key_b
+    assert tensors.read(on_device(np.zeros((8, 5), np.int64)))[3] != key_a
+    assert tensors.read(on_device(np.zeros((8, 4), np.int32)))[3] != key_a
+    assert tensors.read(on_device(np.zeros((8, 4), np.int64), device_id=1))[3] != key_a
+    assert tensors.read(on_device(np.zeros((8, 8), np.int64))[:, ::2])[3] != key_a
