@@ -1,4 +1,4 @@
-# deepep_cupy: make test | bench | install | clean | distclean | which
+# deepep_cupy: make test | lint | bench | install | clean | distclean | which
 #
 # Which Python runs things:
 #   * $(PYTHON) (default python3) itself, when it can already import cupy, mpi4py, numpy and
@@ -45,10 +45,14 @@ endif
 # The checkout comes first on the import path (no install needed, and it wins over stale installs).
 export PYTHONPATH := $(REPO)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test bench install clean distclean which
+.PHONY: test lint bench install clean distclean which
 
 test: $(SETUP)
 	$(PY) -m pytest -q -ra tests $(PYTEST_ARGS)
+
+# ruff comes with the test extra; on a machine set up by hand, install it there (pip install ruff).
+lint: $(SETUP)
+	$(PY) -m ruff check .
 
 bench: $(SETUP)
 	$(PY) -m deepep_cupy.bench $(BENCH_ARGS)

@@ -92,22 +92,6 @@ class _DeviceScope:
             self._runtime.setDevice(previous)
 
 
-def _received_arrays(spec: plans.DispatchSpec) -> tuple:
-    """A dispatch's outputs per received row: recv_x, its scales, top-k ids, top-k weights."""
-    rows, k = spec.rows, spec.num_topk
-    return (((rows.hidden,), rows.dtype_name),
-            None if rows.scales is None else (rows.scales_tail, "float32"),
-            ((k,), "int64") if k else None,
-            ((k,), "float32") if spec.with_weights else None)
-
-
-def _split_x(x) -> Tuple[Any, Any]:
-    """``x`` or ``(x_fp8, x_scales)`` -> (rows, scales or None); anything else is left to the checks."""
-    if type(x) is tuple and len(x) == 2:
-        return x
-    return x, None
-
-
 class Buffer:
     """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
 
@@ -449,7 +433,7 @@ class Buffer:
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                     config) -> _DispatchCall:
         """A fresh dispatch's arguments, checked by the plan made for arguments of their kinds."""
-        rows, scales = _split_x(x)
+        rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
         _, s_ptr, n_s, s_key = read(scales)
         _, r_ptr, n_r, r_key = read(per_rank)
@@ -478,7 +462,7 @@ class Buffer:
                             expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
         main = self._bind_transfer(spec)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
-        return _Plan(spec, notify, main, row_args, _received_arrays(spec))
+        return _Plan(spec, notify, main, row_args, plans.received_arrays(spec))
 
     def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
         lay, config = spec.layout, spec.config
@@ -583,7 +567,7 @@ class Buffer:
         return handle
 
     def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream):
-        rows, scales = _split_x(x)
+        rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
         _, s_ptr, n_s, s_key = read(scales)
         key = ("cached dispatch", type(x) is tuple, x_key, s_key, config)
@@ -593,7 +577,7 @@ class Buffer:
         self._check_handle(handle, config)
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
-        spec, num_recv = plan.spec, handle.num_recv_tokens
+        num_recv = handle.num_recv_tokens
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
             plan.notify(run_on, epoch=self._next_epoch(2), notify_off=self._next_notify_area())
@@ -620,7 +604,7 @@ class Buffer:
         # A cached dispatch neither moves top-k nor writes the handle's receive side.
         main = self._bind_transfer(spec, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
                                    recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)
-        return _Plan(spec, notify, main, 1 + (spec.rows.scales is not None), _received_arrays(spec))
+        return _Plan(spec, notify, main, 1 + (spec.rows.scales is not None), plans.received_arrays(spec))
 
     # -----------------------------------------------------------------------------------------
     # Combine

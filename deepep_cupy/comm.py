@@ -407,10 +407,10 @@ def _resolve_devices(num_ranks: Optional[int], devices: Optional[Sequence[int]],
 
             device_count = int(cupy.cuda.runtime.getDeviceCount())
         except Exception as exc:
-            raise RuntimeError(f"run_local_group: no CUDA device is usable ({type(exc).__name__}: {exc}); "
+            raise DeepEPError(f"run_local_group: no CUDA device is usable ({type(exc).__name__}: {exc}); "
                                "pass use_devices=False to run pure-Python ranks") from exc
     if device_count <= 0:
-        raise RuntimeError("run_local_group: no CUDA device is visible")
+        raise DeepEPError("run_local_group: no CUDA device is visible")
     if devices is None:
         if num_ranks is None:
             num_ranks = device_count
@@ -457,6 +457,10 @@ def _allocator_for(devices: Sequence[int], rank: int):
 
     return private_pool()
 
+
+#: How often (seconds) the thread of :func:`run_local_group` looks at its ranks while they are healthy
+#: (it is also woken as each rank ends): an interrupt (Ctrl-C in a notebook) is seen this soon.
+LAUNCHER_POLL_S = 1.0
 
 #: The GIL switch interval (seconds) while :func:`run_local_group` runs rank threads.
 RANK_SWITCH_INTERVAL_S = 2e-5
@@ -562,7 +566,7 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
-                done.wait(1.0 if remaining is None else min(remaining, 1.0))
+                done.wait(LAUNCHER_POLL_S if remaining is None else min(remaining, LAUNCHER_POLL_S))
     except BaseException:
         # KeyboardInterrupt in a notebook: release every rank blocked in a collective.
         hub.abort("interrupted in the launching thread")

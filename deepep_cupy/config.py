@@ -15,6 +15,7 @@ import numpy as np
 
 from . import layout
 from .constants import FP8_SCALE_BLOCK, MAX_RANKS, MAX_TOPK
+
 #: Environment variable naming a JSON file of tuned configs (written by ``bench --save-config``).
 CONFIG_ENV = "DEEPEP_CUPY_CONFIG"
 
@@ -92,7 +93,7 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
     if config is None:
         return max(get_nvl_buffer_size_hint(hidden_bytes, num_ranks, c, num_topk=num_topk)
                    for c in (get_dispatch_config(num_ranks), get_combine_config(num_ranks)))
-    # FP8 rows carry hidden / 128 float scales; count them on top of the widest row.
+    # FP8 rows carry hidden / FP8_SCALE_BLOCK float scales; count them on top of the widest row.
     num_scales = max(1, hidden_bytes // 2 // FP8_SCALE_BLOCK)
     d = layout.dispatch_layout(num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
                                hidden_bytes, num_topk, num_scales)

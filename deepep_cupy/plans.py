@@ -241,3 +241,19 @@ def check_combine(ctx: Context, x, topk_weights, config: Config) -> CombineSpec:
                                  row_bytes, num_topk)
     require_room(plan.total_bytes, ctx, "combine")
     return CombineSpec(rows.lib, rows.dtype_name, rows.shape[1], row_bytes, num_topk, config, plan)
+
+
+def received_arrays(spec: DispatchSpec) -> tuple:
+    """A dispatch's outputs per received row: recv_x, its scales, top-k ids, top-k weights."""
+    rows, k = spec.rows, spec.num_topk
+    return (((rows.hidden,), rows.dtype_name),
+            None if rows.scales is None else (rows.scales_tail, "float32"),
+            ((k,), "int64") if k else None,
+            ((k,), "float32") if spec.with_weights else None)
+
+
+def split_x(x) -> Tuple[Any, Any]:
+    """``x`` or ``(x_fp8, x_scales)`` -> (rows, scales or None); anything else is left to the checks."""
+    if type(x) is tuple and len(x) == 2:
+        return x
+    return x, None

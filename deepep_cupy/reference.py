@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .constants import FP8_SCALE_BLOCK
+
 __all__ = [
     "channel_task_range",
     "random_routing",
@@ -233,11 +235,11 @@ def dispatch(xs, topk_idxs, num_experts, num_channels, *, topk_weights=None, x_s
 
     # Per-sender layout and sender-side matrices.
     layouts = [get_dispatch_layout(t, num_experts, num_ranks) for t in topk_idxs]
-    channel_prefix = [_channel_prefix_matrix(l[2], num_channels) for l in layouts]
-    send_heads = [_send_head(l[2], num_channels) for l in layouts]
+    channel_prefix = [_channel_prefix_matrix(in_rank, num_channels) for _, _, in_rank in layouts]
+    send_heads = [_send_head(in_rank, num_channels) for _, _, in_rank in layouts]
 
     # rank_prefix_matrix[i, k]: tokens ranks 0..i send to rank k.
-    per_rank = np.stack([l[0] for l in layouts]).astype(np.int64)  # [sender, receiver]
+    per_rank = np.stack([counts for counts, _, _ in layouts]).astype(np.int64)  # [sender, receiver]
     rank_prefix_matrix = np.cumsum(per_rank, axis=0).astype(np.int32)
 
     results = []
@@ -419,12 +421,12 @@ def fp8_e4m3_scaled_random(rng, num_tokens, hidden):
         (never the NaN codes 0x7F/0xFF) and no row is all zero; scales are positive.
     """
     num_tokens, hidden = int(num_tokens), int(hidden)
-    if hidden <= 0 or hidden % 128 != 0:
+    if hidden <= 0 or hidden % FP8_SCALE_BLOCK != 0:
         raise ValueError(f"hidden must be a positive multiple of 128 for FP8, got {hidden}")
     # 254 finite codes: 0x00..0x7E and 0x80..0xFE.
     x = rng.integers(0, 254, size=(num_tokens, hidden), dtype=np.uint8)
     x += (x >= 127).view(np.uint8)               # skip 0x7F
     if num_tokens:
         x[:, 0] = rng.integers(1, 127, size=num_tokens, dtype=np.uint8)
-    scales = rng.uniform(0.25, 4.0, size=(num_tokens, hidden // 128)).astype(np.float32)
+    scales = rng.uniform(0.25, 4.0, size=(num_tokens, hidden // FP8_SCALE_BLOCK)).astype(np.float32)
     return x, scales

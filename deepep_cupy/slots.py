@@ -39,6 +39,11 @@ EXPERT_COUNTS = 32
 SLOT_INTS = EXPERT_COUNTS + MAX_LOCAL_EXPERTS
 #: The row capacity a fresh dispatch states when its host waits for the counts (no limit).
 NO_CAPACITY_LIMIT = 2 ** 31 - 1
+#: Count polls that only yield the GIL; after them (long past any dispatch) each poll also sleeps.
+YIELDING_POLLS = 100_000
+POLL_SLEEP_S = 1e-4
+#: Polls between two looks at the clock.
+POLLS_PER_CLOCK_CHECK = 1024
 
 SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per token", "num_experts",
                     "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
@@ -196,12 +201,12 @@ class HostSlots:
                 return value
             if values[ERROR_RECORD] > 0:
                 self._raise_record()
-            if polls < 100000:
+            if polls < YIELDING_POLLS:
                 yield_gil()
             else:  # long past any dispatch: stop burning a core
-                time.sleep(1e-4)
+                time.sleep(POLL_SLEEP_S)
             polls += 1
-            if not polls & 1023 and time.monotonic() > deadline:
+            if polls % POLLS_PER_CLOCK_CHECK == 0 and time.monotonic() > deadline:
                 self.failed = "a host wait timed out"
                 raise DeepEPTimeoutError(
                     f"rank {self.rank}: waited {self.timeout_s:g} s on the host for notify_dispatch to publish "

@@ -16,14 +16,7 @@ for stage in $STAGES; do
       DEEPEP_TEST_TIMEOUT_S=${DEEPEP_TEST_TIMEOUT_S:-15} timeout ${WORKER_TIMEOUT:-400} \
         mpirun -n 2 python3 tests/workers/gpu_worker.py ${SCENARIOS:-} > "$OUT/worker.log" 2>&1
       echo "worker exit $?"
-      python3 - "$OUT/worker.log" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    if line.startswith("RESULT "):
-        e = json.loads(line[7:])
-        status = "ok" if e["ok"] else "FAIL " + (e["error"] or "").splitlines()[0][:300]
-        print(f"r{e['rank']} {e['scenario']:32s} {e['seconds']:7.2f}s {status}")
-PY
+      python3 scripts/summarize_results.py < "$OUT/worker.log"
       grep -v "^RESULT" "$OUT/worker.log" | tail -30;;
     perf)
       DEEPEP_CUPY_PROFILE=${PROFILE:-0} timeout ${PERF_TIMEOUT:-150} mpirun -n 2 python3 scripts/quick_perf.py ${PERF_ARGS:-} 2>&1 | tee "$OUT/perf.log" | tail -${PERF_TAIL:-60};;

@@ -12,12 +12,15 @@ import functools
 import inspect
 import time
 
+import cupy
 import numpy as np
 from mpi4py import MPI
-import cupy
 
 import deepep_cupy as ep
-from deepep_cupy import buffer as buffer_module, handle as handle_module, launch, reference as ref, slots, streams, tensors
+from deepep_cupy import buffer as buffer_module
+from deepep_cupy import handle as handle_module
+from deepep_cupy import launch, slots, streams, tensors
+from deepep_cupy import reference as ref
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lib", default="torch")

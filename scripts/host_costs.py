@@ -8,8 +8,8 @@ timed alone, 2000 calls after a warm-up, so that a host-path profile can be read
 import ctypes
 import time
 
-import numpy as np
 import cupy
+import numpy as np
 from cupy.cuda import driver, runtime
 
 N = 2000

@@ -11,12 +11,13 @@ import argparse
 import os
 import time
 
+import cupy
 import numpy as np
 from mpi4py import MPI
-import cupy
 
 import deepep_cupy as ep
-from deepep_cupy import launch, reference as ref
+from deepep_cupy import launch
+from deepep_cupy import reference as ref
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", default="128,4096")
@@ -74,7 +75,9 @@ def timed(fn, stream, iters):
 
 
 def host_profile(ops, iters=20):
-    import cProfile, io, pstats
+    import cProfile
+    import io
+    import pstats
     prof = cProfile.Profile()
     for fn in ops.values():
         fn()
@@ -117,5 +120,4 @@ for lib in args.libs.split(","):
             text = host_profile(ops)
             if rank == 0:
                 print(text)
-        del handle, recv_x, recv_w
 buf.destroy()

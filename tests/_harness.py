@@ -1,15 +1,17 @@
-"""Helpers shared by the tests: how many GPUs there are, and how to run a script under MPI."""
+"""Helpers shared by the tests: how many GPUs there are, how to run a script under MPI, and how to
+read the records the worker scripts print."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 #: The checkout's root (the folder holding ``deepep_cupy/`` and ``kernels/``).
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -146,3 +148,25 @@ def skip_or_fail(reason: str) -> None:
     if on_ci():
         pytest.fail(f"{reason} (CI=true: this must work on CI)", pytrace=False)
     pytest.skip(f"!!! {reason}")
+
+
+def worker_records(output: str, tag: str = "RESULT") -> List[dict]:
+    """The ``TAG {json}`` records a worker printed, in order.
+
+    Read by position rather than by line, so that records of ranks whose output interleaves on one
+    line are still found whole.
+    """
+    decoder, records, pos = json.JSONDecoder(), [], 0
+    marker = tag + " "
+    while (pos := output.find(marker, pos)) >= 0:
+        record, pos = decoder.raw_decode(output, pos + len(marker))
+        records.append(record)
+    return records
+
+
+def records_by(output: str, key: str, tag: str = "RESULT") -> Dict[str, List[dict]]:
+    """:func:`worker_records` grouped by ``record[key]`` (e.g. the scenario), each in print order."""
+    grouped: Dict[str, List[dict]] = {}
+    for record in worker_records(output, tag):
+        grouped.setdefault(record[key], []).append(record)
+    return grouped

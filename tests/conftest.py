@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import pytest
-
 from _harness import find_mpiexec, gpu_count, skip_or_fail
 
 

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from deepep_cupy import buffer as buffer_module, launch, slots, tensors
+from deepep_cupy import buffer as buffer_module
+from deepep_cupy import launch, slots, tensors
 from deepep_cupy.buffer import Buffer
 from deepep_cupy.comm import Group
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
@@ -181,7 +182,8 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     """A Buffer of rank ``rank`` of ``num_ranks`` with fake hardware; returns ``(buffer, launches, lib)``."""
     lib = FakeLib()
     monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
-    monkeypatch.setattr(buffer_module.kernels, "get_kernel", lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=0)))
+    null_kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0))
+    monkeypatch.setattr(buffer_module.kernels, "get_kernel", lambda name: null_kernel)
     monkeypatch.setattr(buffer_module, "check_sm_budget", lambda ranks_per_device, num_sms: None)
     buf = Buffer.__new__(Buffer)
     buf._set_up_host(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)

@@ -11,7 +11,6 @@ import pytest
 from deepep_cupy import bench
 from deepep_cupy.bench import calls, report
 
-
 # ---------------------------------------------------------------------------------------------- import
 
 def test_import_touches_no_gpu_stack():
@@ -146,7 +145,7 @@ def test_format_table_contains_the_figures():
               "mean us", "min us"):
         assert s in text
     lines = text.splitlines()
-    assert len({len(l) for l in lines[1:]}) == 1  # aligned columns
+    assert len({len(line) for line in lines[1:]}) == 1  # aligned columns
     assert "-" in lines[-1]  # missing rates print as '-'
 
 
@@ -308,25 +307,13 @@ def test_aggregate_reports_check_failures_and_rows():
     assert "FAIL" in text and "rank 1: recv_x" in text and "NCCL baseline skipped: disabled" in text
 
 
-def test_in_process_mode_without_run_local_group_points_to_mpirun(monkeypatch):
-    import types
-    fake_comm = types.ModuleType("deepep_cupy.comm")
-    fake_pkg = types.ModuleType("deepep_cupy")
-    fake_pkg.comm = fake_comm
-    fake_pkg.__path__ = []
-    monkeypatch.setitem(sys.modules, "deepep_cupy", fake_pkg)
-    monkeypatch.setitem(sys.modules, "deepep_cupy.comm", fake_comm)
-    with pytest.raises(SystemExit) as exc:
-        bench._main_local(bench.parse_args([]))
-    assert "mpirun" in str(exc.value) and "run_local_group" in str(exc.value)
-
-
 def test_report_shows_tuning_and_best_config():
     args = bench.parse_args(["--tune"])
     cfg = {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6, "num_max_nvl_chunked_recv_tokens": 256}
     ranks = []
     for r in range(2):
-        tune = [dict(op=op, **cfg, **_stats([t * 1e-6], 1e6, 5e5)) for op, t in (("dispatch", 300 + r), ("combine", 400))]
+        tune = [dict(op=op, **cfg, **_stats([t * 1e-6], 1e6, 5e5))
+                for op, t in (("dispatch", 300 + r), ("combine", 400))]
         tune.append(dict(op="dispatch", num_sms=8, num_max_nvl_chunked_send_tokens=4,
                          num_max_nvl_chunked_recv_tokens=128, error="rejected"))
         ranks.append({"rank": r, "ops": {"layout": _stats([1e-5], None, None)}, "tune": tune})
@@ -392,7 +379,8 @@ def _calls_rank(scale, libs=("cupy", "torch"), tokens=(128, 4096)):
     points = []
     for n in tokens:
         for lib in libs:
-            ops = {op: {"loop_us": scale * (10 + i) * n / 128, "host_us": scale * (5 + i)} for i, op in enumerate(calls.OPS)}
+            ops = {op: {"loop_us": scale * (10 + i) * n / 128, "host_us": scale * (5 + i)}
+                   for i, op in enumerate(calls.OPS)}
             ops["dispatch BF16"].update(wait_us=scale, host_work_us=scale * 4)
             points.append({"lib": lib, "num_tokens": n, "ops": ops})
     return {"points": points}

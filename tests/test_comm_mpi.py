@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-
-from _harness import WORKERS, describe, run_mpi
+from _harness import WORKERS, describe, run_mpi, worker_records
 
 from deepep_cupy.comm import Group, MPIGroup, as_group
-
 
 # ---------------------------------------------------------------------------------------------
 # MPIGroup over MPI.COMM_WORLD, 2..4 processes (more than the CI machine's 2 cores on purpose)
@@ -18,10 +14,7 @@ from deepep_cupy.comm import Group, MPIGroup, as_group
 def _results(proc, n):
     """The ``RESULT {json}`` records of all ranks, by rank (robust to interleaved output)."""
     assert proc.returncode == 0, describe(proc)
-    decoder, records, pos = json.JSONDecoder(), [], 0
-    while (pos := proc.stdout.find("RESULT ", pos)) >= 0:
-        record, pos = decoder.raw_decode(proc.stdout, pos + len("RESULT "))
-        records.append(record)
+    records = worker_records(proc.stdout)
     assert len(records) == n, f"expected {n} RESULT records\n{describe(proc)}"
     results = sorted(records, key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == list(range(n)), describe(proc)

@@ -2,14 +2,8 @@
 disagree raise on every rank, a missing peer becomes an exception within the timeout, nothing leaks.
 """
 
-import json
-import sys
-
 import pytest
-
-from _harness import WORKERS, describe, gpu_count, run_mpi
-
-sys.path.insert(0, str(WORKERS))
+from _harness import WORKERS, describe, gpu_count, records_by, run_mpi
 
 
 def _cases():
@@ -32,12 +26,7 @@ def failure_results():
     if gpu_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
     run = run_mpi(2, [str(WORKERS / "failure_worker.py")], timeout=900)
-    results = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("RESULT "):
-            entry = json.loads(line[len("RESULT "):])
-            results.setdefault(entry["case"], []).append(entry)
-    return results, run
+    return records_by(run.stdout, "case"), run
 
 
 @pytest.mark.gpu

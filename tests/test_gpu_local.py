@@ -13,17 +13,13 @@ Environment:
     DEEPEP_TEST_COMPARE_MPI: ``0`` skips the comparison with the same scenarios run under mpiexec.
 """
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-
-from _harness import WORKERS, _stop, describe, gpu_count, mpi_env, run_mpi
-
-sys.path.insert(0, str(WORKERS))
-from gpu_scenarios import NAMES  # noqa: E402
+from _harness import WORKERS, _stop, describe, gpu_count, mpi_env, records_by, run_mpi, worker_records
+from workers.gpu_scenarios import NAMES
 
 RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8").split(",")]
 LOCAL_GPUS = int(os.environ["DEEPEP_TEST_LOCAL_GPUS"]) if os.environ.get("DEEPEP_TEST_LOCAL_GPUS") else None
@@ -49,15 +45,8 @@ def run_worker(args, timeout=TIMEOUT_S, env=None):
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def records(output, tag="RESULT"):
-    return [json.loads(line[len(tag) + 1:]) for line in output.splitlines() if line.startswith(tag + " ")]
-
-
 def by_scenario(run):
-    results = {}
-    for entry in records(run.stdout):
-        results.setdefault(entry["scenario"], []).append(entry)
-    return results
+    return records_by(run.stdout, "scenario")
 
 
 def gpu_args():
@@ -96,7 +85,7 @@ def test_in_process_matches_reference(local_runs, num_ranks, scenario):
 def test_in_process_worker_exits_cleanly(local_runs, num_ranks):
     run = local_runs(num_ranks)
     assert run.returncode == 0, describe(run)
-    assert not records(run.stdout, "ERROR"), describe(run)
+    assert not worker_records(run.stdout, "ERROR"), describe(run)
 
 
 @pytest.mark.gpu(1)
@@ -131,7 +120,7 @@ def test_a_failing_rank_ends_the_in_process_job():
     """Rank 1 raises while the others wait for it in their kernels: the job reports rank 1, no hang."""
     run = run_worker(["--ranks", 3, *gpu_args(), "--inject-failure", 1, "--timeout", 10, "bf16_basic"], timeout=180)
     assert run.returncode == 1, describe(run)
-    errors = records(run.stdout, "ERROR")
+    errors = worker_records(run.stdout, "ERROR")
     assert len(errors) == 1, describe(run)
     assert errors[0]["rank"] == 1 and "injected failure on rank 1" in errors[0]["message"], describe(run)
     assert errors[0]["stuck"] == [], describe(run)

@@ -4,16 +4,11 @@ All scenarios (tests/workers/gpu_scenarios.py) run in one mpiexec job per rank c
 and kernel compilation are paid once); each test then checks its scenario's result on every rank.
 """
 
-import json
 import os
 
 import pytest
-
-from _harness import WORKERS, describe, gpu_count, run_mpi
-
-import sys
-sys.path.insert(0, str(WORKERS))
-from gpu_scenarios import NAMES  # noqa: E402
+from _harness import WORKERS, describe, gpu_count, records_by, run_mpi
+from workers.gpu_scenarios import NAMES
 
 RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_RANKS", "2").split(",")]
 
@@ -28,10 +23,8 @@ def mpi_results(request):
             continue
         run = run_mpi(num_ranks, [str(WORKERS / "gpu_worker.py")], timeout=900)
         outputs[num_ranks] = run
-        for line in run.stdout.splitlines():
-            if line.startswith("RESULT "):
-                entry = json.loads(line[len("RESULT "):])
-                results.setdefault((num_ranks, entry["scenario"]), []).append(entry)
+        for scenario, entries in records_by(run.stdout, "scenario").items():
+            results[(num_ranks, scenario)] = entries
     return results, outputs
 
 

@@ -7,14 +7,14 @@ what is faked). The GPU tests check the same calls against the reference on real
 
 import numpy as np
 import pytest
+from host_fakes import fake_buffer, on_device
 
 import deepep_cupy as ep
-from deepep_cupy import plans, reference as ref
+from deepep_cupy import plans
+from deepep_cupy import reference as ref
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
 from deepep_cupy.layout import NOTIFY_OFFSETS
-
-from host_fakes import fake_buffer, on_device
 
 R, N, H, K, E = 2, 64, 256, 4, 16
 CONFIG = ep.Config(8, 4, 32)
@@ -76,7 +76,8 @@ def test_the_transfer_reads_the_callers_arrays_and_writes_the_returned_ones(fake
     assert p["recv_x"] == recv_x.ctypes.data and p["recv_topk_idx"] == recv_topk.ctypes.data
     assert p["recv_topk_weights"] == recv_w.ctypes.data
     assert p["send_head"] == handle[5].ctypes.data and p["recv_src_idx"] == handle[3].ctypes.data
-    assert p["rank_prefix_matrix"] == handle[0].ctypes.data == launches.last("notify_dispatch_kernel")["rank_prefix_matrix"]
+    notify = launches.last("notify_dispatch_kernel")
+    assert p["rank_prefix_matrix"] == handle[0].ctypes.data == notify["rank_prefix_matrix"]
     assert p["buffer_ptrs"] == 0xB0F and p["num_tokens"] == N and p["hidden_int4"] == H * 2 // 16
 
 
@@ -264,7 +265,8 @@ def test_a_dispatch_that_outgrows_its_guess_is_redone_with_exact_sizes(monkeypat
     assert launches.names()[2:] == ["notify_dispatch_kernel", "dispatch_kernel<2>",
                                     "notify_dispatch_kernel", "dispatch_kernel<2>"]
     dispatch(buf, workload())  # the retried call's count is the next guess
-    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == int(400 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    rows = int(400 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == rows
 
 
 def test_without_allocate_ahead_every_dispatch_waits_for_the_counts(monkeypatch):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from _harness import skip_or_fail
 
 from deepep_cupy import kernels

@@ -369,7 +369,7 @@ def test_trailing_dimensions_of_rows_are_preserved():
     rng = np.random.default_rng(25)
     xs = [rng.integers(0, 255, size=(n, 3, 16), dtype=np.uint8) for n in (9, 14)]
     idxs = [ref.random_routing(rng, n, 4, 2) for n in (9, 14)]
-    for j, res in enumerate(ref.dispatch(xs, idxs, 4, 2)):
+    for res in ref.dispatch(xs, idxs, 4, 2):
         assert res["recv_x"].shape[1:] == (3, 16)
 
 

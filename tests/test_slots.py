@@ -8,13 +8,12 @@ share a GPU.
 
 import numpy as np
 import pytest
+from host_fakes import FakeMapped
 
 import deepep_cupy as ep
 from deepep_cupy import slots
 from deepep_cupy.constants import KERNEL_STAGES, VERDICT_OVER_CAPACITY
 from deepep_cupy.slots import HostSlots
-
-from host_fakes import FakeMapped
 
 STAGE_IDS = {stage: kernel_id for kernel_id, stage in KERNEL_STAGES.items()}
 

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
+from host_fakes import FakeArray, FakeLib, on_device
 
 from deepep_cupy import tensors
 from deepep_cupy.tensors import ArrayInfo, check_array
-
-from host_fakes import FakeArray, FakeLib, on_device
 
 
 def info(dtype_name, shape, contiguous=True):
@@ -19,7 +18,7 @@ def test_wrong_dtype_names_argument_expected_and_given():
 
 
 def test_a_dtype_no_kernel_moves_is_named_as_the_library_calls_it():
-    with pytest.raises(TypeError, match="x: expected dtype bfloat16, got torch.float64|x: expected dtype bfloat16, got float64"):
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16, got float64$"):
         check_array(ArrayInfo(None, None, "torch.float64", (4, 8), True, (64, 8)), "x", ("bfloat16",), 2)
 
 

@@ -9,8 +9,15 @@ import time
 import pytest
 
 import deepep_cupy as ep
-from deepep_cupy.comm import (RANK_SWITCH_INTERVAL_S, GroupAbortedError, Group, RankFailed, ThreadGroup, check_sm_budget,
-                              run_local_group)
+from deepep_cupy.comm import (
+    RANK_SWITCH_INTERVAL_S,
+    Group,
+    GroupAbortedError,
+    RankFailed,
+    ThreadGroup,
+    check_sm_budget,
+    run_local_group,
+)
 from deepep_cupy.errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
 
 

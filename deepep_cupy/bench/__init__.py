@@ -62,16 +62,42 @@ tables, JSON, report, plot). The config file is read and written by :mod:`deepep
 
 from ..config import load_config, save_config, write_json
 from .ceiling import copy_ceiling
-from .cli import (DEFAULT_TOKENS_SWEEP, DEFAULT_TUNE_RECV, DEFAULT_TUNE_SEND, DEFAULT_TUNE_SMS, build_parser,
-                  detect_launcher, main, parse_args)
-from .cli import _main_local  # noqa: F401  (not public: the tests call it)
+from .cli import (
+                  DEFAULT_TOKENS_SWEEP,
+                  DEFAULT_TUNE_RECV,
+                  DEFAULT_TUNE_SEND,
+                  DEFAULT_TUNE_SMS,
+                  _main_local,  # noqa: F401  (not public: the tests call it)
+                  build_parser,
+                  detect_launcher,
+                  main,
+                  parse_args,
+)
 from .library import compare_exact, compare_rank, nvl_buffer_bytes, reference_outputs
 from .nccl import run_nccl_baseline
-from .report import (aggregate, best_configs, format_settings, format_table, op_stats, render_report,
-                     results_to_json, summarize_op, tune_grid)
+from .report import (
+                  aggregate,
+                  best_configs,
+                  format_settings,
+                  format_table,
+                  op_stats,
+                  render_report,
+                  results_to_json,
+                  summarize_op,
+                  tune_grid,
+)
 from .timing import time_op
-from .workload import (FP8_FACTOR, build_send_index, cross_gpu_bytes, dispatch_bytes, expected_recv_sources, gbps,
-                       make_workload, recv_token_counts, token_rank_mask)
+from .workload import (
+                  FP8_FACTOR,
+                  build_send_index,
+                  cross_gpu_bytes,
+                  dispatch_bytes,
+                  expected_recv_sources,
+                  gbps,
+                  make_workload,
+                  recv_token_counts,
+                  token_rank_mask,
+)
 
 __all__ = [
     "DEFAULT_TOKENS_SWEEP", "DEFAULT_TUNE_RECV", "DEFAULT_TUNE_SEND", "DEFAULT_TUNE_SMS", "FP8_FACTOR",

@@ -123,25 +123,29 @@ def bench_calls_rank(buf: Any, group: Any, args: Any, reference: Any, dispatch_c
             with _lib_stream(lib, device):
                 stream = _caller_stream(lib, device)
                 a = _device_arrays(lib, host, device)
-                fp8 = (a["x_fp8"], a["x_scales"])
-                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(a["topk_idx"], E)
-                layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                              num_tokens_per_expert=per_expert, topk_idx=a["topk_idx"], topk_weights=a["topk_weights"])
-                recv_x, _, recv_w, _, handle, _ = buf.dispatch(a["x"], config=d, **layout)
-                ops = {"layout": lambda: buf.get_dispatch_layout(a["topk_idx"], E),
-                       "dispatch BF16": lambda: buf.dispatch(a["x"], config=d, **layout),
-                       "dispatch FP8": lambda: buf.dispatch(fp8, config=d, **layout),
-                       "cached dispatch BF16": lambda: buf.dispatch(a["x"], handle=handle, config=d),
-                       "cached dispatch FP8": lambda: buf.dispatch(fp8, handle=handle, config=d),
-                       "combine BF16": lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=c)}
-                figures = {}
-                for op in OPS:
-                    waits = (lambda: buf.last_count_wait_s) if op.startswith("dispatch") else None
-                    figures[op] = time_loop(ops[op], stream, args.calls_warmup, args.calls_iters, group.barrier,
-                                            waits)
+                ops = _calls(buf, a, E, d, c)
+                waits = lambda: buf.last_count_wait_s  # noqa: E731
+                figures = {op: time_loop(ops[op], stream, args.calls_warmup, args.calls_iters, group.barrier,
+                                         waits if op.startswith("dispatch") else None) for op in OPS}
                 points.append({"lib": lib, "num_tokens": num_tokens, "ops": figures})
-                del ops, handle, recv_x, recv_w, a
     return {"points": points}
+
+
+def _calls(buf: Any, a: Dict[str, Any], num_experts: int, dispatch_config: Any, combine_config: Any
+           ) -> Dict[str, Callable[[], Any]]:
+    """Each op of :data:`OPS` as a call on the workload ``a`` (one fresh dispatch made for the handle)."""
+    d, c = dispatch_config, combine_config
+    fp8 = (a["x_fp8"], a["x_scales"])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(a["topk_idx"], num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=a["topk_idx"], topk_weights=a["topk_weights"])
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(a["x"], config=d, **layout)
+    return {"layout": lambda: buf.get_dispatch_layout(a["topk_idx"], num_experts),
+            "dispatch BF16": lambda: buf.dispatch(a["x"], config=d, **layout),
+            "dispatch FP8": lambda: buf.dispatch(fp8, config=d, **layout),
+            "cached dispatch BF16": lambda: buf.dispatch(a["x"], handle=handle, config=d),
+            "cached dispatch FP8": lambda: buf.dispatch(fp8, handle=handle, config=d),
+            "combine BF16": lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=c)}
 
 
 class _lib_stream:

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..comm import _sm_count
+from ..errors import DeepEPError
 from .nccl import _raw_kernel
 from .timing import time_ops_multi
 from .workload import gbps
@@ -21,7 +22,7 @@ def _enable_peer(dev: int, peer: int) -> None:
     import cupy
     rt = cupy.cuda.runtime
     if not rt.deviceCanAccessPeer(dev, peer):
-        raise RuntimeError(f"GPU {dev} cannot access GPU {peer} (no P2P)")
+        raise DeepEPError(f"GPU {dev} cannot access GPU {peer} (no P2P)")
     with cupy.cuda.Device(dev):
         try:
             rt.deviceEnablePeerAccess(peer)

@@ -12,6 +12,7 @@ import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import save_config, write_json
+from ..constants import FP8_SCALE_BLOCK
 from .calls import DEFAULT_CALLS_TOKENS
 from .ceiling import run_copy_ceiling
 from .library import bench_library_rank
@@ -33,7 +34,7 @@ def _int_list(text: str) -> List[int]:
     try:
         values = [int(v) for v in text.replace(" ", "").split(",") if v]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -136,7 +137,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.num_ranks is not None and args.num_ranks < 1:
         parser.error("--num-ranks must be positive")
-    if args.hidden % 128:
+    if args.hidden % FP8_SCALE_BLOCK:
         parser.error("--hidden must be a multiple of 128 (FP8 scales cover 128 values)")
     if args.num_topk > args.num_experts:
         parser.error("--num-topk must not exceed --num-experts")
@@ -224,12 +225,8 @@ def _finish(args: argparse.Namespace, mode: str, num_ranks: int, devices: Sequen
 
 def _main_local(args: argparse.Namespace) -> int:
     import cupy
-    from deepep_cupy import comm as _comm
-    run_local_group = getattr(_comm, "run_local_group", None)
-    if run_local_group is None:
-        raise SystemExit("deepep_cupy.bench: this deepep_cupy has no in-process mode "
-                         "(deepep_cupy.comm.run_local_group is missing); run one process per GPU instead:\n"
-                         "  mpirun -np 2 python -m deepep_cupy.bench")
+
+    from deepep_cupy import run_local_group
     count = cupy.cuda.runtime.getDeviceCount()
     num_ranks = args.num_ranks or count
     if num_ranks < 2:
@@ -246,8 +243,9 @@ def _main_local(args: argparse.Namespace) -> int:
 
 
 def _main_mpi(args: argparse.Namespace) -> int:
-    from mpi4py import MPI
     import cupy
+    from mpi4py import MPI
+
     from deepep_cupy.comm import MPIGroup
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

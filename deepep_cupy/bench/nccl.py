@@ -18,8 +18,7 @@ from ..kernels import read_source
 from .library import _import_library
 from .report import op_stats
 from .timing import make_l2_flush, time_ops_multi
-from .workload import (build_send_index, dispatch_bytes, expected_recv_sources, make_workload,
-                       token_rank_mask)
+from .workload import build_send_index, dispatch_bytes, expected_recv_sources, make_workload, token_rank_mask
 
 #: Header words stamped into every row of the NCCL baseline's payload (source rank, token index).
 NCCL_HEADER_WORDS = 3
@@ -90,7 +89,7 @@ class CupyNcclBackend:
         nccl = self.nccl
         nccl.groupStart()
         try:
-            for i, rank in enumerate(self.local_ranks):
+            for i in range(len(self.local_ranks)):
                 with cupy.cuda.Device(self.devices[i]):
                     comm, sptr = self.comms[i], self.streams[i].ptr
                     s_row = sends[i].strides[0] if sends[i].ndim > 1 else sends[i].itemsize
@@ -128,7 +127,7 @@ class TorchNcclBackend:
             import torch
             import torch.distributed as dist
         except Exception as exc:
-            raise NcclUnavailable(f"torch is not importable ({exc})")
+            raise NcclUnavailable(f"torch is not importable ({exc})") from exc
         if len(local_ranks) != 1:
             raise NcclUnavailable("torch.distributed needs one process per rank")
         if not dist.is_nccl_available():

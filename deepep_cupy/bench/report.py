@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..config import CONFIG_KEYS, _jsonable
-from .calls import DEEPEP_V1, OPS as CALL_OPS
+from .calls import DEEPEP_V1
+from .calls import OPS as CALL_OPS
 from .workload import gbps
 
 # ----------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 
+from ..constants import FP8_SCALE_BLOCK
+
 #: FP8 bytes per value relative to BF16: one byte per value plus a float32 scale per 128 values.
-FP8_FACTOR = (1.0 + 4.0 / 128.0) / 2.0
+FP8_FACTOR = (1.0 + 4.0 / FP8_SCALE_BLOCK) / 2.0
 
 # ----------------------------------------------------------------------------------------------
 # Accounting

@@ -33,6 +33,7 @@ def inputs(rng, num_ranks, num_tokens=N, hidden=H):
 def dispatch_and_check(buf, rng, config):
     """One fresh dispatch + combine on new routing, compared with the reference bit-exactly."""
     import cupy
+
     from deepep_cupy import reference as ref
 
     R, rank = buf.num_ranks, buf.rank
@@ -79,13 +80,15 @@ def case_argument_checks(comm, ep, cupy):
             return lambda: buf.dispatch(x_arg, **kwargs)
 
         messages = {
-            "dtype": expect(TypeError, "x: expected dtype bfloat16 or float16 or float32, got float64", dispatch(x.astype(cupy.float64))),
+            "dtype": expect(TypeError, "x: expected dtype bfloat16 or float16 or float32, got float64",
+                            dispatch(x.astype(cupy.float64))),
             "ndim": expect(ValueError, "x: expected 2 dimensions", dispatch(x[:, 0].copy())),
             "layout": expect(ValueError, "contiguous", dispatch(cupy.asfortranarray(x))),
             "host": expect(TypeError, "NumPy array on the host", dispatch(xs[rank])),
             "row_bytes": expect(ValueError, "multiple of 16", dispatch(x[:, :1004].copy())),  # 2008 B
             "in_rank_shape": expect(ValueError, "is_token_in_rank", dispatch(is_token_in_rank=in_rank[:-1].copy())),
-            "topk_dtype": expect(TypeError, "topk_idx: expected dtype int64", dispatch(topk_idx=topk.astype(cupy.int32))),
+            "topk_dtype": expect(TypeError, "topk_idx: expected dtype int64",
+                                 dispatch(topk_idx=topk.astype(cupy.int32))),
             "weights_alone": expect(ValueError, "topk_weights", dispatch(topk_idx=None)),
             "experts": expect(ValueError, "num_experts", dispatch(num_tokens_per_expert=per_expert[:-1].copy())),
             "scales": expect(ValueError, "x[1]", dispatch((x.view(cupy.uint8)[:, :H].copy(),
@@ -245,8 +248,9 @@ def case_create_destroy_cycles(comm, ep, cupy):
 
 
 def main(names):
-    from mpi4py import MPI
     import cupy
+    from mpi4py import MPI
+
     import deepep_cupy as ep
 
     comm = MPI.COMM_WORLD

@@ -15,9 +15,7 @@ import time
 import traceback
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_scenarios import SCENARIOS  # noqa: E402
+from gpu_scenarios import SCENARIOS  # run as a script: its folder is on sys.path
 
 
 def make_inputs(sc, num_ranks):
@@ -119,6 +117,7 @@ def run_scenario(buf, sc):
 
 def _run_scenario(buf, sc):
     import cupy
+
     import deepep_cupy as ep
     from deepep_cupy import reference as ref
 
@@ -254,8 +253,8 @@ def _run_scenario(buf, sc):
         else:
             combined, combined_weights, _ = buf.combine(recv_x, handle, topk_weights=weights_in,
                                                         config=combine_config)
-        combined_ref = ref.combine([r["recv_x"] for r in results], results,
-                                   topk_weights=[r["recv_topk_weights"] for r in results] if weights_in is not None else None)
+        ref_weights = [r["recv_topk_weights"] for r in results] if weights_in is not None else None
+        combined_ref = ref.combine([r["recv_x"] for r in results], results, topk_weights=ref_weights)
         want_x, want_w = combined_ref[rank]
         expect_equal("combined_x", to_numpy(combined), ref.round_to_dtype(want_x, sc["dtype"]))
         if weights_in is not None:
@@ -279,8 +278,9 @@ def kernel_error(buf):
 
 
 def main(names):
-    from mpi4py import MPI
     import cupy
+    from mpi4py import MPI
+
     import deepep_cupy as ep
 
     comm = MPI.COMM_WORLD

@@ -41,13 +41,11 @@ import threading
 import time
 import traceback
 
+import gpu_worker  # run as a script: its folder is on sys.path
 import numpy as np
+from gpu_scenarios import SCENARIOS
 
 from deepep_cupy.comm import _sm_count, largest_num_sms
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_worker  # noqa: E402
-from gpu_scenarios import SCENARIOS  # noqa: E402
 
 _print_lock = threading.Lock()
 
@@ -183,6 +181,7 @@ class SharedReference:
 def rank_main(group, scenarios, args, shared=None):
     """Run ``scenarios`` on this rank; return the number of failed scenarios."""
     import cupy
+
     import deepep_cupy as ep
 
     rank, size = group.rank, group.size
@@ -216,7 +215,8 @@ def rank_main(group, scenarios, args, shared=None):
                 info["hashes"] = recorder.hashes()
                 ok, error = True, None
             except Exception as exc:  # report and go on with the next scenario
-                ok, error, info = False, f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(buf)}\n{traceback.format_exc()}", {}
+                error = f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(buf)}\n{traceback.format_exc()}"
+                ok, info = False, {}
                 failures += 1
             recorder = None
             all_ok = all(group.allgather(ok))
@@ -255,6 +255,7 @@ def fit_scenarios(scenarios, ranks_per_gpu, sm_count, num_sms=None):
 
 def main_threads(args, scenarios):
     import cupy
+
     import deepep_cupy as ep
 
     count = cupy.cuda.runtime.getDeviceCount()
@@ -283,8 +284,9 @@ def main_threads(args, scenarios):
 
 
 def main_mpi(args, scenarios):
-    from mpi4py import MPI
     import cupy
+    from mpi4py import MPI
+
     from deepep_cupy.comm import MPIGroup
 
     comm = MPI.COMM_WORLD
