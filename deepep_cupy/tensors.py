@@ -22,7 +22,6 @@ allocator) on the stream the caller's library considers current, so they are ret
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -274,8 +273,3 @@ def check_array(info: ArrayInfo, arg: str, dtype_names: Tuple[str, ...], ndim: i
                 raise ValueError(f"{arg}: expected shape {expected}, got {info.shape} (axis {axis})")
     if not info.contiguous:
         raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {info.strides}")
-
-
-def no_context():
-    """A context that does nothing (allocation on the caller's current stream)."""
-    return contextlib.nullcontext()
