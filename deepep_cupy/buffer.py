@@ -65,9 +65,15 @@ class _DispatchCall(NamedTuple):
     per_expert: int
     topk: int
     weights: int
-    arrays: tuple      # what the caller passed (kept alive for an asynchronous call)
-    in_rank_array: Any
-    topk_array: Any
+    arrays: tuple  # (x rows, scales, per_rank, in_rank, per_expert, topk, weights) as the caller passed them
+
+    @property
+    def in_rank_array(self) -> Any:
+        return self.arrays[3]
+
+    @property
+    def topk_array(self) -> Any:
+        return self.arrays[5]
 
 
 class _DeviceScope:
@@ -448,7 +454,7 @@ class Buffer:
             plan = self._plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                               expert_alignment, config)
         return _DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
-                             (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights), in_rank, topk_idx)
+                             (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights))
 
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config):
         spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-INT32_BYTES = 4
+from .layout import INT_BYTES
 
 
 class HandleLayout(NamedTuple):
@@ -75,12 +75,12 @@ class DispatchHandle:
         self.is_token_in_rank = is_token_in_rank
         self.owner = owner
         base = lib.pointer(block)
-        self.rank_prefix_ptr = base + INT32_BYTES * layout.rank_prefix
-        self.channel_prefix_ptr = base + INT32_BYTES * layout.channel_prefix
-        self.recv_channel_prefix_ptr = base + INT32_BYTES * layout.recv_channel_prefix
-        self.send_head_ptr = base + INT32_BYTES * layout.send_head
-        self.combine_head_ptr = base + INT32_BYTES * layout.combine_head
-        self.recv_src_idx_ptr = base + INT32_BYTES * layout.recv_src_idx
+        self.rank_prefix_ptr = base + INT_BYTES * layout.rank_prefix
+        self.channel_prefix_ptr = base + INT_BYTES * layout.channel_prefix
+        self.recv_channel_prefix_ptr = base + INT_BYTES * layout.recv_channel_prefix
+        self.send_head_ptr = base + INT_BYTES * layout.send_head
+        self.combine_head_ptr = base + INT_BYTES * layout.combine_head
+        self.recv_src_idx_ptr = base + INT_BYTES * layout.recv_src_idx
         self.in_rank_ptr = in_rank_ptr
         self._src_idx = None
         self._items = None

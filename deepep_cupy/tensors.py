@@ -26,13 +26,12 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-_CUPY_STORAGE = {
+#: Storage dtype of each element type name in CuPy (and NumPy) arrays.
+STORAGE = {
     "bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
     "float8_e4m3fn": np.dtype(np.uint8), "int64": np.dtype(np.int64), "int32": np.dtype(np.int32),
     "bool": np.dtype(np.bool_),
 }
-#: Storage dtype of each element type name in CuPy (and NumPy) arrays.
-STORAGE = dict(_CUPY_STORAGE)
 ITEMSIZE = {name: dtype.itemsize for name, dtype in STORAGE.items()}
 
 
@@ -90,7 +89,7 @@ class _CupyLib(ArrayLib):
         import cupy
 
         self._cupy = cupy
-        self._names = {dtype: name for name, dtype in _CUPY_STORAGE.items()}
+        self._names = {dtype: name for name, dtype in STORAGE.items()}
 
     def read(self, a) -> Tuple[ArrayLib, int, int, tuple]:
         shape = a.shape
@@ -106,7 +105,7 @@ class _CupyLib(ArrayLib):
                          tuple(a.strides))
 
     def empty(self, shape, dtype_name, device_id):
-        return self._cupy.empty(shape, dtype=_CUPY_STORAGE[dtype_name])
+        return self._cupy.empty(shape, dtype=STORAGE[dtype_name])
 
     def pointer(self, array) -> int:
         return array.data.ptr
@@ -125,7 +124,7 @@ class _TorchLib(ArrayLib):
         import torch
 
         self._torch = torch
-        self._dtypes = {name: getattr(torch, name) for name in _CUPY_STORAGE}
+        self._dtypes = {name: getattr(torch, name) for name in STORAGE}
         self._names = {dtype: name for name, dtype in self._dtypes.items()}
         self._devices: Dict[int, Any] = {}
         self._streams: Dict[Tuple[int, int], Any] = {}
