@@ -1,23 +1,34 @@
 """deepep-cupy: expert-parallel dispatch and combine over NVLink, with CuPy and mpi4py.
 
-Public surface (DeepEP-compatible names): :class:`Buffer`, :class:`Config`,
-:class:`EventOverlap`, :func:`get_dispatch_config`, :func:`get_combine_config`,
-:func:`get_nvl_buffer_size_hint`, and the exceptions. ``deepep_cupy.reference`` is the NumPy
+Public surface (DeepEP-compatible names; ``import deepep_cupy as deep_ep`` runs DeepEP's intranode
+scripts): :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, ``topk_idx_t``,
+:func:`get_dispatch_config`, :func:`get_combine_config`, :func:`get_nvl_buffer_size_hint`, and
+the exceptions. ``deepep_cupy.reference`` is the NumPy
 model every GPU result is checked against.
 """
 
 from .buffer import Buffer
-from .comm import Group, MPIGroup, ThreadGroup, as_group, check_sm_budget, run_local_group
+from .comm import Group, MPIGroup, ThreadGroup, TorchGroup, as_group, check_sm_budget, run_local_group
 from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
 from .errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, KernelBuildError, RankFailed, RankMismatchError
 from .events import EventOverlap
 from .handle import DispatchHandle
 
 __all__ = [
-    "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "as_group",
+    "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "TorchGroup", "as_group",
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
     "DeepEPError", "DeepEPTimeoutError", "RankMismatchError", "KernelBuildError",
     "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # DeepEP's ``topk_idx_t`` is a torch dtype: resolved on first use so importing this package
+    # never imports torch.
+    if name == "topk_idx_t":
+        from .compat import topk_idx_dtype
+
+        return topk_idx_dtype()
+    raise AttributeError(f"module 'deepep_cupy' has no attribute {name!r}")

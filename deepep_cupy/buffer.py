@@ -15,14 +15,15 @@ checks, compiles or loads kernels and binds their fixed arguments.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import kernels, plans, slots
+from . import compat, kernels, launch, plans, slots
 from .capacity import ReceiveCapacityGuess
 from .comm import Group, as_group, check_sm_budget
-from .config import Config, get_combine_config, get_dispatch_config
+from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
 from .constants import MAX_RANKS, VERDICT_OVER_CAPACITY
 from .errors import RankMismatchError
 from .events import EventOverlap
@@ -32,13 +33,14 @@ from .launch import KernelCall, parameter_struct
 from .layout import NOTIFY_OFFSETS
 from .slots import ERROR_RECORD, NO_CAPACITY_LIMIT, HostSlots, verdict_error
 from .streams import StreamOrder
-from .tensors import read
+from .tensors import ABSENT, read
 
 __all__ = ["Buffer", "DispatchHandle"]
 
 #: Plans a Buffer keeps before it forgets them all (a model uses a handful).
 MAX_PLANS = 256
 _NO_CONTEXT = contextlib.nullcontext()
+ABSENT_ROWS = ABSENT[2]
 
 
 class _Plan(NamedTuple):
@@ -65,6 +67,7 @@ class _DispatchCall(NamedTuple):
     per_expert: int
     topk: int
     weights: int
+    scale_strides: Tuple[int, int]  # (token, scale) strides of x's FP8 scales, in elements
     arrays: tuple  # (x rows, scales, per_rank, in_rank, per_expert, topk, weights) as the caller passed them
 
     @property
@@ -115,12 +118,22 @@ class Buffer:
     library, allocated by its allocator (deepep_cupy/tensors.py for the element types).
 
     Args:
-        comm: an mpi4py communicator, or a :class:`deepep_cupy.comm.Group`.
+        group: the ranks: a ``torch.distributed`` ProcessGroup (as DeepEP takes), an mpi4py
+            communicator, or a :class:`deepep_cupy.Group` (e.g. an in-process
+            :class:`deepep_cupy.ThreadGroup`). ``comm=`` may name it instead (DeepEP's keyword
+            for an mpi4py communicator).
         num_nvl_bytes: bytes of this rank's NVLink buffer (same on every rank); see
             :func:`deepep_cupy.get_nvl_buffer_size_hint`.
+        num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+        allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink: DeepEP's arguments, accepted
+            so that its scripts run unchanged. Internode and low-latency settings are refused with
+            a ``ValueError`` (``num_rdma_bytes`` must be 0; ``low_latency_mode``, ``allow_mnnvl``,
+            ``use_fabric``, ``enable_shrink`` must be False). ``explicitly_destroy`` is recorded;
+            :meth:`destroy` may be called either way.
         timeout_s: how long a rank waits for its peers (in kernels and on the host) before it
             raises :class:`deepep_cupy.DeepEPTimeoutError`.
-        device: the CUDA device id (default: CuPy's current device).
+        device: the CUDA device id (default: PyTorch's current device for a ProcessGroup,
+            otherwise CuPy's current device).
         allocate_ahead: size a fresh dispatch's outputs from the previous dispatch's receive count
             (scaled by the token count, plus 1/8 and 64 rows) so that the transfer starts before
             the host has this call's counts; the arrays returned are exact-size views of those
@@ -129,6 +142,9 @@ class Buffer:
             exactly (no spare rows, one host round trip more on the GPU's critical path).
 
     Attributes:
+        group: the group as it was given (the ProcessGroup, communicator or Group).
+        rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes (0),
+        low_latency_mode (False), explicitly_destroy, device_id, timeout_s: the settings.
         last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
             (the host waited for the counts), ``"ahead"`` (allocated ahead, it fitted) or
             ``"retried"`` (allocated ahead, too small, redone exactly).
@@ -136,37 +152,54 @@ class Buffer:
             (the rest of its host time is Python and driver work).
     """
 
-    def __init__(self, comm: Any, num_nvl_bytes: int, *, timeout_s: float = 100.0,
-                 device: Optional[int] = None, allocate_ahead: bool = True):
+    #: The SM count of the default configs (DeepEP's ``Buffer.num_sms``), set by :meth:`set_num_sms`.
+    num_sms: int = DEFAULT_NUM_SMS
+    # Until set_num_sms is called the default configs are the recommended (or tuned) ones as they are.
+    _num_sms_chosen = False
+
+    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None, *, timeout_s: float = 100.0, device: Optional[int] = None,
+                 allocate_ahead: bool = True):
         import cupy
 
-        self._set_up_host(comm, num_nvl_bytes, timeout_s, cupy.cuda.Device(device).id, allocate_ahead)
+        compat.check_intranode_only(num_rdma_bytes, low_latency_mode=low_latency_mode, allow_mnnvl=allow_mnnvl,
+                                    use_fabric=use_fabric, enable_shrink=enable_shrink)
+        self._set_up_host(compat.resolve_group(group, comm), num_nvl_bytes, timeout_s, device, allocate_ahead)
+        self.explicitly_destroy = bool(explicitly_destroy)
         with self._on_device:
             self._check_group(cupy)
-            shares_gpu = self.group.in_process and self.group.ranks_on_device(self.device_id) > 1
-            self._nvl = NvlBuffer(self.group, self.num_nvl_bytes)
+            shares_gpu = self._group.in_process and self._group.ranks_on_device(self.device_id) > 1
+            self._nvl = NvlBuffer(self._group, self.num_nvl_bytes)
             try:
-                self._attach(HostSlots(self.rank, self.timeout_s, self.group.in_process),
+                self._attach(HostSlots(self.rank, self.timeout_s, self._group.in_process),
                              StreamOrder.create(self.device_id, shares_gpu), self._nvl.peer_ptrs.data.ptr)
                 kernels.warm_up(self.num_ranks)
             except BaseException:
                 self.destroy()
                 raise
-        self.group.barrier()
+        self._group.barrier()
 
-    def _set_up_host(self, comm: Any, num_nvl_bytes: int, timeout_s: float, device_id: int,
+    def _set_up_host(self, group: Any, num_nvl_bytes: int, timeout_s: float, device: Optional[int],
                      allocate_ahead: bool) -> None:
         """The Buffer's host-side state (no GPU work): checked settings, counters, plan cache."""
         if isinstance(num_nvl_bytes, bool) or not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
-            raise ValueError(f"num_nvl_bytes: expected a positive int, got {num_nvl_bytes!r}")
+            raise ValueError(f"num_nvl_bytes: expected a positive int, got {num_nvl_bytes!r} (size it with "
+                             "deepep_cupy.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-        self.group: Group = as_group(comm)
-        self.rank = self.group.rank
-        self.num_ranks = self.group.size
+        self._group: Group = as_group(group)
+        self.group = group
+        self.rank = self._group.rank
+        self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = 0
+        self.low_latency_mode = False
+        self.explicitly_destroy = False
         self.timeout_s = float(timeout_s)
-        self.device_id = device_id
+        self.device_id = device_id = compat.resolve_device(device, self._group)
         self.allocate_ahead = bool(allocate_ahead)
         self.last_dispatch_allocation: Optional[str] = None
         self._nvl: Optional[NvlBuffer] = None
@@ -176,10 +209,60 @@ class Buffer:
         self._notify_count = 0  # picks the notify area (they alternate), the same on every rank
         self._capacity_guess = ReceiveCapacityGuess()
         self._plans: Dict[tuple, _Plan] = {}
-        self._default_configs: Dict[str, Config] = {}
+        self._default_configs: Dict[tuple, Config] = {}
         self._checked_sms: set = set()
         self._on_device = _DeviceScope(device_id)
         self._context = plans.Context(self.num_ranks, device_id, self.num_nvl_bytes)
+
+    # -----------------------------------------------------------------------------------------
+    # DeepEP's static names
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set :attr:`num_sms`, the SM count of the default configs of every Buffer (DeepEP's name).
+
+        After this call, :meth:`get_dispatch_config` and :meth:`get_combine_config` (and every
+        call made without ``config``) use ``new_num_sms`` with the recommended chunk sizes.
+
+        Raises:
+            ValueError: not a positive even int.
+        """
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 \
+                or new_num_sms % 2:
+            raise ValueError(f"num_sms: expected a positive even int (send/receive block pairs), got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+        Buffer._num_sms_chosen = True
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The default dispatch config for ``num_ranks`` ranks: :func:`deepep_cupy.get_dispatch_config`,
+        with :attr:`num_sms` once :meth:`set_num_sms` was called."""
+        return Buffer._with_chosen_sms(get_dispatch_config(num_ranks))
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The default combine config for ``num_ranks`` ranks (see :meth:`get_dispatch_config`)."""
+        return Buffer._with_chosen_sms(get_combine_config(num_ranks))
+
+    @staticmethod
+    def _with_chosen_sms(config: Config) -> Config:
+        if not Buffer._num_sms_chosen or config.num_sms == Buffer.num_sms:
+            return config
+        return dataclasses.replace(config, num_sms=Buffer.num_sms)
+
+    @staticmethod
+    def capture(stream: Any = None) -> EventOverlap:
+        """An event recorded now on the current stream, to pass as ``previous_event`` (see
+        :func:`deepep_cupy.compat.capture` for which stream)."""
+        return compat.capture(stream)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: the kernels are compiled at run time for the GPU in use (DeepEP's name; FP8 works)."""
+        return True
+
+    # -----------------------------------------------------------------------------------------
+    # Set-up
 
     def _attach(self, host_slots: HostSlots, order: StreamOrder, peer_table_ptr: int) -> None:
         """Take the slots and the stream order; bind the arguments every kernel shares (see _bind)."""
@@ -195,9 +278,9 @@ class Buffer:
     def _check_group(self, cupy) -> None:
         if not 2 <= self.num_ranks <= MAX_RANKS:
             raise ValueError(f"comm: expected 2..{MAX_RANKS} ranks, got {self.num_ranks}")
-        me = {"host": self.group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self.device_id),
+        me = {"host": self._group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self.device_id),
               "bytes": self.num_nvl_bytes}
-        everyone = self.group.allgather(me)
+        everyone = self._group.allgather(me)
         hosts = sorted({e["host"] for e in everyone})
         if len(hosts) > 1:
             raise ValueError(f"comm: all ranks must run on one node (intranode NVLink), got nodes {hosts}")
@@ -205,7 +288,7 @@ class Buffer:
         if len(set(sizes)) > 1:
             raise RankMismatchError(f"num_nvl_bytes: ranks disagree, got {sizes} (rank order)")
         buses = [e["bus"] for e in everyone]
-        if not self.group.in_process and len(set(buses)) < len(buses):
+        if not self._group.in_process and len(set(buses)) < len(buses):
             raise ValueError(
                 f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
                 "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")
@@ -233,7 +316,7 @@ class Buffer:
             if self._nvl is not None and self._slots is not None:
                 # No peer may still write into our buffer when it is freed.
                 try:
-                    self.group.barrier()
+                    self._group.barrier()
                 except Exception:
                     pass
             self._release()
@@ -289,15 +372,16 @@ class Buffer:
 
     def _config(self, config: Optional[Config], kind: str) -> Config:
         if config is None:
-            config = self._default_configs.get(kind)
+            chosen = (kind, Buffer.num_sms if Buffer._num_sms_chosen else None)
+            config = self._default_configs.get(chosen)
             if config is None:
-                default = get_dispatch_config if kind == "dispatch" else get_combine_config
-                config = self._default_configs[kind] = default(self.num_ranks)
+                default = Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config
+                config = self._default_configs[chosen] = default(self.num_ranks)
         elif not isinstance(config, Config):
             raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
         if config.num_sms not in self._checked_sms:
             # Ranks sharing a GPU spin-wait on each other, so all their blocks must be resident at once.
-            sharing = max(1, self.group.ranks_on_device(self.device_id)) if self.group.in_process else 1
+            sharing = max(1, self._group.ranks_on_device(self.device_id)) if self._group.in_process else 1
             check_sm_budget({self.device_id: sharing}, config.num_sms)
             self._checked_sms.add(config.num_sms)
         return config
@@ -380,10 +464,10 @@ class Buffer:
     # Dispatch
 
     def dispatch(self, x, handle: Optional[DispatchHandle] = None, num_tokens_per_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, config: Optional[Config] = None,
-                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send each token once to every rank that owns one of its experts.
 
         Args:
@@ -394,8 +478,16 @@ class Buffer:
                 layout arguments and top-k are not needed and not returned).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from
                 :meth:`get_dispatch_layout` (int32 [R], bool [num_tokens, R], int32 [E]).
+            num_tokens_per_rdma_rank: DeepEP's internode counts; must be None (what
+                :meth:`get_dispatch_layout` returns in its place).
             topk_idx: int64 ``[num_tokens, num_topk]`` or None; topk_weights: float32, same shape.
             expert_alignment: round each local expert's receive count up to a multiple of this.
+            num_worst_tokens: 0, or the most tokens this rank can receive (fresh dispatch only):
+                the outputs then have exactly that many rows, rows past the received ones have
+                ``recv_topk_idx`` -1 (other outputs unwritten there), the expert counts come back as
+                an empty list, and ``combine`` takes x with either row count. A rank receiving
+                more raises ``ValueError`` on every rank. (The host still waits for the counts, to
+                check them.)
             config: :class:`Config` (default: :func:`get_dispatch_config`).
             previous_event: make the communication wait for this event instead of the caller's stream.
             async_finish: return an event instead of making the caller's stream wait.
@@ -410,17 +502,24 @@ class Buffer:
         """
         self._slots.raise_if_failed()
         config = self._config(config, "dispatch")
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError("num_tokens_per_rdma_rank: expected None (intranode dispatch has no RDMA ranks)")
         if handle is not None:
+            if num_worst_tokens:
+                raise ValueError("num_worst_tokens: a cached dispatch receives the handle's row count; pass 0")
             return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream)
         return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                    topk_weights, expert_alignment, config, previous_event, async_finish,
-                                    allocate_on_comm_stream)
+                                    topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
+                                    async_finish, allocate_on_comm_stream)
 
     def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                        topk_weights, expert_alignment, config, previous_event, async_finish,
+                        topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                         allocate_on_comm_stream):
         call = self._read_fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, config)
+        if num_worst_tokens:
+            return self._worst_case_dispatch(call, num_worst_tokens, previous_event, async_finish,
+                                             allocate_on_comm_stream)
         rows_ahead = self._capacity_guess.rows(call.num_tokens) if self.allocate_ahead else None
         with self._on_device:
             out = self._exchange_and_transfer(call, rows_ahead, previous_event, async_finish,
@@ -434,6 +533,21 @@ class Buffer:
             else:
                 self.last_dispatch_allocation = "exact" if rows_ahead is None else "ahead"
         self._capacity_guess.observe(call.num_tokens, out[4].num_recv_tokens)
+        return out
+
+    def _worst_case_dispatch(self, call: _DispatchCall, num_worst_tokens: int, previous_event, async_finish: bool,
+                             allocate_on_comm_stream: bool):
+        """A fresh dispatch whose outputs have ``num_worst_tokens`` rows (DeepEP's fixed-size mode)."""
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, (int, np.integer)) \
+                or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
+        with self._on_device:
+            out = self._exchange_and_transfer(call, int(num_worst_tokens), previous_event, async_finish,
+                                              allocate_on_comm_stream, fixed_rows=True)
+        if out is None:
+            raise ValueError(f"num_worst_tokens: a rank receives more than {num_worst_tokens} tokens; no tokens "
+                             "were moved (every rank raises)")
+        self.last_dispatch_allocation = "fixed"
         return out
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
@@ -454,7 +568,15 @@ class Buffer:
             plan = self._plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                               expert_alignment, config)
         return _DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
+                             self._scale_strides(plan.spec.rows, lib, scales),
                              (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights))
+
+    @staticmethod
+    def _scale_strides(rows: plans.Rows, lib, scales) -> Tuple[int, int]:
+        if not rows.scales_strided:
+            return rows.scale_strides
+        strides = lib.element_strides(scales)
+        return (strides[0], strides[1] if len(strides) > 1 else 1)
 
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config):
         spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
@@ -474,6 +596,7 @@ class Buffer:
         lay, config = spec.layout, spec.config
         return self._bind("dispatch_kernel", (self.num_ranks,), grid=config.num_sms,
                           hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
+                          scale_token_stride=spec.rows.scale_strides[0], scale_hidden_stride=spec.rows.scale_strides[1],
                           num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
                           x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
                           topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
@@ -481,12 +604,14 @@ class Buffer:
                           queue_tokens=config.num_max_nvl_chunked_recv_tokens, **fixed)
 
     def _exchange_and_transfer(self, call: _DispatchCall, rows_ahead: Optional[int], previous_event,
-                               async_finish: bool, allocate_on_comm_stream: bool):
+                               async_finish: bool, allocate_on_comm_stream: bool, fixed_rows: bool = False):
         """The count exchange and the transfer of one fresh dispatch.
 
         With ``rows_ahead`` the outputs get that many rows and the transfer is launched before the
         host has the counts; returns None when some rank receives more than its rows (nothing was
-        moved). Without, the host waits for the counts and allocates exactly.
+        moved). Without, the host waits for the counts and allocates exactly. ``fixed_rows``: the
+        outputs keep ``rows_ahead`` rows, the top-k ids of the rows past the received ones are -1
+        and the expert counts are not returned (``num_worst_tokens``).
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec = plan.spec
@@ -501,12 +626,16 @@ class Buffer:
                     channel_prefix_matrix=handle.channel_prefix_ptr,
                     recv_capacity=NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead, topk_idx=call.topk,
                     num_tokens=call.num_tokens, epoch=self._next_epoch(2), notify_off=self._next_notify_area())
-        if self.group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
+        if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
             self._order.record_notify_done(run_on)
         outputs = None
         if rows_ahead is not None:
             with self._allocating(lib, allocate_on_comm_stream):
                 outputs = self._dispatch_outputs(lib, plan, rows_ahead)
+            recv_topk = outputs[2]
+            if fixed_rows and recv_topk is not None:
+                # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
+                launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows_ahead * spec.num_topk * 8, run_on)
             self._launch_transfer(run_on, call, outputs, handle)
         num_recv = self._slots.wait_for_count(self._order.notify_done)
         verdict = self._slots.verdict()
@@ -515,7 +644,7 @@ class Buffer:
             if verdict == VERDICT_OVER_CAPACITY:
                 return None
             raise self._verdict_error(verdict, call)
-        per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
+        per_expert_list = [] if fixed_rows else self._slots.expert_counts(spec.num_experts // self.num_ranks)
         if outputs is None:
             with self._allocating(lib, allocate_on_comm_stream):
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
@@ -525,8 +654,11 @@ class Buffer:
             allocated = (block, src_idx, *outputs)
         else:
             allocated = (block, *outputs)
-            trim = lib.trim
-            outputs = [None if a is None else trim(a, num_recv) for a in outputs]
+            if fixed_rows:
+                handle.num_worst_tokens = rows_ahead
+            else:
+                trim = lib.trim
+                outputs = [None if a is None else trim(a, num_recv) for a in outputs]
         handle.num_recv_tokens = num_recv
         recv_x, recv_scales, recv_topk, recv_weights = outputs
         event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
@@ -551,7 +683,8 @@ class Buffer:
                        recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, send_head=handle.send_head_ptr,
                        x=call.x, x_scales=call.x_scales, topk_idx=call.topk, topk_weights=call.weights,
                        is_token_in_rank=call.in_rank, channel_prefix_matrix=handle.channel_prefix_ptr,
-                       rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=call.num_tokens)
+                       rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=call.num_tokens,
+                       scale_token_stride=call.scale_strides[0], scale_hidden_stride=call.scale_strides[1])
 
     def _verdict_error(self, verdict: int, call: _DispatchCall) -> Exception:
         spec = call.plan.spec
@@ -584,6 +717,7 @@ class Buffer:
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
         num_recv = handle.num_recv_tokens
+        scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
             plan.notify(run_on, epoch=self._next_epoch(2), notify_off=self._next_notify_area())
@@ -592,7 +726,8 @@ class Buffer:
             plan.main(run_on, recv_x=lib.pointer(recv_x),
                       recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
                       is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
-                      rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n)
+                      rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
+                      scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])
             outputs = (recv_x, recv_scales)
             event = self._finish(caller, run_on, lib, async_finish,
                                  (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
@@ -615,7 +750,7 @@ class Buffer:
     # -----------------------------------------------------------------------------------------
     # Combine
 
-    def combine(self, x, handle: DispatchHandle, topk_weights=None, config: Optional[Config] = None,
+    def combine(self, x, handle: DispatchHandle, topk_weights=None, bias=None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """Send every received token back to its owner, which sums the copies.
@@ -625,27 +760,39 @@ class Buffer:
                 dispatch that made ``handle``.
             handle: the handle returned by that dispatch.
             topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``.
+            bias: None, an array, or a pair of arrays (entries may be None), each ``[num_tokens,
+                hidden]`` of x's dtype (num_tokens: the tokens of the handle's dispatch on this
+                rank), added to the combined rows before the received copies.
             config: :class:`Config` with the dispatch's ``num_sms`` (default: :func:`get_combine_config`).
             previous_event, async_finish, allocate_on_comm_stream: as for :meth:`dispatch`.
 
         Returns:
             ``(combined_x [num_tokens, hidden] like x, combined_topk_weights float32 or None, event)``:
-            ``combined_x[t]`` is the float32 sum, over the ranks the token went to in ascending
-            order, of their rows, rounded to x's dtype (0 for tokens sent nowhere).
+            ``combined_x[t]`` is the float32 sum of the biases, then over the ranks the token went
+            to in ascending order of their rows, rounded to x's dtype (0 for tokens sent nowhere
+            without bias).
         """
         self._slots.raise_if_failed()
         config = self._config(config, "combine")
         lib, x_ptr, n, x_key = read(x)
         _, w_ptr, n_w, w_key = read(topk_weights)
-        key = ("combine", x_key, w_key, config)
+        biases = plans.split_bias(bias)
+        _, b0_ptr, n_b0, b0_key = read(biases[0])
+        _, b1_ptr, n_b1, b1_key = read(biases[1])
+        key = ("combine", x_key, w_key, b0_key, b1_key, config)
         plan = self._plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
-            plan = self._plan(key, self._combine_plan, x, topk_weights, config)
+            plan = self._plan(key, self._combine_plan, x, topk_weights, config, biases)
         self._check_handle(handle, config)
-        if n != handle.num_recv_tokens:
+        if n != handle.num_recv_tokens and n != handle.num_worst_tokens:
+            worst = f" or {handle.num_worst_tokens} (its num_worst_tokens)" if handle.num_worst_tokens else ""
             raise ValueError(f"x: expected {handle.num_recv_tokens} rows (the tokens the handle's dispatch "
-                             f"received), got {n}")
+                             f"received){worst}, got {n}")
         spec, num_tokens, dev = plan.spec, handle.num_tokens, self.device_id
+        for i, rows in enumerate((n_b0, n_b1)):
+            if rows != num_tokens and rows != ABSENT_ROWS:
+                raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
+                                 f"got {rows}")
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
             with self._allocating(lib, allocate_on_comm_stream):
@@ -655,16 +802,17 @@ class Buffer:
                         send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr, num_tokens=num_tokens)
             plan.main(run_on, combined_x=lib.pointer(combined),
                       combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
-                      x=x_ptr, topk_weights=w_ptr, rank_prefix_matrix=handle.rank_prefix_ptr,
+                      x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
+                      rank_prefix_matrix=handle.rank_prefix_ptr,
                       recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, combine_head=handle.combine_head_ptr,
                       num_tokens=num_tokens)
             outputs = (combined, combined_weights)
-            event = self._finish(caller, run_on, lib, async_finish, (x, topk_weights, handle.block, *outputs),
-                                 outputs, allocate_on_comm_stream)
+            event = self._finish(caller, run_on, lib, async_finish,
+                                 (x, topk_weights, *biases, handle.block, *outputs), outputs, allocate_on_comm_stream)
         return combined, combined_weights, event
 
-    def _combine_plan(self, x, topk_weights, config):
-        spec = plans.check_combine(self._context, x, topk_weights, config)
+    def _combine_plan(self, x, topk_weights, config, biases):
+        spec = plans.check_combine(self._context, x, topk_weights, config, biases)
         lay = spec.layout
         notify = self._bind("cached_notify_combine_kernel", grid=1 + config.num_channels, op=plans.OP_COMBINE,
                             row_bytes=spec.row_bytes, row_detail=spec.row_detail, num_sms=config.num_sms,

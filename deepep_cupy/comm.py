@@ -4,6 +4,8 @@ A Buffer never talks to MPI directly. It asks a :class:`Group` for its rank, its
 ``allgather`` of small Python objects and a ``barrier``. Two transports implement that:
 
 * :class:`MPIGroup` wraps an mpi4py communicator (one process per GPU, ``mpirun``/``mpiexec``);
+* :class:`TorchGroup` wraps a ``torch.distributed`` ProcessGroup (one process per GPU, ``torchrun``
+  or ``torch.multiprocessing.spawn``: what DeepEP's ``Buffer`` takes);
 * :class:`ThreadGroup`, the in-process group (one Python process drives every rank, one thread
   per rank, see :func:`run_local_group`), where ranks share one address space and exchange raw
   device pointers instead of CUDA IPC handles.
@@ -71,8 +73,8 @@ class MPIGroup(Group):
     def __init__(self, comm: Any):
         for attr in ("Get_rank", "Get_size", "allgather", "Barrier"):
             if not hasattr(comm, attr):
-                raise TypeError(
-                    f"comm: expected an mpi4py communicator or a deepep_cupy Group, got {type(comm).__name__}")
+                raise TypeError(f"group: expected a torch.distributed ProcessGroup, an mpi4py communicator or a "
+                                f"deepep_cupy Group, got {type(comm).__name__}")
         self._comm = comm
 
     @property
@@ -102,10 +104,69 @@ class MPIGroup(Group):
             return socket.gethostname()
 
 
+class TorchGroup(Group):
+    """A :class:`Group` over a ``torch.distributed`` ProcessGroup (NCCL or Gloo backend).
+
+    The allgather is ``torch.distributed.all_gather_object`` and the barrier an allgather of
+    nothing, so both behave alike on either backend (with NCCL, torch's current CUDA device must
+    be this rank's GPU, as NCCL itself requires). Ranks are the group's own.
+
+    Args:
+        process_group: a ``torch.distributed.ProcessGroup`` (e.g. ``torch.distributed.group.WORLD``
+            or one from ``torch.distributed.new_group``). It is used as given, not duplicated.
+    """
+
+    in_process = False
+
+    def __init__(self, process_group: Any):
+        import torch.distributed as dist
+
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+        self._dist = dist
+        self._group = process_group
+        self._rank = process_group.rank()
+        self._size = process_group.size()
+
+    @property
+    def process_group(self) -> Any:
+        """The wrapped ``torch.distributed.ProcessGroup``."""
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def allgather(self, obj: Any) -> List[Any]:
+        gathered: List[Any] = [None] * self._size
+        self._dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
+
+    def barrier(self) -> None:
+        # Not dist.barrier: with NCCL it guesses a device and only orders GPU work; an allgather
+        # returns on the host once every rank has arrived, on either backend.
+        self.allgather(None)
+
+
+def is_torch_process_group(obj: Any) -> bool:
+    torch = sys.modules.get("torch")  # a ProcessGroup exists only if torch was imported
+    if torch is None:
+        return False
+    dist = getattr(torch, "distributed", None)
+    return dist is not None and dist.is_available() and isinstance(obj, dist.ProcessGroup)
+
+
 def as_group(comm_or_group: Any) -> Group:
-    """Return ``comm_or_group`` as a :class:`Group` (wrapping an mpi4py communicator)."""
+    """Return ``comm_or_group`` as a :class:`Group`: a Group as it is, a ``torch.distributed``
+    ProcessGroup as a :class:`TorchGroup`, anything else as an mpi4py communicator (:class:`MPIGroup`)."""
     if isinstance(comm_or_group, Group):
         return comm_or_group
+    if is_torch_process_group(comm_or_group):
+        return TorchGroup(comm_or_group)
     return MPIGroup(comm_or_group)
 
 

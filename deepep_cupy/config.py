@@ -30,14 +30,19 @@ class Config:
             of SMs as the dispatch whose handle it uses.
         num_max_nvl_chunked_send_tokens: tokens a sender writes before publishing its queue tail.
         num_max_nvl_chunked_recv_tokens: slots of each (channel, rank) queue in the receiver's buffer.
+        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's internode
+            settings, accepted so that its five-argument configs work; intranode calls ignore them.
     """
 
     num_sms: int = 24
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
 
     def __post_init__(self):
-        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens"):
+        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Config.{name}: expected a positive int, got {value!r}")
@@ -72,6 +77,10 @@ class Config:
         """
         return get_nvl_buffer_size_hint(hidden_bytes, num_ranks, self, num_topk=num_topk)
 
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP's RDMA buffer size: always 0 here (intranode only; ``Buffer`` refuses more)."""
+        return 0
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -105,8 +114,11 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
 # Recommended settings per rank count. 2 ranks: measured on 2 x H200 (scripts/quick_perf.py,
 # reference workload): 32-token chunks and 512-slot queues beat 16/256 and 6/256 for combine and
 # tie for dispatch. More ranks were not measured: smaller queues keep the buffer near 1 GB at 8.
-_DISPATCH_CONFIGS = {r: Config(24, 32, 512) if r <= 4 else Config(24, 16, 256) for r in range(2, MAX_RANKS + 1)}
-_COMBINE_CONFIGS = {r: Config(24, 32, 512) if r <= 4 else Config(24, 16, 256) for r in range(2, MAX_RANKS + 1)}
+#: SMs of the recommended configs.
+DEFAULT_NUM_SMS = 24
+_DISPATCH_CONFIGS = {r: Config(DEFAULT_NUM_SMS, 32, 512) if r <= 4 else Config(DEFAULT_NUM_SMS, 16, 256)
+                     for r in range(2, MAX_RANKS + 1)}
+_COMBINE_CONFIGS = dict(_DISPATCH_CONFIGS)
 
 
 def _check_num_ranks(num_ranks: int) -> None:

@@ -61,6 +61,7 @@ class DispatchHandle:
         block: the int32 allocation holding the handle's arrays (carved by ``layout``).
         layout: where each array lies in ``block``.
         num_recv_tokens: rows the dispatch received.
+        num_worst_tokens: rows of its outputs when it was given ``num_worst_tokens`` (0: exact rows).
         is_token_in_rank: the caller's array, kept as given.
         in_rank_ptr: its device address.
         owner: ``id`` of the Buffer that made the handle.
@@ -72,6 +73,7 @@ class DispatchHandle:
         self.block = block
         self.layout = layout
         self.num_recv_tokens = num_recv_tokens
+        self.num_worst_tokens = 0
         self.is_token_in_rank = is_token_in_rank
         self.owner = owner
         base = lib.pointer(block)

@@ -182,11 +182,12 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "recv_x:ptr recv_x_scales:ptr recv_src_idx:ptr recv_topk_idx:ptr recv_topk_weights:ptr "
         "recv_channel_prefix_matrix:ptr send_head:ptr x:ptr x_scales:ptr topk_idx:ptr topk_weights:ptr "
         "is_token_in_rank:ptr channel_prefix_matrix:ptr rank_prefix_matrix:ptr num_tokens:i32 "
-        "hidden_int4:i32 num_topk:i32 num_experts:i32 num_scales:i32 buffer_ptrs:ptr rank:i32 "
+        "hidden_int4:i32 num_topk:i32 num_experts:i32 num_scales:i32 scale_token_stride:i32 "
+        "scale_hidden_stride:i32 buffer_ptrs:ptr rank:i32 "
         "meta_off:i64 x_off:i64 src_idx_off:i64 topk_idx_off:i64 topk_weights_off:i64 scales_off:i64 "
         "max_send_tokens:i32 queue_tokens:i32 timeout_ns:i64 error_record:ptr"),
     "combine_kernel": _signature(
-        "combined_x:ptr combined_topk_weights:ptr x:ptr topk_weights:ptr rank_prefix_matrix:ptr "
+        "combined_x:ptr combined_topk_weights:ptr x:ptr topk_weights:ptr bias_0:ptr bias_1:ptr rank_prefix_matrix:ptr "
         "recv_channel_prefix_matrix:ptr combine_head:ptr num_tokens:i32 hidden_int4:i32 num_topk:i32 "
         "buffer_ptrs:ptr rank:i32 meta_off:i64 x_off:i64 topk_weights_off:i64 max_send_tokens:i32 "
         "queue_tokens:i32 timeout_ns:i64 error_record:ptr"),

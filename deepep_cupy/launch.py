@@ -135,6 +135,13 @@ def _driver():
     return driver
 
 
+def fill_bytes(ptr: int, byte: int, num_bytes: int, stream_ptr: int) -> None:
+    """Set ``num_bytes`` bytes at device address ``ptr`` to ``byte``, in order on ``stream_ptr``."""
+    from cupy.cuda import runtime
+
+    runtime.memsetAsync(ptr, byte, num_bytes, stream_ptr)
+
+
 def launch(call: KernelCall, stream_ptr: int) -> None:
     """``cuLaunchKernel`` of ``call`` as its parameter block stands (with profiling events when enabled)."""
     if profile.enabled:

@@ -69,6 +69,16 @@ class Rows:
         return 1 if len(self.scales.shape) == 1 else self.scales.shape[1]
 
     @property
+    def scales_strided(self) -> bool:
+        """The scales are not row-major contiguous: their strides are read on every call."""
+        return self.scales is not None and not self.scales.contiguous
+
+    @property
+    def scale_strides(self) -> Tuple[int, int]:
+        """``(token stride, scale stride)`` in elements of contiguous scales."""
+        return (self.num_scales, 1)
+
+    @property
     def scales_tail(self) -> Optional[Tuple[int, ...]]:
         """The scales' shape after the token axis (``()`` for ``[N]``), None without scales."""
         return None if self.scales is None else tuple(self.scales.shape[1:])
@@ -162,10 +172,11 @@ def check_rows(x: Any, ctx: Context) -> Rows:
         rows = describe(x[0], "x[0]", ctx.device_id)
         check_array(rows, "x[0]", (FP8_DTYPE,), 2)
         scales = describe(x[1], "x[1]", ctx.device_id)
+        # Any non-negative strides: DeepEP's own callers pass column-major scales.
         if len(scales.shape) == 1:
-            check_array(scales, "x[1]", ("float32",), 1, (rows.shape[0],))
+            check_array(scales, "x[1]", ("float32",), 1, (rows.shape[0],), any_strides=True)
         else:
-            check_array(scales, "x[1]", ("float32",), 2, (rows.shape[0], None))
+            check_array(scales, "x[1]", ("float32",), 2, (rows.shape[0], None), any_strides=True)
     else:
         rows = describe(x, "x", ctx.device_id)
         check_array(rows, "x", DISPATCH_DTYPES, 2)
@@ -224,13 +235,19 @@ def check_cached_dispatch(ctx: Context, x, config: Config) -> DispatchSpec:
     return DispatchSpec(rows, config, plan)
 
 
-def check_combine(ctx: Context, x, topk_weights, config: Config) -> CombineSpec:
-    """Check a combine's ``x`` and ``topk_weights`` (the handle is checked per call)."""
+def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[Any, Any] = (None, None)
+                  ) -> CombineSpec:
+    """Check a combine's ``x``, ``topk_weights`` and ``biases`` (from :func:`split_bias`; their
+    row counts and the handle are checked per call)."""
     rows = describe(x, "x", ctx.device_id)
     check_array(rows, "x", tuple(COMBINE_ELEMENTS), 2)
     row_bytes = rows.shape[1] * ITEMSIZE[rows.dtype_name]
     if row_bytes % 16:
         raise ValueError(f"x: row bytes must be a multiple of 16, got {row_bytes}")
+    for i, bias in enumerate(biases):
+        if bias is not None:
+            arg = f"bias[{i}]"
+            check_array(describe(bias, arg, ctx.device_id), arg, (rows.dtype_name,), 2, (None, rows.shape[1]))
     num_topk = 0
     if topk_weights is not None:
         weights = describe(topk_weights, "topk_weights", ctx.device_id)
@@ -250,6 +267,17 @@ def received_arrays(spec: DispatchSpec) -> tuple:
             None if rows.scales is None else (rows.scales_tail, "float32"),
             ((k,), "int64") if k else None,
             ((k,), "float32") if spec.with_weights else None)
+
+
+def split_bias(bias) -> Tuple[Any, Any]:
+    """DeepEP's ``bias`` (None, one array, or a pair whose entries may be None) -> ``(bias_0, bias_1)``."""
+    if bias is None:
+        return None, None
+    if isinstance(bias, (tuple, list)):
+        if len(bias) != 2:
+            raise ValueError(f"bias: expected an array or a pair of arrays, got a sequence of {len(bias)}")
+        return bias[0], bias[1]
+    return bias, None
 
 
 def split_x(x) -> Tuple[Any, Any]:

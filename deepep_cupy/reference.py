@@ -323,7 +323,7 @@ def _recv_positions(results, source: int, dest: int) -> np.ndarray:
     return np.where(sent, block_start + ordinal, -1)
 
 
-def combine(xs, results, *, topk_weights=None) -> list[tuple[np.ndarray, np.ndarray | None]]:
+def combine(xs, results, *, topk_weights=None, bias=None) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """Combine of all ranks at once: the reverse of :func:`dispatch`.
 
     Args:
@@ -331,12 +331,15 @@ def combine(xs, results, *, topk_weights=None) -> list[tuple[np.ndarray, np.ndar
             with ``astype(np.float32)``), or ``uint16`` read as bfloat16 bits.
         results: the list returned by :func:`dispatch` (its handles are used).
         topk_weights: ``None`` or ``R`` float32 arrays ``[N_recv_r, K]``.
+        bias: ``None`` or, per rank ``m``, a tuple of 0, 1 or 2 arrays ``[N_m, H]`` (read like
+            ``xs``) added to rank ``m``'s combined rows.
 
     Returns:
         Per original rank ``m``: ``(combined_x float32 [N_m, H], combined_topk_weights float32
-        [N_m, K] or None)``. Row ``t`` is the float32 sum, starting from 0.0 and taken over ranks
-        ``r = 0..R-1`` in ascending order with ``is_token_in_rank[t, r]``, of the copy of ``(m, t)``
-        held by ``r``; tokens sent nowhere give zeros.
+        [N_m, K] or None)``. Row ``t`` is the float32 sum, starting from 0.0, of rank ``m``'s
+        biases in order, then of the copies of ``(m, t)`` held by the ranks ``r = 0..R-1`` with
+        ``is_token_in_rank[t, r]``, in ascending order; tokens sent nowhere give their bias (zeros
+        without). The top-k weights get no bias.
     """
     num_ranks = len(results)
     if len(xs) != num_ranks:
@@ -361,6 +364,11 @@ def combine(xs, results, *, topk_weights=None) -> list[tuple[np.ndarray, np.ndar
     for m in range(num_ranks):
         num_tokens = results[m]["is_token_in_rank"].shape[0]
         combined_x = np.zeros((num_tokens, *trailing), dtype=np.float32)
+        for b in (() if bias is None else bias[m]):
+            b = _as_float32(b)
+            if b.shape != combined_x.shape:
+                raise ValueError(f"bias of rank {m} has shape {b.shape}, expected {combined_x.shape}")
+            combined_x = combined_x + b
         combined_w = None if topk_weights is None else np.zeros((num_tokens, num_topk), dtype=np.float32)
         for r in range(num_ranks):  # ascending: the summation order is part of the contract
             pos = _recv_positions(results, m, r)

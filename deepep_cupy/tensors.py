@@ -76,6 +76,10 @@ class ArrayLib:
         """Tell the allocator that ``arrays`` are used on ``stream_ptr`` too (PyTorch's
         ``record_stream``); CuPy has no such notion (the caller keeps the arrays alive instead)."""
 
+    def element_strides(self, array) -> Tuple[int, ...]:
+        """The strides of ``array`` in elements."""
+        raise NotImplementedError
+
     @staticmethod
     def trim(array, rows: int):
         """The first ``rows`` rows of ``array`` (a view)."""
@@ -112,6 +116,10 @@ class _CupyLib(ArrayLib):
 
     def current_stream(self, device_id: int) -> int:
         return self._cupy.cuda.get_current_stream().ptr
+
+    def element_strides(self, array) -> Tuple[int, ...]:
+        itemsize = array.itemsize
+        return tuple(s // itemsize for s in array.strides)
 
     def allocating_on(self, stream, device_id: int):
         return stream
@@ -162,6 +170,9 @@ class _TorchLib(ArrayLib):
     def current_stream(self, device_id: int) -> int:
         return self._raw_stream(device_id)
 
+    def element_strides(self, tensor) -> Tuple[int, ...]:
+        return tensor.stride()
+
     def stream(self, stream_ptr: int, device_id: int):
         """A ``torch.cuda.Stream`` naming the raw stream ``stream_ptr`` (made once per stream)."""
         key = (stream_ptr, device_id)
@@ -189,6 +200,11 @@ def _singleton(cls) -> ArrayLib:
     if lib is None:
         lib = _LIB_SINGLETONS[cls.name] = cls()
     return lib
+
+
+def library(name: str) -> ArrayLib:
+    """The :class:`ArrayLib` named ``"cupy"`` or ``"torch"``."""
+    return _singleton({"cupy": _CupyLib, "torch": _TorchLib}[name])
 
 
 def _lib_for_type(cls: type) -> Optional[ArrayLib]:
@@ -257,9 +273,10 @@ def describe(x, arg: str, device_id: int) -> ArrayInfo:
 
 
 def check_array(info: ArrayInfo, arg: str, dtype_names: Tuple[str, ...], ndim: int,
-                shape: Optional[Tuple[Optional[int], ...]] = None) -> None:
+                shape: Optional[Tuple[Optional[int], ...]] = None, any_strides: bool = False) -> None:
     """Raise a clear error unless ``info`` has one of ``dtype_names``, ``ndim``, ``shape`` and
-    a row-major contiguous layout. ``None`` in ``shape`` accepts any extent."""
+    a row-major contiguous layout (``any_strides``: any whole, non-negative element strides).
+    ``None`` in ``shape`` accepts any extent."""
     if info.dtype_name not in dtype_names:
         shown = info.dtype_name or str(info.dtype).replace("torch.", "")
         raise TypeError(f"{arg}: expected dtype {' or '.join(dtype_names)}, got {shown}")
@@ -270,5 +287,9 @@ def check_array(info: ArrayInfo, arg: str, dtype_names: Tuple[str, ...], ndim: i
             if want is not None and want != got:
                 expected = tuple("*" if s is None else s for s in shape)
                 raise ValueError(f"{arg}: expected shape {expected}, got {info.shape} (axis {axis})")
-    if not info.contiguous:
+    if any_strides:
+        itemsize = ITEMSIZE[info.dtype_name]
+        if any(stride < 0 or stride % itemsize for stride in info.strides):
+            raise ValueError(f"{arg}: expected non-negative strides in whole elements, got {info.strides} bytes")
+    elif not info.contiguous:
         raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {info.strides}")

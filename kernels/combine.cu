@@ -17,10 +17,22 @@
 
 #define COMBINE_SEND_UNROLL 4
 
+// sum += piece i of `row` (nothing for a null row).
+template <typename T>
+__device__ __forceinline__ void add_row_piece(float* sum, const int4* row, int i) {
+    if (row == nullptr)
+        return;
+    float values[Elem<T>::kPerInt4];
+    Elem<T>::unpack(ld_stream(row + i), values);
+    #pragma unroll
+    for (int k = 0; k < Elem<T>::kPerInt4; ++k)
+        sum[k] += values[k];
+}
+
 template <typename T, int kNumRanks>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         int4* combined_x, float* combined_topk_weights,
-        const int4* x, const float* topk_weights,
+        const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
         const int* rank_prefix_matrix, const int* recv_channel_prefix_matrix, const int* combine_head,
         int num_tokens, int hidden_int4, int num_topk,
         void* const* buffer_ptrs, int rank,
@@ -187,6 +199,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         }
 
         int4* out_row = combined_x + (int64_t_)token * hidden_int4;
+        const int4* bias_0_row = bias_0 == nullptr ? nullptr : bias_0 + (int64_t_)token * hidden_int4;
+        const int4* bias_1_row = bias_1 == nullptr ? nullptr : bias_1 + (int64_t_)token * hidden_int4;
         for (int i0 = lane; i0 < hidden_int4; i0 += 32 * kUnroll) {
             int4 loaded[kUnroll][kNumRanks];
             #pragma unroll
@@ -202,10 +216,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
                 const int i = i0 + u * 32;
                 if (i >= hidden_int4)
                     break;
+                // The biases come first in the sum (the reference's order).
                 float sum[kPerInt4];
                 #pragma unroll
                 for (int k = 0; k < kPerInt4; ++k)
                     sum[k] = 0.0f;
+                add_row_piece<T>(sum, bias_0_row, i);
+                add_row_piece<T>(sum, bias_1_row, i);
                 #pragma unroll
                 for (int j = 0; j < kNumRanks; ++j) {
                     if (source_x[j] != nullptr) {

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         const int4* x, const float* x_scales, const int64_t_* topk_idx, const float* topk_weights,
         const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
         int num_tokens, int hidden_int4, int num_topk, int num_experts, int num_scales,
-        void* const* buffer_ptrs, int rank,
+        int scale_token_stride, int scale_hidden_stride, void* const* buffer_ptrs, int rank,
         int64_t_ meta_off, int64_t_ x_off, int64_t_ src_idx_off, int64_t_ topk_idx_off,
         int64_t_ topk_weights_off, int64_t_ scales_off,
         int max_send_tokens, int queue_tokens, int64_t_ timeout_ns, int* error_record) {
@@ -137,11 +137,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                         local_expert = local ? (int)(expert - expert_begin) : -1;
                         weight = local ? weight : 0.0f;
                     }
-                    const float* token_scales = x_scales + (int64_t_)token * num_scales;
+                    // Scales may be strided (DeepEP passes them column-major).
+                    const float* token_scales = x_scales + (int64_t_)token * scale_token_stride;
                     if (lane < num_scales)
-                        scale0 = ld_stream(token_scales + lane);
+                        scale0 = ld_stream(token_scales + (int64_t_)lane * scale_hidden_stride);
                     if (lane + 32 < num_scales)
-                        scale1 = ld_stream(token_scales + lane + 32);
+                        scale1 = ld_stream(token_scales + (int64_t_)(lane + 32) * scale_hidden_stride);
                     warp_copy<DISPATCH_UNROLL>(q.x + (int64_t_)slot * hidden_int4, x + (int64_t_)token * hidden_int4,
                                                hidden_int4, lane);
                     if (lane == 0)
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                     if (lane + 32 < num_scales)
                         slot_scales[lane + 32] = scale1;
                     for (int i = lane + 64; i < num_scales; i += 32)  // rows wider than 8192 FP8 values
-                        slot_scales[i] = token_scales[i];
+                        slot_scales[i] = token_scales[(int64_t_)i * scale_hidden_stride];
                 }
                 ++tail, ++sent;
             }

@@ -88,7 +88,20 @@ def run_mpi(n: int, args: Sequence[str], timeout: float,
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise AssertionError("no mpiexec/mpirun found (set MPIEXEC, or install the 'test' extra: mpich)")
-    cmd = [mpiexec, "-n", str(n), sys.executable, *[str(a) for a in args]]
+    return run_command([mpiexec, "-n", str(n), sys.executable, *[str(a) for a in args]], timeout, env)
+
+
+def run_python(args: Sequence[str], timeout: float,
+               env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    """``python args...`` (a worker that starts its own ranks), as :func:`run_command` runs it."""
+    return run_command([sys.executable, *[str(a) for a in args]], timeout, env)
+
+
+def run_command(cmd: Sequence[str], timeout: float,
+                env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repo root with :func:`mpi_env` in its own process group; on a timeout
+    kill the group and raise an AssertionError carrying the output so far."""
+    cmd = [str(c) for c in cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=mpi_env(env), cwd=str(REPO_ROOT), start_new_session=True)
     try:

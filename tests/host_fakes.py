@@ -73,6 +73,9 @@ class FakeLib(tensors.ArrayLib):
     def current_stream(self, device_id):
         return 0x5757
 
+    def element_strides(self, array):
+        return tuple(s // array.itemsize for s in array.strides)
+
     def allocating_on(self, stream, device_id):
         return contextlib.nullcontext()
 
@@ -104,6 +107,10 @@ class Launches:
             values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(self.expert_counts)] = self.expert_counts
             values[slots.VERDICT] = self.verdict or (VERDICT_OVER_CAPACITY if count > params["recv_capacity"] else 0)
             values[slots.RECV_COUNT] = count
+
+    def fill(self, ptr, byte, num_bytes, stream_ptr):
+        """Stands for ``launch.fill_bytes``: recorded as a launch named ``fill``."""
+        self.log.append(("fill", {"ptr": ptr, "byte": byte, "num_bytes": num_bytes, "stream": stream_ptr}))
 
     def names(self):
         return [name for name, _ in self.log]
@@ -194,6 +201,7 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     router = launch.launch if isinstance(launch.launch, _Router) else _Router()
     router.add(buf, launches)
     monkeypatch.setattr(launch, "launch", router)
+    monkeypatch.setattr(launch, "fill_bytes", launches.fill)
     return buf, launches, lib
 
 

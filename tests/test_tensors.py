@@ -76,3 +76,34 @@ def test_a_key_holds_everything_but_the_row_count(monkeypatch):
     assert tensors.read(on_device(np.zeros((8, 4), np.int32)))[3] != key_a
     assert tensors.read(on_device(np.zeros((8, 4), np.int64), device_id=1))[3] != key_a
     assert tensors.read(on_device(np.zeros((8, 8), np.int64))[:, ::2])[3] != key_a
+
+
+def test_any_non_negative_whole_element_strides_pass_where_allowed():
+    strided = ArrayInfo(None, "float32", "float32", (16, 7), False, (4, 64))
+    check_array(strided, "x[1]", ("float32",), 2, (16, None), any_strides=True)
+    with pytest.raises(ValueError, match=r"x\[1\]: expected non-negative strides in whole elements, got \(4, -64\)"):
+        check_array(strided._replace(strides=(4, -64)), "x[1]", ("float32",), 2, any_strides=True)
+    with pytest.raises(ValueError, match="whole elements"):
+        check_array(strided._replace(strides=(2, 64)), "x[1]", ("float32",), 2, any_strides=True)
+
+
+# --- PyTorch tensors (CPU build: what can be read without a GPU) -------------------------------
+
+def test_a_cpu_tensor_is_refused_as_host_memory():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="x: expected a CUDA tensor, got one on cpu"):
+        tensors.describe(torch.zeros((4, 8), dtype=torch.bfloat16), "x", 0)
+
+
+def test_a_tensor_is_read_natively():
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((6, 8), dtype=torch.bfloat16)
+    lib, ptr, rows, key = tensors.read(t)
+    assert lib.name == "torch" and ptr == t.data_ptr() and rows == 6
+    assert key[1:] == (torch.bfloat16, torch.Size([8]), True, -1)
+
+
+def test_column_major_tensor_strides_are_read_in_elements():
+    torch = pytest.importorskip("torch")
+    scales = torch.ones((5, 3), dtype=torch.float32).T.contiguous().T
+    assert tensors.library("torch").element_strides(scales) == (1, 5)

@@ -7,9 +7,12 @@ with ``deepep_cupy.reference`` bit-exactly.
 BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24, dtype="bfloat16",
             with_topk=True, with_weights=True, expert_alignment=1, routing="uniform", cached=True,
             combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1,
-            allocation="any")
+            allocation="any", scales_layout="row", bias=0, worst=False)
 # allocation: how the scenario's first fresh dispatch must size its outputs ("any": whatever the
 # previous scenario left; "exact": Buffer.allocate_ahead off; "retried": allocated ahead too small).
+# DeepEP's inputs and calls: scales_layout "column" passes FP8 scales column-major
+# (scales.T.contiguous().T); bias: how many bias arrays combine adds (0..2); worst: one more fresh
+# dispatch with num_worst_tokens (fixed-size outputs), combined from its full-size rows.
 
 
 def _scenario(name, **changes):
@@ -38,6 +41,11 @@ SCENARIOS = [
     _scenario("num_sms_48", num_sms=48, num_tokens=2000, seed=17),
     _scenario("fewer_tokens_than_channels", num_tokens=(5, 3), seed=18),
     _scenario("torch_tensors", framework="torch", seed=19),
+    _scenario("deepep_inputs_torch", framework="torch", dtype="float8_e4m3fn", scales_layout="column",
+              num_topk=8, num_experts=64, hidden=2048, mode="async", worst=True, combine=False, seed=25),
+    _scenario("deepep_combine_with_bias_torch", framework="torch", bias=2, worst=True, seed=26),
+    _scenario("combine_with_one_bias", bias=1, dtype="float32", hidden=1024, seed=27),
+    _scenario("column_major_scales", dtype="float8_e4m3fn", scales_layout="column", seed=28),
     _scenario("outputs_allocated_exactly", allocation="exact", seed=22),
     _scenario("outputs_allocated_ahead_too_small", allocation="retried", num_tokens=(512, 300), seed=23),
     _scenario("outputs_allocated_ahead_too_small_fp8", allocation="retried", dtype="float8_e4m3fn",
@@ -48,3 +56,7 @@ SCENARIOS = [
 ]
 
 NAMES = [s["name"] for s in SCENARIOS]
+
+#: Scenarios tests/workers/torch_dist_worker.py runs as PyTorch code on a torch.distributed group.
+TORCH_DIST_NAMES = ["bf16_basic", "fp8_with_scales", "without_topk", "async_with_previous_event", "torch_tensors",
+                    "deepep_inputs_torch", "deepep_combine_with_bias_torch", "column_major_scales"]

@@ -150,7 +150,10 @@ def _run_scenario(buf, sc):
 
     x = device(mine["x"])
     if mine["scales"] is not None:
-        x = (device(mine["x"]), device(mine["scales"]))
+        scales = device(mine["scales"])
+        if sc["scales_layout"] == "column":  # DeepEP's own test passes them so
+            scales = scales.T.contiguous().T if sc["framework"] == "torch" else cupy.asfortranarray(scales)
+        x = (device(mine["x"]), scales)
         if sc["framework"] == "torch":
             import torch
             x = (x[0].view(torch.float8_e4m3fn), x[1])
@@ -172,15 +175,20 @@ def _run_scenario(buf, sc):
         if sc["with_weights"]:
             kwargs["topk_weights"] = device(mine["weights"])
 
-    def fresh_dispatch():
+    def capture():
+        # DeepEP's Buffer.capture() records on PyTorch's current stream: torch scenarios only.
+        if sc["framework"] == "torch":
+            return ep.Buffer.capture()
+        return ep.EventOverlap(cupy.cuda.get_current_stream().record())
+
+    def fresh_dispatch(**extra):
         if sc["mode"] == "async":
-            previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
-            out = buf.dispatch(x, previous_event=previous, async_finish=True, allocate_on_comm_stream=True,
-                               **kwargs)
+            out = buf.dispatch(x, previous_event=capture(), async_finish=True, allocate_on_comm_stream=True,
+                               **kwargs, **extra)
             assert out[-1].event is not None, "async dispatch returned no event"
             out[-1].current_stream_wait()
             return out
-        return buf.dispatch(x, **kwargs)
+        return buf.dispatch(x, **kwargs, **extra)
 
     def check_fresh(out, call):
         recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
@@ -231,6 +239,8 @@ def _run_scenario(buf, sc):
     finally:
         buf.allocate_ahead = True
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
+    if sc["worst"]:
+        worst_x, worst_topk, worst_weights, worst_handle = check_worst_case(fresh_dispatch, want, to_numpy, sc)
 
     # Cached dispatch: same routing, fresh payload
     if sc["cached"]:
@@ -243,27 +253,74 @@ def _run_scenario(buf, sc):
 
     # Combine the dispatched rows back (FP8 has no combine: combine takes 16/32-bit floats)
     if sc["combine"] and mine["scales"] is None:
-        weights_in = recv_weights if sc["with_topk"] and sc["with_weights"] else None
-        if sc["mode"] == "async":
-            previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
-            combined, combined_weights, event = buf.combine(recv_x, handle, topk_weights=weights_in,
-                                                            config=combine_config, previous_event=previous,
-                                                            async_finish=True)
-            event.current_stream_wait()
-        else:
-            combined, combined_weights, _ = buf.combine(recv_x, handle, topk_weights=weights_in,
-                                                        config=combine_config)
-        ref_weights = [r["recv_topk_weights"] for r in results] if weights_in is not None else None
-        combined_ref = ref.combine([r["recv_x"] for r in results], results, topk_weights=ref_weights)
-        want_x, want_w = combined_ref[rank]
-        expect_equal("combined_x", to_numpy(combined), ref.round_to_dtype(want_x, sc["dtype"]))
-        if weights_in is not None:
-            expect_equal("combined_topk_weights", to_numpy(combined_weights), want_w)
-        else:
-            assert combined_weights is None
+        biases = make_biases(sc, inputs)
+        mine_biases = tuple(device(b) for b in biases[rank])
+        bias_in = mine_biases[0] if len(mine_biases) == 1 else (mine_biases or None)  # DeepEP: an array or a pair
+        sources = [(recv_x, recv_weights, handle, "combined")]
+        if sc["worst"]:  # the fixed-size rows of num_worst_tokens, as they are
+            sources.append((worst_x, worst_weights, worst_handle, "combined (num_worst_tokens)"))
+        for rows_in, weights_from, combine_handle, call in sources:
+            weights_in = weights_from if sc["with_topk"] and sc["with_weights"] else None
+            if sc["mode"] == "async":
+                combined, combined_weights, event = buf.combine(rows_in, combine_handle, topk_weights=weights_in,
+                                                                bias=bias_in, config=combine_config,
+                                                                previous_event=capture(), async_finish=True)
+                event.current_stream_wait()
+            else:
+                combined, combined_weights, _ = buf.combine(rows_in, combine_handle, topk_weights=weights_in,
+                                                            bias=bias_in, config=combine_config)
+            ref_weights = [r["recv_topk_weights"] for r in results] if weights_in is not None else None
+            combined_ref = ref.combine([r["recv_x"] for r in results], results, topk_weights=ref_weights,
+                                       bias=biases if sc["bias"] else None)
+            want_x, want_w = combined_ref[rank]
+            expect_equal(f"{call}_x", to_numpy(combined), ref.round_to_dtype(want_x, sc["dtype"]))
+            if weights_in is not None:
+                expect_equal(f"{call}_topk_weights", to_numpy(combined_weights), want_w)
+            else:
+                assert combined_weights is None
     cupy.cuda.get_current_stream().synchronize()  # not the device: ranks may share it
     buf.check_kernel_errors()  # a device-side timeout must not pass unnoticed
     return {"recv_tokens": int(want["recv_x"].shape[0])}
+
+
+def make_biases(sc, inputs):
+    """Per rank, ``sc["bias"]`` arrays like that rank's x (storage dtype), from the scenario's seed."""
+    from deepep_cupy import reference as ref
+
+    rng = np.random.default_rng(sc["seed"] + 1000)
+    biases = []
+    for mine in inputs:
+        shape = mine["x"].shape
+        values = [rng.standard_normal(shape, dtype=np.float32) for _ in range(sc["bias"])]
+        if sc["dtype"] == "bfloat16":
+            values = [ref.float32_to_bfloat16_bits(v) for v in values]
+        elif sc["dtype"] == "float16":
+            values = [v.astype(np.float16) for v in values]
+        biases.append(tuple(values))
+    return biases
+
+
+def check_worst_case(fresh_dispatch, want, to_numpy, sc):
+    """A fresh dispatch with ``num_worst_tokens``: fixed-size outputs, the received rows first (as
+    the exact dispatch returns them), top-k ids -1 past them, no expert counts."""
+    num_recv = want["recv_x"].shape[0]
+    worst = num_recv + 37
+    recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = fresh_dispatch(num_worst_tokens=worst)
+    rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+    if rows.shape[0] != worst or per_expert_list != [] or handle.num_recv_tokens != num_recv:
+        raise Mismatch(f"num_worst_tokens={worst}: {rows.shape[0]} rows, expert counts {per_expert_list}, "
+                       f"handle receives {handle.num_recv_tokens} (expected {worst}, [], {num_recv})")
+    expect_equal("worst: recv_x", to_numpy(rows)[:num_recv], want["recv_x"])
+    if isinstance(recv_x, tuple):
+        expect_equal("worst: recv_x_scales", to_numpy(recv_x[1])[:num_recv], want["recv_x_scales"])
+    if sc["with_topk"]:
+        topk = to_numpy(recv_topk)
+        expect_equal("worst: recv_topk_idx", topk[:num_recv], want["recv_topk_idx"])
+        if not np.all(topk[num_recv:] == -1):
+            raise Mismatch("worst: recv_topk_idx past the received rows is not all -1")
+        if sc["with_weights"]:
+            expect_equal("worst: recv_topk_weights", to_numpy(recv_weights)[:num_recv], want["recv_topk_weights"])
+    return recv_x, recv_topk, recv_weights, handle
 
 
 def kernel_error(buf):

@@ -1,0 +1,71 @@
+"""A torch.distributed ProcessGroup as a Buffer's group, on the CPU: two processes started the
+PyTorch way (``torch.multiprocessing.spawn`` + ``init_process_group`` over a TCP store, Gloo)."""
+
+import json
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+NUM_RANKS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    from deepep_cupy.comm import TorchGroup, as_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_RANKS)
+    try:
+        world = as_group(dist.group.WORLD)
+        sub = TorchGroup(dist.new_group([0, 1]))
+        record = {
+            "type": type(world).__name__,
+            "rank": world.rank, "size": world.size,
+            "gathered": world.allgather({"rank": rank, "bus": f"gpu-{rank}"}),
+            "sub": [sub.rank, sub.size, sub.allgather(rank * 10)],
+            "is_group": world.process_group is dist.group.WORLD,
+        }
+        world.barrier()
+        sub.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(record, f)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("torch_group")
+    torch.multiprocessing.spawn(_rank_main, args=(_free_port(), str(out_dir)), nprocs=NUM_RANKS, join=True)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(NUM_RANKS)]
+
+
+def test_a_process_group_becomes_a_torch_group(records):
+    assert all(r["type"] == "TorchGroup" and r["is_group"] for r in records)
+
+
+def test_ranks_and_size_are_the_process_groups(records):
+    assert [(r["rank"], r["size"]) for r in records] == [(0, 2), (1, 2)]
+
+
+def test_allgather_returns_every_ranks_object_in_rank_order(records):
+    for r in records:
+        assert r["gathered"] == [{"rank": 0, "bus": "gpu-0"}, {"rank": 1, "bus": "gpu-1"}]
+
+
+def test_a_new_group_works_the_same_way(records):
+    assert [r["sub"] for r in records] == [[0, 2, [0, 10]], [1, 2, [0, 10]]]
+
+
+def test_anything_else_is_not_a_torch_group():
+    from deepep_cupy.comm import TorchGroup
+
+    with pytest.raises(TypeError, match="group: expected a torch.distributed.ProcessGroup, got int"):
+        TorchGroup(3)
