@@ -104,6 +104,25 @@ def run_mpi(n: int, args: Sequence[str], timeout: float,
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def run_python(script: Path, args: Sequence[str], timeout: float,
+               env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``python script args...`` from the repository root, as :func:`run_mpi` runs its launcher:
+    own process group, output captured, killed with an AssertionError after ``timeout`` seconds."""
+    cmd = [sys.executable, str(script), *[str(a) for a in args]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=mpi_env(env), cwd=str(REPO_ROOT), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop(proc)
+        raise AssertionError(f"timed out after {timeout:g} s: {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{stdout or ''}\n--- stderr ---\n{stderr or ''}") from None
+    except BaseException:
+        _stop(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def _stop(proc: subprocess.Popen, grace: float = 5.0):
     """End a launcher and everything it started; return the output it had written.
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from _harness import WORKERS, _stop, describe, gpu_count, mpi_env, records_by, run_mpi, worker_records
+from _harness import WORKERS, describe, gpu_count, mpi_env, records_by, run_mpi, run_python, worker_records
 from workers.gpu_scenarios import NAMES
 
 RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8").split(",")]
@@ -30,19 +30,7 @@ TIMEOUT_S = 900
 
 def run_worker(args, timeout=TIMEOUT_S, env=None):
     """``python local_gpu_worker.py args...`` in its own process group, killed after ``timeout`` s."""
-    cmd = [sys.executable, str(WORKER), *[str(a) for a in args]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=mpi_env(env), cwd=str(WORKERS.parent.parent), start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stdout, stderr = _stop(proc)
-        raise AssertionError(f"timed out after {timeout:g} s: {' '.join(cmd)}\n"
-                             f"--- stdout ---\n{stdout or ''}\n--- stderr ---\n{stderr or ''}") from None
-    except BaseException:
-        _stop(proc)
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return run_python(WORKER, args, timeout, env)
 
 
 def by_scenario(run):
