@@ -9,7 +9,8 @@ BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24,
             combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1,
             allocation="any")
 # allocation: how the scenario's first fresh dispatch must size its outputs ("any": whatever the
-# previous scenario left; "exact": Buffer.allocate_ahead off; "retried": allocated ahead too small).
+# previous scenario left; "exact": Buffer.allocate_ahead off; "ahead": allocated ahead with room for
+# every rank's tokens; "retried": allocated ahead too small).
 
 
 def _scenario(name, **changes):
