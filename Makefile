@@ -1,4 +1,4 @@
-# deepep_cupy: make test | lint | bench | install | clean | distclean | which
+# deepep_cupy: make test | lint | bench | soak | install | clean | distclean | which
 #
 # Which Python runs things:
 #   * $(PYTHON) (default python3) itself, when it can already import cupy, mpi4py, numpy and
@@ -10,12 +10,18 @@
 #
 # Examples: make test PYTEST_ARGS='-k comm'   make bench BENCH_ARGS='--help'
 #           make test PYTHON=python3.12       make install EXTRAS=cuda13,test
+#           make soak SOAK_SEED=1234 SOAK_CASES=1   (one random case alone: a failing seed)
 
 PYTHON      ?= python3
 VENV        ?= .venv
 EXTRAS      ?= cuda12,test
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
+# The random-case soak (tests/workers/random_soak.py): seeds SOAK_SEED .. SOAK_SEED+SOAK_CASES-1
+# (make test runs seeds 0..49); SOAK_ARGS: e.g. --gpus 2, --timeout 20, --list.
+SOAK_CASES  ?= 1000
+SOAK_SEED   ?= 1000
+SOAK_ARGS   ?=
 PIP_FLAGS   ?=
 
 REPO    := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
@@ -45,7 +51,7 @@ endif
 # The checkout comes first on the import path (no install needed, and it wins over stale installs).
 export PYTHONPATH := $(REPO)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test lint bench install clean distclean which
+.PHONY: test lint bench soak install clean distclean which
 
 test: $(SETUP)
 	$(PY) -m pytest -q -ra tests $(PYTEST_ARGS)
@@ -56,6 +62,9 @@ lint: $(SETUP)
 
 bench: $(SETUP)
 	$(PY) -m deepep_cupy.bench $(BENCH_ARGS)
+
+soak: $(SETUP)
+	$(PY) tests/workers/random_soak.py --cases $(SOAK_CASES) --seed $(SOAK_SEED) $(SOAK_ARGS)
 
 ifeq ($(USE_VENV),1)
 install: $(STAMP)

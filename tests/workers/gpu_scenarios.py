@@ -9,7 +9,8 @@ BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24,
             combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1,
             allocation="any", scales_layout="row", bias=0, worst=False)
 # allocation: how the scenario's first fresh dispatch must size its outputs ("any": whatever the
-# previous scenario left; "exact": Buffer.allocate_ahead off; "retried": allocated ahead too small).
+# previous scenario left; "exact": Buffer.allocate_ahead off; "ahead": allocated ahead with room for
+# every rank's tokens; "retried": allocated ahead too small).
 # DeepEP's inputs and calls: scales_layout "column" passes FP8 scales column-major
 # (scales.T.contiguous().T); bias: how many bias arrays combine adds (0..2); worst: one more fresh
 # dispatch with num_worst_tokens (fixed-size outputs), combined from its full-size rows.

@@ -15,12 +15,12 @@ import time
 import traceback
 
 import numpy as np
-from gpu_scenarios import SCENARIOS  # run as a script: its folder is on sys.path
 
 
 def make_inputs(sc, num_ranks):
     """Every rank's x (storage dtype), scales, topk_idx, topk_weights for scenario ``sc``."""
     from deepep_cupy import reference as ref
+    from deepep_cupy.constants import FP8_SCALE_BLOCK
 
     rng = np.random.default_rng(sc["seed"])
     counts = sc["num_tokens"] if isinstance(sc["num_tokens"], tuple) else (sc["num_tokens"],) * num_ranks
@@ -40,7 +40,12 @@ def make_inputs(sc, num_ranks):
         scales = None
         dtype = sc["dtype"]
         if dtype.startswith("float8"):
-            x, scales = ref.fp8_e4m3_scaled_random(rng, n, H)
+            # A per-token scale ("_1d") only needs 16-byte rows: draw whole 128-column blocks and
+            # keep the first H columns (H a multiple of 128 draws exactly as before).
+            blocks = -(-H // FP8_SCALE_BLOCK)
+            x, scales = ref.fp8_e4m3_scaled_random(rng, n, blocks * FP8_SCALE_BLOCK)
+            if blocks * FP8_SCALE_BLOCK != H:
+                x = np.ascontiguousarray(x[:, :H])
             if dtype.endswith("_1d"):
                 scales = scales[:, 0].copy()
         elif dtype == "bfloat16":
@@ -228,6 +233,9 @@ def _run_scenario(buf, sc):
     try:
         if sc["allocation"] == "retried":
             buf._capacity_guess.observe(len(mine["topk"]), 0)  # a guess of 64 rows: too few
+        elif sc["allocation"] == "ahead":
+            # A guess of every rank's tokens (plus headroom): no rank can receive more.
+            buf._capacity_guess.observe(len(mine["topk"]), sum(len(i["topk"]) for i in inputs))
         out = fresh_dispatch()
         if sc["allocation"] != "any":
             check_allocation("first dispatch", sc["allocation"])
@@ -244,7 +252,12 @@ def _run_scenario(buf, sc):
 
     # Cached dispatch: same routing, fresh payload
     if sc["cached"]:
-        again = buf.dispatch(x, handle=handle, config=config)
+        if sc["mode"] == "async":
+            previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
+            again = buf.dispatch(x, handle=handle, config=config, previous_event=previous, async_finish=True)
+            again[-1].current_stream_wait()
+        else:
+            again = buf.dispatch(x, handle=handle, config=config)
         if mine["scales"] is not None:
             expect_equal("cached recv_x (fp8)", to_numpy(again[0][0]), want["recv_x"])
             expect_equal("cached recv_x_scales", to_numpy(again[0][1]), want["recv_x_scales"])
@@ -335,7 +348,10 @@ def kernel_error(buf):
 
 
 def main(names):
+    # gpu_scenarios is found because a script's folder is on sys.path; imported here, not at the
+    # top, so that the CPU tests can import this module as workers.gpu_worker.
     import cupy
+    from gpu_scenarios import SCENARIOS
     from mpi4py import MPI
 
     import deepep_cupy as ep
