@@ -30,7 +30,6 @@ from .events import EventOverlap
 from .handle import DispatchHandle, handle_layout
 from .ipc import NvlBuffer
 from .launch import KernelCall, parameter_struct
-from .layout import NOTIFY_OFFSETS
 from .slots import ERROR_RECORD, NO_CAPACITY_LIMIT, HostSlots, verdict_error
 from .streams import StreamOrder
 from .tensors import ABSENT, read
@@ -205,8 +204,6 @@ class Buffer:
         self._nvl: Optional[NvlBuffer] = None
         self._slots: Optional[HostSlots] = None
         self._order: Optional[StreamOrder] = None
-        self._epoch = 0
-        self._notify_count = 0  # picks the notify area (they alternate), the same on every rank
         self._capacity_guess = ReceiveCapacityGuess()
         self._plans: Dict[tuple, _Plan] = {}
         self._default_configs: Dict[tuple, Config] = {}
@@ -356,19 +353,6 @@ class Buffer:
         of its failure without starting another one.
         """
         self._slots.raise_if_failed()
-
-    def _next_epoch(self, barriers: int) -> int:
-        """Barrier numbers for a kernel that runs ``barriers`` cross-rank barriers."""
-        start = self._epoch + 1
-        self._epoch += barriers
-        return start
-
-    def _next_notify_area(self) -> int:
-        """Offset of the notify area for the next call that exchanges data before its transfer
-        (the two areas alternate, see deepep_cupy/layout.py)."""
-        offset = NOTIFY_OFFSETS[self._notify_count % 2]
-        self._notify_count += 1
-        return offset
 
     def _config(self, config: Optional[Config], kind: str) -> Config:
         if config is None:
@@ -625,7 +609,7 @@ class Buffer:
                     is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
                     channel_prefix_matrix=handle.channel_prefix_ptr,
                     recv_capacity=NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead, topk_idx=call.topk,
-                    num_tokens=call.num_tokens, epoch=self._next_epoch(2), notify_off=self._next_notify_area())
+                    num_tokens=call.num_tokens)
         if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
             self._order.record_notify_done(run_on)
         outputs = None
@@ -720,7 +704,7 @@ class Buffer:
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            plan.notify(run_on, epoch=self._next_epoch(2), notify_off=self._next_notify_area())
+            plan.notify(run_on)
             with self._allocating(lib, allocate_on_comm_stream):
                 recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
             plan.main(run_on, recv_x=lib.pointer(recv_x),
@@ -798,8 +782,8 @@ class Buffer:
             with self._allocating(lib, allocate_on_comm_stream):
                 combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
                 combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
-            plan.notify(run_on, epoch=self._next_epoch(2), notify_off=self._next_notify_area(),
-                        send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr, num_tokens=num_tokens)
+            plan.notify(run_on, send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr,
+                        num_tokens=num_tokens)
             plan.main(run_on, combined_x=lib.pointer(combined),
                       combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
                       x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
@@ -833,6 +817,6 @@ class Buffer:
         self._slots.raise_if_failed()
         with self._on_device:
             stream = self._order.begin_on_comm_stream()
-            self._bind("barrier_kernel", grid=1)(stream, epoch=self._next_epoch(1))
+            self._bind("barrier_kernel", grid=1)(stream)
             self._order.synchronize()
             self._slots.raise_if_failed()

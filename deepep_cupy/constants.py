@@ -31,6 +31,16 @@ ERROR_MISMATCH = 2  # ranks called a cached dispatch or a combine with different
 
 #: Int index, in every rank's NVLink buffer, of its verdict on the running call (0: go ahead).
 VERDICT_INT = 16
+#: Int indices, in every rank's NVLink buffer, of the rank's call counters: the barriers it has
+#: passed (the next barrier's number is that + 1) and the calls that used a notify area (their
+#: parity picks the next one). Kept and advanced by the kernels themselves, so that a call
+#: captured in a CUDA graph replays with fresh numbers; written only by the rank itself.
+BARRIERS_INT = 28
+NOTIFY_CALLS_INT = 29
+#: Bytes before the first notify area (the header of signals, verdict and counters), and of each
+#: of the two notify areas (sized for MAX_RANKS ranks and MAX_LOCAL_EXPERTS experts per rank).
+NOTIFY_AREA_OFFSET = 128
+NOTIFY_AREA_BYTES = -(-4 * MAX_RANKS * (SIGNATURE_INTS + MAX_RANKS + MAX_LOCAL_EXPERTS + 1) // 128) * 128
 #: The verdict when a rank receives more tokens than its host allocated rows for: nothing moves
 #: and the hosts redo the call with exact sizes.
 VERDICT_OVER_CAPACITY = 1024
@@ -66,6 +76,10 @@ def cuda_defines() -> Dict[str, int]:
         "ERROR_TIMEOUT": ERROR_TIMEOUT,
         "ERROR_MISMATCH": ERROR_MISMATCH,
         "VERDICT_INT": VERDICT_INT,
+        "BARRIERS_INT": BARRIERS_INT,
+        "NOTIFY_CALLS_INT": NOTIFY_CALLS_INT,
+        "NOTIFY_AREA_OFFSET": NOTIFY_AREA_OFFSET,
+        "NOTIFY_AREA_BYTES": NOTIFY_AREA_BYTES,
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,
     }
     defines.update({f"KERNEL_{_macro(stage)}": kernel_id for kernel_id, stage in KERNEL_STAGES.items()})

@@ -167,15 +167,15 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
         "rank_prefix_matrix:ptr channel_prefix_matrix:ptr recv_capacity:i32 recv_counter:ptr mismatch_flag:ptr "
         "signature:ptr recv_expert_counter:ptr topk_idx:ptr num_topk:i32 num_tokens:i32 num_experts:i32 "
-        "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 "
-        "notify_off:i64 zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
+        "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 "
+        "zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
     "cached_notify_dispatch_kernel": _signature(
-        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 notify_off:i64 " + _CALL_SETTINGS +
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _CALL_SETTINGS +
         " zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
     "barrier_kernel": _signature(
-        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 timeout_ns:i64 error_record:ptr"),
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 timeout_ns:i64 error_record:ptr"),
     "cached_notify_combine_kernel": _signature(
-        "buffer_ptrs:ptr num_ranks:i32 rank:i32 epoch:i32 notify_off:i64 " + _CALL_SETTINGS +
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _CALL_SETTINGS +
         " zero_off:i64 zero_count:i32 send_head:ptr combine_head:ptr num_tokens:i32 num_channels:i32 "
         "timeout_ns:i64 error_record:ptr"),
     "dispatch_kernel": _signature(

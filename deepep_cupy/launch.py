@@ -5,7 +5,7 @@
 (each field at its natural alignment, which is the CUDA ABI) and the pointer table next to it.
 It is made once per kernel instance and operation plan, with every argument that does not change
 between calls written then (the peer buffer table, rank, timeout, error record, shapes, buffer
-offsets); a call assigns only what changes (pointers, epochs) and launches. The driver copies the
+offsets); a call assigns only what changes (pointers, counts) and launches. The driver copies the
 parameters when the launch is issued, so the block can be rewritten right after.
 
 One :class:`KernelCall` must not be used by two threads at once: each rank owns its plans.

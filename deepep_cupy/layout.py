@@ -6,6 +6,8 @@ is valid in a peer's buffer too. All regions start on 128-byte boundaries.
 
     [0, 128)            int signals[8]      barrier words; slot s written only by rank s (never reset);
                         int 16              this rank's verdict on the current call's settings (0: agreed)
+                        int 28, 29          this rank's call counters: barriers passed, notify areas used
+                                            (advanced by the kernels, see constants.BARRIERS_INT)
     notify area 0, 1    int signature[R][8], rank_counts[R][R], expert_counts[R][E/R], recv_capacity[R]
                         (sized for 8 ranks and MAX_LOCAL_EXPERTS; dispatches alternate between the
                         two, so a rank can post the next counts while a slower peer still reads the
@@ -32,7 +34,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .constants import MAX_LOCAL_EXPERTS, MAX_RANKS, SIGNATURE_INTS
+from .constants import MAX_LOCAL_EXPERTS, MAX_RANKS, NOTIFY_AREA_BYTES, NOTIFY_AREA_OFFSET, SIGNATURE_INTS
 
 ALIGNMENT = 128
 SIGNAL_BYTES = 128
@@ -43,7 +45,8 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-NOTIFY_AREA_BYTES = _align(INT_BYTES * MAX_RANKS * (SIGNATURE_INTS + MAX_RANKS + MAX_LOCAL_EXPERTS + 1))
+assert NOTIFY_AREA_OFFSET == SIGNAL_BYTES
+assert NOTIFY_AREA_BYTES == _align(INT_BYTES * MAX_RANKS * (SIGNATURE_INTS + MAX_RANKS + MAX_LOCAL_EXPERTS + 1))
 NOTIFY_OFFSETS = (SIGNAL_BYTES, SIGNAL_BYTES + NOTIFY_AREA_BYTES)
 DATA_OFFSET = SIGNAL_BYTES + 2 * NOTIFY_AREA_BYTES
 

@@ -9,6 +9,29 @@ __device__ __forceinline__ void zero_ints(void* base, int64_t_ offset, int count
         ints[i] = 0;
 }
 
+// The rank's call counters in its own NVLink buffer (BARRIERS_INT, NOTIFY_CALLS_INT): the numbers
+// of this call's barriers and its notify area come from them, not from the host, so that a call
+// captured in a CUDA graph replays in step with its peers. Block 0 reads them on entry and
+// advances them when it leaves; the next call, later on the same stream, reads the new values.
+struct CallCounters {
+    int* words;
+    int first_epoch;
+    int64_t_ notify_off;
+    __device__ __forceinline__ CallCounters(void* const* buffer_ptrs, int rank)
+        : words(reinterpret_cast<int*>(buffer_ptrs[rank])) {
+        first_epoch = ld_volatile(words + BARRIERS_INT) + 1;
+        notify_off = NOTIFY_AREA_OFFSET + (int64_t_)(ld_volatile(words + NOTIFY_CALLS_INT) & 1) * NOTIFY_AREA_BYTES;
+    }
+    // All threads of the block, once they are done with the numbers.
+    __device__ __forceinline__ void advance(int barriers, int notify_calls) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            words[BARRIERS_INT] = first_epoch - 1 + barriers;
+            words[NOTIFY_CALLS_INT] += notify_calls;
+        }
+    }
+};
+
 // Write this rank's settings row (SIGNATURE_INTS - 1 values, then `invalid`) into the signature
 // table of every peer's notify area at `notify_off`. All threads of the block.
 __device__ __forceinline__ void publish_signature(void* const* buffer_ptrs, int num_ranks, int rank,
@@ -41,9 +64,12 @@ __device__ __forceinline__ int settings_verdict(void* const* buffer_ptrs, int nu
 // queues (`zero_off`, `zero_count` ints) between two barriers (nobody may still use the old queues,
 // nobody may start before the reset). Block 0, all of it. A disagreement is left in this rank's
 // verdict word for the transfer kernel and in the error record for the host.
-__device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
-                                                int64_t_ notify_off, const int* settings, int64_t_ zero_off,
+__device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int num_ranks, int rank,
+                                                const int* settings, int64_t_ zero_off,
                                                 int zero_count, int64_t_ timeout_ns, int* error_record, int kernel) {
+    CallCounters counters(buffer_ptrs, rank);
+    const int epoch = counters.first_epoch;
+    const int64_t_ notify_off = counters.notify_off;
     publish_signature(buffer_ptrs, num_ranks, rank, notify_off, settings, 0);
     if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record, kernel))
         return;
@@ -54,11 +80,12 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
             report_error(error_record, ERROR_MISMATCH, kernel, rank, -1, verdict - 1, verdict);
     }
     zero_ints(buffer_ptrs[rank], zero_off, zero_count);
-    rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record, kernel);
+    if (rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record, kernel))
+        counters.advance(2, 1);
 }
 
 // Notify area of a dispatch, at `notify_off` in every rank's NVLink buffer (two areas used in
-// turn by consecutive dispatches, see deepep_cupy/layout.py); row `src` of each table is written
+// turn by consecutive calls, picked by the call counters; see deepep_cupy/layout.py); row `src` of each table is written
 // only by rank `src`:
 //   int signature[R][SIGNATURE_INTS]     the settings every rank must share; the last int is
 //                                        instead 1 when the rank found its own input invalid
@@ -83,13 +110,15 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
         int* rank_prefix_matrix, int* channel_prefix_matrix, int recv_capacity,
         int* recv_counter, int* mismatch_flag, const int* signature, int* recv_expert_counter,
         const int64_t_* topk_idx, int num_topk, int num_tokens, int num_experts, int num_channels, int expert_alignment,
-        void* const* buffer_ptrs, int num_ranks, int rank, int epoch,
-        int64_t_ notify_off, int64_t_ zero_off, int zero_count,
+        void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ zero_off, int zero_count,
         int64_t_ timeout_ns, int* error_record) {
     const int thread = threadIdx.x, num_threads = blockDim.x;
     const int experts_per_rank = num_experts / num_ranks;
 
     if (blockIdx.x == 0) {
+        CallCounters counters(buffer_ptrs, rank);
+        const int epoch = counters.first_epoch;
+        const int64_t_ notify_off = counters.notify_off;
         // Validate this rank's expert ids while waiting costs nothing: every rank learns the
         // verdict from the exchanged signatures and refuses the dispatch together.
         int invalid = 0;
@@ -175,8 +204,9 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
             __threadfence_system();
             *reinterpret_cast<volatile int*>(recv_counter) = num_recv_tokens;
         }
-        rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
-                     KERNEL_NOTIFY_DISPATCH);
+        if (rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record,
+                         KERNEL_NOTIFY_DISPATCH))
+            counters.advance(2, 1);
     } else {
         const int dst = blockIdx.x - 1;
         const int lane = thread % 32, warp = thread / 32, num_warps = num_threads / 32;
@@ -203,17 +233,19 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
 // bytes, scales per token (dispatch) or element type and top-k (combine) in `row_detail`,
 // num_sms, and the two chunk sizes.
 extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_DISPATCH_THREADS) cached_notify_dispatch_kernel(
-        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ notify_off,
+        void* const* buffer_ptrs, int num_ranks, int rank,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
         int64_t_ zero_off, int zero_count, int64_t_ timeout_ns, int* error_record) {
     const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
-    check_and_reset(buffer_ptrs, num_ranks, rank, epoch, notify_off, settings, zero_off, zero_count, timeout_ns,
+    check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, timeout_ns,
                     error_record, KERNEL_CACHED_NOTIFY_DISPATCH);
 }
 
 extern "C" __global__ void __launch_bounds__(BARRIER_THREADS) barrier_kernel(
-        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ timeout_ns, int* error_record) {
-    rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record, KERNEL_BARRIER);
+        void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
+    CallCounters counters(buffer_ptrs, rank);
+    if (rank_barrier(buffer_ptrs, num_ranks, rank, counters.first_epoch, timeout_ns, error_record, KERNEL_BARRIER))
+        counters.advance(1, 0);
 }
 
 // Before a combine. Block 0 checks the settings and resets the combine queues. Blocks 1..C derive
@@ -224,13 +256,13 @@ extern "C" __global__ void __launch_bounds__(BARRIER_THREADS) barrier_kernel(
 // A combine receiver that meets a token not sent to r can then still tell the sender of r how
 // far the queue has been consumed.
 extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_COMBINE_THREADS) cached_notify_combine_kernel(
-        void* const* buffer_ptrs, int num_ranks, int rank, int epoch, int64_t_ notify_off,
+        void* const* buffer_ptrs, int num_ranks, int rank,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
         int64_t_ zero_off, int zero_count, const int* send_head, int* combine_head, int num_tokens,
         int num_channels, int64_t_ timeout_ns, int* error_record) {
     if (blockIdx.x == 0) {
         const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
-        check_and_reset(buffer_ptrs, num_ranks, rank, epoch, notify_off, settings, zero_off, zero_count,
+        check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count,
                         timeout_ns, error_record, KERNEL_CACHED_NOTIFY_COMBINE);
         return;
     }

@@ -14,7 +14,6 @@ from deepep_cupy import plans
 from deepep_cupy import reference as ref
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
-from deepep_cupy.layout import NOTIFY_OFFSETS
 
 R, N, H, K, E = 2, 64, 256, 4, 16
 CONFIG = ep.Config(8, 4, 32)
@@ -104,16 +103,19 @@ def test_combine_resets_its_queues_then_reduces_with_the_handles_scratch(fake):
     assert combined.shape == (N, H) and combined.dtype == np.uint16 and combined_w.shape == (N, K)
 
 
-def test_barriers_advance_the_epoch_and_notify_areas_alternate(fake):
+def test_repeated_calls_launch_the_same_parameters_so_a_captured_call_replays_in_step(fake):
+    # Barrier numbers and notify areas advance on the device (kernels/notify.cu, CallCounters):
+    # nothing the host would have to advance per call is baked into a launch.
     buf, launches, _ = fake
     w = workload()
-    handle = dispatch(buf, w)[4]
-    buf.dispatch(w["x"], handle=handle, config=CONFIG)
-    dispatch(buf, w)
-    epochs = [p["epoch"] for _, p in launches.log if "notify" in _]
-    areas = [p["notify_off"] for _, p in launches.log if "notify" in _]
-    assert epochs == [1, 3, 5]
-    assert areas == [NOTIFY_OFFSETS[0], NOTIFY_OFFSETS[1], NOTIFY_OFFSETS[0]]
+    recv_x, _, _, _, handle, _ = dispatch(buf, w)
+    for _ in range(2):
+        buf.dispatch(w["x"], handle=handle, config=CONFIG)
+        buf.combine(recv_x, handle, config=CONFIG)
+    cached = [p for name, p in launches.log if name == "cached_notify_dispatch_kernel"]
+    combine = [p for name, p in launches.log if name == "cached_notify_combine_kernel"]
+    assert cached[0] == cached[1] and combine[0] == combine[1]
+    assert not {"epoch", "notify_off"} & set(cached[0])
 
 
 # --- what comes back -------------------------------------------------------------------------
