@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         int* head_ptr = reinterpret_cast<int*>(base + meta_off) + channel * kNumRanks + lane;
         int* tail_ptr = head_ptr + num_queues;
         int published_head = 0;
-        int polls = 0;
+        unsigned polls = 0;
         while (true) {
             bool all_retired = true;
             int min_head = 0x7fffffff;
