@@ -104,7 +104,8 @@ __device__ __forceinline__ int rank_that_gave_up(void* const* buffer_ptrs, int r
 
 // A wait of ours timed out: record it and tell every rank (ourselves included) that we gave up.
 // The marks go first and are fenced before the record: once our host has seen the record and
-// told a late peer so, that peer's kernels are sure to see the mark.
+// told a late peer so, that peer's kernels are sure to see the mark. (Our own waits that see our
+// mark meanwhile stop without a record of their own: report_a_rank_gave_up.)
 __device__ __forceinline__ void give_up(void* const* buffer_ptrs, int num_ranks, int* error_record, int kernel,
                                         int rank, int channel, int peer, int detail) {
     #pragma unroll 1  // a cold path: unrolled, it would hold every peer's address in registers
@@ -114,6 +115,15 @@ __device__ __forceinline__ void give_up(void* const* buffer_ptrs, int num_ranks,
     report_error(error_record, ERROR_TIMEOUT, kernel, rank, channel, peer, detail);
 }
 
+// The record of a wait that stops because `quitter` gave up on the Buffer. Our own mark needs none:
+// the thread of ours that gave up records its timeout itself, and that record must win (it names
+// the stage and the peer that did not come), not a mere echo of it from a sibling wait.
+__device__ __forceinline__ void report_a_rank_gave_up(int* error_record, int kernel, int rank, int channel,
+                                                      int quitter, int detail) {
+    if (quitter != rank)
+        report_error(error_record, ERROR_PEER_ABORTED, kernel, rank, channel, quitter, detail);
+}
+
 // True (with ERROR_PEER_ABORTED recorded, naming the rank that gave up) when some rank has given
 // up on the Buffer: the caller must stop waiting.
 __device__ __forceinline__ bool stop_if_a_rank_gave_up(void* const* buffer_ptrs, int* error_record, int kernel,
@@ -121,7 +131,7 @@ __device__ __forceinline__ bool stop_if_a_rank_gave_up(void* const* buffer_ptrs,
     const int quitter = rank_that_gave_up(buffer_ptrs, rank);
     if (quitter < 0)
         return false;
-    report_error(error_record, ERROR_PEER_ABORTED, kernel, rank, channel, quitter, detail);
+    report_a_rank_gave_up(error_record, kernel, rank, channel, quitter, detail);
     return true;
 }
 
@@ -160,7 +170,7 @@ __device__ __forceinline__ bool transfer_may_start(void* const* buffer_ptrs, int
     if (quitter < 0)
         return true;
     if (blockIdx.x == 0 && threadIdx.x == 0)
-        report_error(error_record, ERROR_PEER_ABORTED, kernel, rank, -1, quitter, -1);
+        report_a_rank_gave_up(error_record, kernel, rank, -1, quitter, -1);
     return false;
 }
 
