@@ -16,9 +16,6 @@
 // reduce tokens round-robin and report how far each queue has been consumed.
 
 #define COMBINE_SEND_UNROLL 4
-// The queue keeper looks at the abort mark once per this many polls of the tails: it is the loop
-// that feeds the reducers, so it should not pay a load for it on every poll.
-#define COMBINE_KEEPER_ABORT_POLLS 64
 
 template <typename T, int kNumRanks>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
@@ -144,7 +141,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
             if (min_head != 0x7fffffff && min_head > published_head)
                 st_relaxed_sys(head_ptr, published_head = min_head);
             // A rank that gave up mid-transfer stops the reducers now, not at their own deadline.
-            if (lane == 0 && ++polls % COMBINE_KEEPER_ABORT_POLLS == 0 && !abort_flag &&
+            if (lane == 0 && ++polls % kPollsPerAbortCheck == 0 && !abort_flag &&
                 stop_if_a_rank_gave_up(buffer_ptrs, error_record, KERNEL_COMBINE_RECEIVER, rank, channel, -1))
                 abort_flag = 1;
         }

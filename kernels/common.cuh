@@ -135,22 +135,29 @@ __device__ __forceinline__ bool stop_if_a_rank_gave_up(void* const* buffer_ptrs,
     return true;
 }
 
+// Spin loops look at the abort mark once per this many polls: a load in every poll would delay
+// their reaction to what they wait for, and an abort is seen soon enough this way.
+constexpr unsigned kPollsPerAbortCheck = 32;
+
 // One wait for peers, polled once per spin iteration: it ends when another rank has given up on
-// the Buffer (one load of our own abort word) or when its deadline passes (we then give up).
+// the Buffer (a load of our own abort word every kPollsPerAbortCheck polls) or when its deadline
+// passes (we then give up).
 struct PeerWait {
     Deadline deadline;
     void* const* buffer_ptrs;
     int* error_record;
     int num_ranks, rank, kernel, channel;
+    unsigned polls;
 
     __device__ __forceinline__ PeerWait(void* const* buffer_ptrs_, int num_ranks_, int rank_, int64_t_ timeout_ns,
                                         int* error_record_, int kernel_, int channel_)
         : deadline(timeout_ns), buffer_ptrs(buffer_ptrs_), error_record(error_record_), num_ranks(num_ranks_),
-          rank(rank_), kernel(kernel_), channel(channel_) {}
+          rank(rank_), kernel(kernel_), channel(channel_), polls(0) {}
 
     // True when the wait must end; the reason is recorded. `peer`: the rank waited for.
-    __device__ __forceinline__ bool failed(int peer, int detail) const {
-        if (stop_if_a_rank_gave_up(buffer_ptrs, error_record, kernel, rank, channel, detail))
+    __device__ __forceinline__ bool failed(int peer, int detail) {
+        if (++polls % kPollsPerAbortCheck == 0 &&
+            stop_if_a_rank_gave_up(buffer_ptrs, error_record, kernel, rank, channel, detail))
             return true;
         if (!deadline.expired())
             return false;
