@@ -33,13 +33,13 @@ ERROR_PEER_ABORTED = 3
 
 #: Int index, in every rank's NVLink buffer, of its verdict on the running call (0: go ahead).
 VERDICT_INT = 16
+#: The verdict when a rank receives more tokens than its host allocated rows for: nothing moves
+#: and the hosts redo the call with exact sizes.
+VERDICT_OVER_CAPACITY = 1024
 #: Int index, in every rank's NVLink buffer, of its abort mark: 0 while every rank is in, ``r + 1``
 #: once rank ``r`` gave up on the Buffer (timed out). The rank that gives up writes it into every
 #: rank's buffer, its own included; it is never reset (a new Buffer's buffer starts zeroed).
 ABORT_INT = 24
-#: The verdict when a rank receives more tokens than its host allocated rows for: nothing moves
-#: and the hosts redo the call with exact sizes.
-VERDICT_OVER_CAPACITY = 1024
 
 #: Stage names as error records and exceptions name them, by the id the kernels report.
 KERNEL_STAGES: Dict[int, str] = {
