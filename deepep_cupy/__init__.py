@@ -10,14 +10,22 @@ model every GPU result is checked against.
 from .buffer import Buffer
 from .comm import Group, MPIGroup, ThreadGroup, TorchGroup, as_group, check_sm_budget, run_local_group
 from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
-from .errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, KernelBuildError, RankFailed, RankMismatchError
+from .errors import (
+    DeepEPError,
+    DeepEPTimeoutError,
+    GroupAbortedError,
+    KernelBuildError,
+    PeerAbortedError,
+    RankFailed,
+    RankMismatchError,
+)
 from .events import EventOverlap
 from .handle import DispatchHandle
 
 __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "TorchGroup", "as_group",
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
-    "DeepEPError", "DeepEPTimeoutError", "RankMismatchError", "KernelBuildError",
+    "DeepEPError", "DeepEPTimeoutError", "PeerAbortedError", "RankMismatchError", "KernelBuildError",
     "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",
 ]
 

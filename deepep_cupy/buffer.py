@@ -299,13 +299,18 @@ class Buffer:
         """Free the NVLink buffer, unmap the peers' and free the host counters (idempotent).
 
         Every rank must call it (it ends with a group barrier only when the Buffer was complete).
+        It first waits for this Buffer's kernels, whatever streams its calls ran on, and it is the
+        way out after a timeout: it does not raise because a call or a kernel failed, and a new
+        Buffer on the same communicator works afterwards (README, "After a timeout").
         """
         if self._nvl is None and self._slots is None:
             return
         with self._on_device:
             try:
-                # This Buffer's own stream only: ranks sharing the GPU may have kernels in flight
-                # that wait for this rank, and a device-wide synchronize would wait for them.
+                # Only this Buffer's kernels (StreamOrder.synchronize): ranks sharing the GPU may
+                # have kernels in flight that wait for this rank, and a device-wide synchronize
+                # would wait for them. Ours end by themselves: every wait has a deadline, and after
+                # a timeout they stop at once (the abort mark, kernels/common.cuh).
                 if self._order is not None:
                     self._order.synchronize()
             except Exception:
@@ -319,13 +324,15 @@ class Buffer:
             self._release()
 
     def _release(self) -> None:
-        if self._nvl is not None:
-            self._nvl.close()
-            self._nvl = None
-        if self._slots is not None:
-            self._slots.free()
-            self._slots.failed = "the Buffer was destroyed"
-        self._plans.clear()
+        try:
+            if self._nvl is not None:
+                nvl, self._nvl = self._nvl, None
+                nvl.close()
+        finally:
+            if self._slots is not None:
+                self._slots.free()
+                self._slots.failed = "the Buffer was destroyed"
+            self._plans.clear()
 
     def __enter__(self) -> "Buffer":
         return self
@@ -426,16 +433,21 @@ class Buffer:
         R, dev = self.num_ranks, self.device_id
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            with self._allocating(lib, allocate_on_comm_stream):
-                per_rank = lib.empty((R,), "int32", dev)
-                per_expert = lib.empty((num_experts,), "int32", dev)
-                in_rank = lib.empty((num_tokens, R), "bool", dev)
-            plan.main(run_on, topk_idx=topk_ptr, num_tokens_per_rank=lib.pointer(per_rank),
-                      num_tokens_per_expert=lib.pointer(per_expert), is_token_in_rank=lib.pointer(in_rank),
-                      num_tokens=num_tokens)
-            outputs = (per_rank, per_expert, in_rank)
-            event = self._finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
-                                 allocate_on_comm_stream)
+            try:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    per_rank = lib.empty((R,), "int32", dev)
+                    per_expert = lib.empty((num_experts,), "int32", dev)
+                    in_rank = lib.empty((num_tokens, R), "bool", dev)
+                plan.main(run_on, topk_idx=topk_ptr, num_tokens_per_rank=lib.pointer(per_rank),
+                          num_tokens_per_expert=lib.pointer(per_expert), is_token_in_rank=lib.pointer(in_rank),
+                          num_tokens=num_tokens)
+                outputs = (per_rank, per_expert, in_rank)
+                event = self._finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
+                                     allocate_on_comm_stream)
+            except BaseException:
+                # Kernels may be queued already: destroy() and the next call must come after them.
+                self._order.abandon(run_on)
+                raise
         return per_rank, None, per_expert, in_rank, event
 
     def _layout_plan(self, topk_idx, num_experts) -> _Plan:
@@ -601,54 +613,59 @@ class Buffer:
         spec = plan.spec
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
         caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-        with self._allocating(lib, allocate_on_comm_stream):
-            block = lib.empty((layout.total_ints(rows_ahead or 0),), "int32", dev)
-        handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
-        self._slots.start_dispatch(spec.signature)
-        plan.notify(run_on, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
-                    is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
-                    channel_prefix_matrix=handle.channel_prefix_ptr,
-                    recv_capacity=NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead, topk_idx=call.topk,
-                    num_tokens=call.num_tokens)
-        if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
-            self._order.record_notify_done(run_on)
-        outputs = None
-        if rows_ahead is not None:
+        try:
             with self._allocating(lib, allocate_on_comm_stream):
-                outputs = self._dispatch_outputs(lib, plan, rows_ahead)
-            recv_topk = outputs[2]
-            if fixed_rows and recv_topk is not None:
-                # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
-                launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows_ahead * spec.num_topk * 8, run_on)
-            self._launch_transfer(run_on, call, outputs, handle)
-        num_recv = self._slots.wait_for_count(self._order.notify_done)
-        verdict = self._slots.verdict()
-        if verdict:
-            self._order.abandon(run_on)
-            if verdict == VERDICT_OVER_CAPACITY:
-                return None
-            raise self._verdict_error(verdict, call)
-        per_expert_list = [] if fixed_rows else self._slots.expert_counts(spec.num_experts // self.num_ranks)
-        if outputs is None:
-            with self._allocating(lib, allocate_on_comm_stream):
-                outputs = self._dispatch_outputs(lib, plan, num_recv)
-                src_idx = lib.empty((num_recv,), "int32", dev)
-            handle.use_separate_src_idx(src_idx)
-            self._launch_transfer(run_on, call, outputs, handle)
-            allocated = (block, src_idx, *outputs)
-        else:
-            allocated = (block, *outputs)
-            if fixed_rows:
-                handle.num_worst_tokens = rows_ahead
+                block = lib.empty((layout.total_ints(rows_ahead or 0),), "int32", dev)
+            handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
+            self._slots.start_dispatch(spec.signature)
+            plan.notify(run_on, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
+                        is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
+                        channel_prefix_matrix=handle.channel_prefix_ptr,
+                        recv_capacity=NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead, topk_idx=call.topk,
+                        num_tokens=call.num_tokens)
+            if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
+                self._order.record_notify_done(run_on)
+            outputs = None
+            if rows_ahead is not None:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    outputs = self._dispatch_outputs(lib, plan, rows_ahead)
+                recv_topk = outputs[2]
+                if fixed_rows and recv_topk is not None:
+                    # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
+                    launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows_ahead * spec.num_topk * 8, run_on)
+                self._launch_transfer(run_on, call, outputs, handle)
+            num_recv = self._slots.wait_for_count(self._order.notify_done)
+            verdict = self._slots.verdict()
+            if verdict:
+                self._order.abandon(run_on)
+                if verdict == VERDICT_OVER_CAPACITY:
+                    return None
+                raise self._verdict_error(verdict, call)
+            per_expert_list = [] if fixed_rows else self._slots.expert_counts(spec.num_experts // self.num_ranks)
+            if outputs is None:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    outputs = self._dispatch_outputs(lib, plan, num_recv)
+                    src_idx = lib.empty((num_recv,), "int32", dev)
+                handle.use_separate_src_idx(src_idx)
+                self._launch_transfer(run_on, call, outputs, handle)
+                allocated = (block, src_idx, *outputs)
             else:
-                trim = lib.trim
-                outputs = [None if a is None else trim(a, num_recv) for a in outputs]
-        handle.num_recv_tokens = num_recv
-        recv_x, recv_scales, recv_topk, recv_weights = outputs
-        event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                             allocate_on_comm_stream)
-        return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, per_expert_list,
-                handle, event)
+                allocated = (block, *outputs)
+                if fixed_rows:
+                    handle.num_worst_tokens = rows_ahead
+                else:
+                    trim = lib.trim
+                    outputs = [None if a is None else trim(a, num_recv) for a in outputs]
+            handle.num_recv_tokens = num_recv
+            recv_x, recv_scales, recv_topk, recv_weights = outputs
+            event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                                 allocate_on_comm_stream)
+            return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, per_expert_list,
+                    handle, event)
+        except BaseException:
+            # Kernels may be queued already: destroy() and the next call must come after them.
+            self._order.abandon(run_on)
+            raise
 
     def _dispatch_outputs(self, lib, plan: _Plan, rows: int) -> list:
         """``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]`` with ``rows`` rows (None for
@@ -704,18 +721,23 @@ class Buffer:
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            plan.notify(run_on)
-            with self._allocating(lib, allocate_on_comm_stream):
-                recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
-            plan.main(run_on, recv_x=lib.pointer(recv_x),
-                      recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
-                      is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
-                      rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
-                      scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])
-            outputs = (recv_x, recv_scales)
-            event = self._finish(caller, run_on, lib, async_finish,
-                                 (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
-                                 allocate_on_comm_stream)
+            try:
+                plan.notify(run_on)
+                with self._allocating(lib, allocate_on_comm_stream):
+                    recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
+                plan.main(run_on, recv_x=lib.pointer(recv_x),
+                          recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
+                          is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
+                          rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
+                          scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])
+                outputs = (recv_x, recv_scales)
+                event = self._finish(caller, run_on, lib, async_finish,
+                                     (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
+                                     allocate_on_comm_stream)
+            except BaseException:
+                # Kernels may be queued already: destroy() and the next call must come after them.
+                self._order.abandon(run_on)
+                raise
         return (recv_x if recv_scales is None else (recv_x, recv_scales)), None, None, None, handle, event
 
     def _cached_plan(self, x, config):
@@ -779,20 +801,26 @@ class Buffer:
                                  f"got {rows}")
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            with self._allocating(lib, allocate_on_comm_stream):
-                combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
-                combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
-            plan.notify(run_on, send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr,
-                        num_tokens=num_tokens)
-            plan.main(run_on, combined_x=lib.pointer(combined),
-                      combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
-                      x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
-                      rank_prefix_matrix=handle.rank_prefix_ptr,
-                      recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, combine_head=handle.combine_head_ptr,
-                      num_tokens=num_tokens)
-            outputs = (combined, combined_weights)
-            event = self._finish(caller, run_on, lib, async_finish,
-                                 (x, topk_weights, *biases, handle.block, *outputs), outputs, allocate_on_comm_stream)
+            try:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
+                    combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
+                plan.notify(run_on, send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr,
+                            num_tokens=num_tokens)
+                plan.main(run_on, combined_x=lib.pointer(combined),
+                          combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
+                          x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
+                          rank_prefix_matrix=handle.rank_prefix_ptr,
+                          recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr,
+                          combine_head=handle.combine_head_ptr, num_tokens=num_tokens)
+                outputs = (combined, combined_weights)
+                event = self._finish(caller, run_on, lib, async_finish,
+                                     (x, topk_weights, *biases, handle.block, *outputs), outputs,
+                                     allocate_on_comm_stream)
+            except BaseException:
+                # Kernels may be queued already: destroy() and the next call must come after them.
+                self._order.abandon(run_on)
+                raise
         return combined, combined_weights, event
 
     def _combine_plan(self, x, topk_weights, config, biases):

@@ -28,6 +28,8 @@ SIGNATURE_INTS = 8
 #: Codes of a kernel error record (``[0]`` of it; 0 = no error).
 ERROR_TIMEOUT = 1
 ERROR_MISMATCH = 2  # ranks called a cached dispatch or a combine with different settings
+#: A rank stopped because another rank had given up on the Buffer (the record's peer names it).
+ERROR_PEER_ABORTED = 3
 
 #: Int index, in every rank's NVLink buffer, of its verdict on the running call (0: go ahead).
 VERDICT_INT = 16
@@ -44,6 +46,10 @@ NOTIFY_AREA_BYTES = -(-4 * MAX_RANKS * (SIGNATURE_INTS + MAX_RANKS + MAX_LOCAL_E
 #: The verdict when a rank receives more tokens than its host allocated rows for: nothing moves
 #: and the hosts redo the call with exact sizes.
 VERDICT_OVER_CAPACITY = 1024
+#: Int index, in every rank's NVLink buffer, of its abort mark: 0 while every rank is in, ``r + 1``
+#: once rank ``r`` gave up on the Buffer (timed out). The rank that gives up writes it into every
+#: rank's buffer, its own included; it is never reset (a new Buffer's buffer starts zeroed).
+ABORT_INT = 24
 
 #: Stage names as error records and exceptions name them, by the id the kernels report.
 KERNEL_STAGES: Dict[int, str] = {
@@ -75,7 +81,9 @@ def cuda_defines() -> Dict[str, int]:
         "SIGNATURE_INTS": SIGNATURE_INTS,
         "ERROR_TIMEOUT": ERROR_TIMEOUT,
         "ERROR_MISMATCH": ERROR_MISMATCH,
+        "ERROR_PEER_ABORTED": ERROR_PEER_ABORTED,
         "VERDICT_INT": VERDICT_INT,
+        "ABORT_INT": ABORT_INT,
         "BARRIERS_INT": BARRIERS_INT,
         "NOTIFY_CALLS_INT": NOTIFY_CALLS_INT,
         "NOTIFY_AREA_OFFSET": NOTIFY_AREA_OFFSET,

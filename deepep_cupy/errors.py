@@ -22,6 +22,15 @@ class DeepEPTimeoutError(DeepEPError, TimeoutError):
         self.rank, self.kernel, self.channel, self.peer = rank, kernel, channel, peer
 
 
+class PeerAbortedError(DeepEPTimeoutError):
+    """This rank's call stopped because another rank had already given up on the Buffer (a wait of
+    that rank timed out): its kernels stop at once instead of waiting out their own timeout.
+
+    Attributes are :class:`DeepEPTimeoutError`'s; ``peer`` is the rank that gave up. The Buffer is
+    unusable on every rank: each must ``destroy()`` it and create a new one.
+    """
+
+
 class RankMismatchError(DeepEPError, ValueError):
     """Ranks called a collective operation with settings that disagree (raised on every rank)."""
 

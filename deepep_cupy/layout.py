@@ -6,6 +6,8 @@ is valid in a peer's buffer too. All regions start on 128-byte boundaries.
 
     [0, 128)            int signals[8]      barrier words; slot s written only by rank s (never reset);
                         int 16              this rank's verdict on the current call's settings (0: agreed)
+                        int 24              abort mark: r + 1 once rank r gave up on the Buffer (timed
+                                            out), written by that rank into every buffer; 0 until then
                         int 28, 29          this rank's call counters: barriers passed, notify areas used
                                             (advanced by the kernels, see constants.BARRIERS_INT)
     notify area 0, 1    int signature[R][8], rank_counts[R][R], expert_counts[R][E/R], recv_capacity[R]
@@ -34,11 +36,26 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .constants import MAX_LOCAL_EXPERTS, MAX_RANKS, NOTIFY_AREA_BYTES, NOTIFY_AREA_OFFSET, SIGNATURE_INTS
+from .constants import (
+    ABORT_INT,
+    BARRIERS_INT,
+    MAX_LOCAL_EXPERTS,
+    MAX_RANKS,
+    NOTIFY_AREA_BYTES,
+    NOTIFY_AREA_OFFSET,
+    NOTIFY_CALLS_INT,
+    SIGNATURE_INTS,
+    VERDICT_INT,
+)
 
 ALIGNMENT = 128
 SIGNAL_BYTES = 128
 INT_BYTES = 4
+
+#: The words of the header, by int index (the verdict's and the abort mark's are defined in
+#: constants.py, which the kernels share).
+HEADER_WORDS = {"signals": tuple(range(MAX_RANKS)), "verdict": (VERDICT_INT,), "abort mark": (ABORT_INT,),
+                "call counters": (BARRIERS_INT, NOTIFY_CALLS_INT)}
 
 
 def _align(n: int) -> int:

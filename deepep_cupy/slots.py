@@ -27,8 +27,15 @@ from typing import Optional
 
 import numpy as np
 
-from .constants import ERROR_MISMATCH, KERNEL_STAGES, MAX_LOCAL_EXPERTS, SIGNATURE_INTS, VERDICT_OVER_CAPACITY
-from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from .constants import (
+    ERROR_MISMATCH,
+    ERROR_PEER_ABORTED,
+    KERNEL_STAGES,
+    MAX_LOCAL_EXPERTS,
+    SIGNATURE_INTS,
+    VERDICT_OVER_CAPACITY,
+)
+from .errors import DeepEPError, DeepEPTimeoutError, PeerAbortedError, RankMismatchError
 
 ERROR_RECORD = 0
 ERROR_RECORD_INTS = 8
@@ -44,6 +51,9 @@ YIELDING_POLLS = 100_000
 POLL_SLEEP_S = 1e-4
 #: Polls between two looks at the clock.
 POLLS_PER_CLOCK_CHECK = 1024
+#: What every rank must do once a Buffer is unusable (the README's "After a timeout").
+RECOVERY = ("The Buffer is unusable: destroy it on every rank (buffer.destroy()) and create a new one on the "
+            "same communicator")
 
 SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per token", "num_experts",
                     "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
@@ -81,7 +91,8 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[DeepEPError]:
 
     A settings disagreement (every rank stopped before moving anything and the queues were reset)
     gives a :class:`RankMismatchError` after which the Buffer stays usable; anything else is a
-    :class:`DeepEPTimeoutError` after which it is not.
+    :class:`DeepEPTimeoutError` after which it is not: a :class:`PeerAbortedError` when this rank
+    stopped because another rank had given up on the Buffer before.
     """
     code = int(record[0])
     if code <= 0:
@@ -95,10 +106,16 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[DeepEPError]:
             f"rank {peer} (compared: operation, row bytes, scales per token or element type and top-k, "
             "num_sms, chunk sizes); no tokens were moved and its outputs are unwritten")
     where = f"channel {channel}" if channel >= 0 else "whole rank"
+    channel_or_none = None if channel < 0 else channel
+    if code == ERROR_PEER_ABORTED:
+        return PeerAbortedError(
+            f"rank {where_rank}: {stage} stopped ({where}) because rank {peer} had given up on this Buffer "
+            f"earlier (a wait of its timed out: a rank came late or not at all); the call's outputs are not "
+            f"valid. {RECOVERY}", rank=where_rank, kernel=stage, channel=channel_or_none, peer=peer)
     return DeepEPTimeoutError(
         f"rank {where_rank}: {stage} timed out after {timeout_s:g} s waiting for rank {peer} ({where}, detail "
-        f"{detail}); a peer did not join or died. The Buffer is unusable: destroy it and create a new one on "
-        "every rank", rank=where_rank, kernel=stage, channel=None if channel < 0 else channel, peer=peer)
+        f"{detail}); a peer did not join or died. {RECOVERY}", rank=where_rank, kernel=stage,
+        channel=channel_or_none, peer=peer)
 
 
 def verdict_error(verdict: int, rank: int, num_experts: int, signature, bad_ids=None) -> Optional[Exception]:
@@ -186,7 +203,7 @@ class HostSlots:
         if kernel_done is not None and self.in_process:
             kernel_done.synchronize()
         values = self.values
-        value = int(values[RECV_COUNT])
+        value = self._published_count()
         if value >= 0:
             self.last_wait_s = time.perf_counter() - start
             return value
@@ -195,7 +212,7 @@ class HostSlots:
         yield_gil = os.sched_yield
         polls = 0
         while True:
-            value = int(values[RECV_COUNT])
+            value = self._published_count()
             if value >= 0:
                 self.last_wait_s = time.perf_counter() - start
                 return value
@@ -211,6 +228,15 @@ class HostSlots:
                 raise DeepEPTimeoutError(
                     f"rank {self.rank}: waited {self.timeout_s:g} s on the host for notify_dispatch to publish "
                     "the receive counts", rank=self.rank, kernel="host wait")
+
+    def _published_count(self) -> int:
+        """The receive count notify_dispatch published (-1 until then). A count is no result when a
+        kernel has already recorded a failure (the count is published between notify's two
+        barriers, and the second can still fail): that failure is raised instead."""
+        value = int(self.values[RECV_COUNT])
+        if value >= 0 and self.values[ERROR_RECORD] > 0:
+            self._raise_record()
+        return value
 
     def verdict(self) -> int:
         return int(self.values[VERDICT])

@@ -137,12 +137,18 @@ class StreamOrder:
         return done
 
     def abandon(self, run_on: int) -> None:
-        """A call that stops after launching kernels on ``run_on`` (a redone or refused dispatch):
-        later calls still come after them."""
+        """A call that stops after launching kernels on ``run_on`` (a redone or refused dispatch, or
+        one that raised): later calls and :meth:`synchronize` still come after them."""
         self._runtime.eventRecord(self._last_done.ptr, run_on)
         self._last_stream, self._last_event = run_on, self._last_done
 
     def synchronize(self) -> None:
-        """Wait for every call of the Buffer (destroy uses it)."""
+        """Wait for every call of the Buffer, on whatever streams they ran (destroy uses it).
+
+        The last call's event is enough for the caller's streams: each call waits for the one
+        before it when it runs on another stream, and a call that stops early records it too
+        (:meth:`abandon`). Nothing else is waited for, not the device: a co-located rank's kernels
+        may be waiting for this rank.
+        """
         self.stream.synchronize()
         self._last_event.synchronize()

@@ -38,8 +38,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         void* const* buffer_ptrs, int rank,
         int64_t_ meta_off, int64_t_ x_off, int64_t_ topk_weights_off,
         int max_send_tokens, int queue_tokens, int64_t_ timeout_ns, int* error_record) {
-    if (ld_volatile(verdict_word(buffer_ptrs, rank)) != 0)
-        return;  // the ranks disagree on this call's settings: every rank stops here
+    if (!transfer_may_start(buffer_ptrs, rank, error_record, KERNEL_COMBINE_SENDER))
+        return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
     const int thread = threadIdx.x, lane = thread % 32;
     const int num_channels = gridDim.x / 2, channel = blockIdx.x / 2;
     const int num_queues = num_channels * kNumRanks;
@@ -80,10 +80,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         for (int row = rank_offset + channel_begin; row < row_end;) {
             const int chunk = min(max_send_tokens, row_end - row);
             if (lane == 0 && queue_tokens - (tail - known_head) < chunk) {
-                Deadline deadline(timeout_ns);
+                PeerWait wait(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_COMBINE_SENDER, channel);
                 while (queue_tokens - (tail - (known_head = ld_volatile(head_ptr))) < chunk) {
-                    if (deadline.expired()) {
-                        report_error(error_record, ERROR_TIMEOUT, KERNEL_COMBINE_SENDER, rank, channel, peer, tail);
+                    if (wait.failed(peer, tail)) {
                         group_abort[peer] = 1;
                         break;
                     }
@@ -138,6 +137,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         int* head_ptr = reinterpret_cast<int*>(base + meta_off) + channel * kNumRanks + lane;
         int* tail_ptr = head_ptr + num_queues;
         int published_head = 0;
+        unsigned polls = 0;
         while (true) {
             bool all_retired = true;
             int min_head = 0x7fffffff;
@@ -152,6 +152,10 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
             queue_tail[lane] = ld_acquire_sys(tail_ptr);
             if (min_head != 0x7fffffff && min_head > published_head)
                 st_relaxed_sys(head_ptr, published_head = min_head);
+            // A rank that gave up mid-transfer stops the reducers now, not at their own deadline.
+            if (lane == 0 && ++polls % kPollsPerAbortCheck == 0 && !abort_flag &&
+                stop_if_a_rank_gave_up(buffer_ptrs, error_record, KERNEL_COMBINE_RECEIVER, rank, channel, -1))
+                abort_flag = 1;
         }
         return;
     }
@@ -172,7 +176,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
                     break;
                 }
                 if (deadline.expired()) {
-                    report_error(error_record, ERROR_TIMEOUT, KERNEL_COMBINE_RECEIVER, rank, channel, lane, expected);
+                    give_up(buffer_ptrs, kNumRanks, error_record, KERNEL_COMBINE_RECEIVER, rank, channel, lane,
+                            expected);
                     abort_flag = 1;
                     gave_up = true;
                     break;

@@ -12,9 +12,9 @@ typedef unsigned long long uint64_t_;
 
 // ---------------------------------------------------------------------------------------------
 // Error record (host-mapped pinned memory, int[8]), written by the first thread that gives up.
-//   [0] code (0 = fine, ERROR_TIMEOUT, ERROR_MISMATCH)   [1] kernel id (KERNEL_*)   [2] rank
-//   [3] channel   [4] peer rank (for ERROR_MISMATCH: the rank that differs)
-//   [5] detail (tokens still expected, or the value waited for)
+//   [0] code (0 = fine, ERROR_TIMEOUT, ERROR_MISMATCH, ERROR_PEER_ABORTED)   [1] kernel id (KERNEL_*)
+//   [2] rank   [3] channel   [4] peer rank (for ERROR_MISMATCH: the rank that differs; for
+//   ERROR_PEER_ABORTED: the rank that gave up)   [5] detail (tokens still expected, or the value waited for)
 // The host reads it after a wait and raises a Python exception naming rank, kernel and channel.
 //
 // Every rank's NVLink buffer holds, at int VERDICT_INT, the rank's verdict on the current call's
@@ -22,9 +22,19 @@ typedef unsigned long long uint64_t_;
 // host allocated rows for). Written only by the rank itself; the transfer kernels read it first
 // and move nothing when it is not 0, so ranks that disagree all stop instead of waiting for
 // each other.
+//
+// And at int ABORT_INT, the abort mark: 0, or r + 1 once rank r gave up on the Buffer (a wait of
+// its timed out). The rank that gives up writes it into every rank's buffer, its own included,
+// and every later wait on any rank sees it and stops at once: a late rank must not wait out its
+// own timeout, nor pass a barrier on an epoch that the rank which gave up stored before it left.
+// Never reset: a Buffer that a rank gave up on is unusable, and a new Buffer's memory starts zeroed.
 
 __device__ __forceinline__ int* verdict_word(void* const* buffer_ptrs, int rank) {
     return reinterpret_cast<int*>(buffer_ptrs[rank]) + VERDICT_INT;
+}
+
+__device__ __forceinline__ int* abort_word(void* const* buffer_ptrs, int rank) {
+    return reinterpret_cast<int*>(buffer_ptrs[rank]) + ABORT_INT;
 }
 
 __device__ __forceinline__ uint64_t_ now_ns() {
@@ -50,16 +60,6 @@ __device__ __forceinline__ void report_error(int* error_record, int code, int ke
     }
 }
 
-// A deadline for one spin loop; `timeout_ns <= 0` never expires.
-struct Deadline {
-    uint64_t_ start, limit;
-    __device__ __forceinline__ explicit Deadline(int64_t_ timeout_ns)
-        : start(now_ns()), limit(timeout_ns > 0 ? (uint64_t_)timeout_ns : 0) {}
-    __device__ __forceinline__ bool expired() const {
-        return limit != 0 && now_ns() - start > limit;
-    }
-};
-
 // ---------------------------------------------------------------------------------------------
 // Memory-order primitives. Peer buffers are reached over NVLink, so the flags that order a
 // peer's data writes against our reads use system scope.
@@ -82,6 +82,103 @@ __device__ __forceinline__ void st_release_sys(int* p, int v) {
 
 __device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
     asm volatile("st.relaxed.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Giving up on peers.
+
+// A deadline for one spin loop; `timeout_ns <= 0` never expires.
+struct Deadline {
+    uint64_t_ start, limit;
+    __device__ __forceinline__ explicit Deadline(int64_t_ timeout_ns)
+        : start(now_ns()), limit(timeout_ns > 0 ? (uint64_t_)timeout_ns : 0) {}
+    __device__ __forceinline__ bool expired() const {
+        return limit != 0 && now_ns() - start > limit;
+    }
+};
+
+// The rank that gave up on this Buffer (its mark in our own buffer), or -1 while none has.
+__device__ __forceinline__ int rank_that_gave_up(void* const* buffer_ptrs, int rank) {
+    return ld_volatile(abort_word(buffer_ptrs, rank)) - 1;
+}
+
+// A wait of ours timed out: record it and tell every rank (ourselves included) that we gave up.
+// The marks go first and are fenced before the record: once our host has seen the record and
+// told a late peer so, that peer's kernels are sure to see the mark. (Our own waits that see our
+// mark meanwhile stop without a record of their own: report_a_rank_gave_up.)
+__device__ __forceinline__ void give_up(void* const* buffer_ptrs, int num_ranks, int* error_record, int kernel,
+                                        int rank, int channel, int peer, int detail) {
+    #pragma unroll 1  // a cold path: unrolled, it would hold every peer's address in registers
+    for (int r = 0; r < num_ranks; ++r)
+        st_relaxed_sys(abort_word(buffer_ptrs, r), rank + 1);
+    __threadfence_system();
+    report_error(error_record, ERROR_TIMEOUT, kernel, rank, channel, peer, detail);
+}
+
+// The record of a wait that stops because `quitter` gave up on the Buffer. Our own mark needs none:
+// the thread of ours that gave up records its timeout itself, and that record must win (it names
+// the stage and the peer that did not come), not a mere echo of it from a sibling wait.
+__device__ __forceinline__ void report_a_rank_gave_up(int* error_record, int kernel, int rank, int channel,
+                                                      int quitter, int detail) {
+    if (quitter != rank)
+        report_error(error_record, ERROR_PEER_ABORTED, kernel, rank, channel, quitter, detail);
+}
+
+// True (with ERROR_PEER_ABORTED recorded, naming the rank that gave up) when some rank has given
+// up on the Buffer: the caller must stop waiting.
+__device__ __forceinline__ bool stop_if_a_rank_gave_up(void* const* buffer_ptrs, int* error_record, int kernel,
+                                                       int rank, int channel, int detail) {
+    const int quitter = rank_that_gave_up(buffer_ptrs, rank);
+    if (quitter < 0)
+        return false;
+    report_a_rank_gave_up(error_record, kernel, rank, channel, quitter, detail);
+    return true;
+}
+
+// Spin loops look at the abort mark once per this many polls: a load in every poll would delay
+// their reaction to what they wait for, and an abort is seen soon enough this way.
+constexpr unsigned kPollsPerAbortCheck = 32;
+
+// One wait for peers, polled once per spin iteration: it ends when another rank has given up on
+// the Buffer (a load of our own abort word every kPollsPerAbortCheck polls) or when its deadline
+// passes (we then give up).
+struct PeerWait {
+    Deadline deadline;
+    void* const* buffer_ptrs;
+    int* error_record;
+    int num_ranks, rank, kernel, channel;
+    unsigned polls;
+
+    __device__ __forceinline__ PeerWait(void* const* buffer_ptrs_, int num_ranks_, int rank_, int64_t_ timeout_ns,
+                                        int* error_record_, int kernel_, int channel_)
+        : deadline(timeout_ns), buffer_ptrs(buffer_ptrs_), error_record(error_record_), num_ranks(num_ranks_),
+          rank(rank_), kernel(kernel_), channel(channel_), polls(0) {}
+
+    // True when the wait must end; the reason is recorded. `peer`: the rank waited for.
+    __device__ __forceinline__ bool failed(int peer, int detail) {
+        if (++polls % kPollsPerAbortCheck == 0 &&
+            stop_if_a_rank_gave_up(buffer_ptrs, error_record, kernel, rank, channel, detail))
+            return true;
+        if (!deadline.expired())
+            return false;
+        give_up(buffer_ptrs, num_ranks, error_record, kernel, rank, channel, peer, detail);
+        return true;
+    }
+};
+
+// The transfer kernels' first step, on every thread: false when nothing may move, because the
+// ranks disagree on this call (the verdict) or because a rank gave up on the Buffer (recorded
+// once, by the first thread of the grid).
+__device__ __forceinline__ bool transfer_may_start(void* const* buffer_ptrs, int rank, int* error_record,
+                                                   int kernel) {
+    if (ld_volatile(verdict_word(buffer_ptrs, rank)) != 0)
+        return false;
+    const int quitter = rank_that_gave_up(buffer_ptrs, rank);
+    if (quitter < 0)
+        return true;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        report_a_rank_gave_up(error_record, kernel, rank, -1, quitter, -1);
+    return false;
 }
 
 // Streaming 16-byte load that bypasses L1: ring slots are rewritten by peers, so a line must
@@ -172,7 +269,9 @@ __device__ __forceinline__ int warp_sum(int v) {
 // only by rank `src`. A barrier with number `epoch` stores `epoch` into slot `rank` of every
 // peer, then waits until each local slot has reached `epoch`. Epochs grow by one per barrier on
 // every rank in the same order, so the words never need resetting (wrap-safe comparison).
-// Called by all threads of a block; returns false on every thread if any peer timed out.
+// Once a rank has given up on the Buffer the words are stale (it may have stored an epoch before
+// it left), so a barrier then fails at once, before it stores anything.
+// Called by all threads of a block; returns false on every thread if any peer timed out or gave up.
 __device__ __forceinline__ bool rank_barrier(void* const* buffer_ptrs, int num_ranks, int rank,
                                              int epoch, int64_t_ timeout_ns, int* error_record,
                                              int kernel) {
@@ -181,14 +280,17 @@ __device__ __forceinline__ bool rank_barrier(void* const* buffer_ptrs, int num_r
     bool ok = true;
     int peer = threadIdx.x;
     if (peer < num_ranks) {
-        st_release_sys(reinterpret_cast<int*>(buffer_ptrs[peer]) + rank, epoch);
-        const int* mine = reinterpret_cast<const int*>(buffer_ptrs[rank]) + peer;
-        Deadline deadline(timeout_ns);
-        while (ld_acquire_sys(mine) - epoch < 0) {
-            if (deadline.expired()) {
-                report_error(error_record, ERROR_TIMEOUT, kernel, rank, -1, peer, epoch);
-                ok = false;
-                break;
+        PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, kernel, -1);
+        if (stop_if_a_rank_gave_up(buffer_ptrs, error_record, kernel, rank, -1, epoch)) {
+            ok = false;
+        } else {
+            st_release_sys(reinterpret_cast<int*>(buffer_ptrs[peer]) + rank, epoch);
+            const int* mine = reinterpret_cast<const int*>(buffer_ptrs[rank]) + peer;
+            while (ld_acquire_sys(mine) - epoch < 0) {
+                if (wait.failed(peer, epoch)) {
+                    ok = false;
+                    break;
+                }
             }
         }
     }

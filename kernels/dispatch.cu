@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int64_t_ meta_off, int64_t_ x_off, int64_t_ src_idx_off, int64_t_ topk_idx_off,
         int64_t_ topk_weights_off, int64_t_ scales_off,
         int max_send_tokens, int queue_tokens, int64_t_ timeout_ns, int* error_record) {
-    if (ld_volatile(verdict_word(buffer_ptrs, rank)) != 0)
-        return;  // the ranks disagree on this call's settings: every rank stops here
+    if (!transfer_may_start(buffer_ptrs, rank, error_record, KERNEL_DISPATCH_SENDER))
+        return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
     constexpr int kWarpsPerRank = DISPATCH_THREADS / 32 / kNumRanks;
     constexpr int kGroupThreads = kWarpsPerRank * 32;
     const int thread = threadIdx.x, lane = thread % 32;
@@ -104,11 +104,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         for (int token = token_begin; token < token_end;) {
             // Wait until a whole chunk fits (counting the worst case: every token selected).
             if (lane == 0 && queue_tokens - (tail - known_head) < max_send_tokens) {
-                Deadline deadline(timeout_ns);
+                PeerWait wait(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_DISPATCH_SENDER, channel);
                 while (queue_tokens - (tail - (known_head = ld_volatile(q.head))) < max_send_tokens) {
-                    if (deadline.expired()) {
-                        report_error(error_record, ERROR_TIMEOUT, KERNEL_DISPATCH_SENDER, rank, channel,
-                                     peer, tail);
+                    if (wait.failed(peer, tail)) {
                         group_abort[peer] = 1;
                         break;
                     }
@@ -177,11 +175,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                          topk_idx_off, topk_weights_off, scales_off);
         int begin = 0, end = 0;
         if (thread_in_group == 0) {
-            Deadline deadline(timeout_ns);
+            PeerWait wait(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_DISPATCH_RECEIVER, channel);
             int start_code = 0, end_code = 0;
             while ((start_code = ld_volatile(q.start)) == 0 || (end_code = ld_volatile(q.end)) == 0) {
-                if (deadline.expired()) {
-                    report_error(error_record, ERROR_TIMEOUT, KERNEL_DISPATCH_RECEIVER, rank, channel, peer, -1);
+                if (wait.failed(peer, -1)) {
                     group_abort[peer] = 1;
                     break;
                 }
@@ -208,12 +205,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int head = 0;
         while (remaining > 0) {
             if (thread_in_group == 0) {
-                Deadline deadline(timeout_ns);
+                PeerWait wait(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_DISPATCH_RECEIVER,
+                              channel);
                 int tail;
                 while ((tail = ld_acquire_sys(q.tail)) == head) {
-                    if (deadline.expired()) {
-                        report_error(error_record, ERROR_TIMEOUT, KERNEL_DISPATCH_RECEIVER, rank, channel,
-                                     peer, remaining);
+                    if (wait.failed(peer, remaining)) {
                         group_abort[peer] = 1;
                         break;
                     }

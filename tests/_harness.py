@@ -3,6 +3,7 @@ read the records the worker scripts print."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
@@ -141,6 +142,15 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def script_constant(path: Path, name: str):
+    """The value of ``NAME = <plain data>`` at the top level of a worker script, read without importing
+    it (a worker imports what only its own folder, or an MPI launch, provides)."""
+    for node in ast.parse(Path(path).read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{Path(path).name} defines no {name}")
 
 
 def describe(result: subprocess.CompletedProcess) -> str:

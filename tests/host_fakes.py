@@ -8,12 +8,14 @@ what needs a GPU is replaced:
   :class:`deepep_cupy.tensors.ArrayLib`), registered so that ``tensors.read`` knows it;
 * kernels are "loaded" as null functions and launches are recorded by :class:`Launches`, which
   plays notify_dispatch's part in the slot protocol from a script;
-* :class:`FakeOrder` stands for the stream order.
+* :class:`FakeOrder` stands for the stream order, or :func:`recording_order` makes a real
+  :class:`deepep_cupy.streams.StreamOrder` whose CUDA calls go to a timeline shared with the launches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,9 +26,12 @@ from deepep_cupy.buffer import Buffer
 from deepep_cupy.comm import Group
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
 from deepep_cupy.events import EventOverlap
-from deepep_cupy.slots import HostSlots
+from deepep_cupy.slots import ERROR_RECORD, HostSlots
+from deepep_cupy.streams import StreamOrder
 
 DEVICE = 0
+#: The stream FakeLib's callers are on, and the communication stream of the fake orders.
+CALLER_STREAM, COMM_STREAM = 0x5757, 0x0C0C
 
 
 class FakeArray(np.ndarray):
@@ -71,7 +76,7 @@ class FakeLib(tensors.ArrayLib):
         return array.ctypes.data
 
     def current_stream(self, device_id):
-        return 0x5757
+        return CALLER_STREAM
 
     def element_strides(self, array):
         return tuple(s // array.itemsize for s in array.strides)
@@ -87,26 +92,35 @@ class Launches:
     """Records every launch (kernel name, its parameters as a dict) and answers count exchanges.
 
     ``received``: what each notify_dispatch reports as this rank's receive count, in order (the
-    last one repeats); a count above the capacity the host stated gives VERDICT_OVER_CAPACITY.
-    ``verdict``: a verdict to report instead (e.g. a settings mismatch).
+    last one repeats; -1: it publishes none); a count above the capacity the host stated gives
+    VERDICT_OVER_CAPACITY. ``verdict``: a verdict to report instead (e.g. a settings mismatch).
+    ``error``: an error record notify_dispatch writes after the count (a barrier that failed).
+    ``timeline``: a list that also gets ``("launch", kernel name, stream)`` per launch.
     """
 
-    def __init__(self, host_slots: HostSlots, received=(100,), expert_counts=(), verdict: int = 0):
+    def __init__(self, host_slots: HostSlots, received=(100,), expert_counts=(), verdict: int = 0, error=None,
+                 timeline=None):
         self.slots = host_slots
         self.received = list(received)
         self.expert_counts = list(expert_counts)
         self.verdict = verdict
+        self.error = error
+        self.timeline = timeline
         self.log = []
 
     def __call__(self, call, stream_ptr):
         params = {name: getattr(call.params.values, name) for name in call.params.names}
         self.log.append((call.name, params))
+        if self.timeline is not None:
+            self.timeline.append(("launch", call.name, stream_ptr))
         if call.name == "notify_dispatch_kernel":
             count = self.received.pop(0) if len(self.received) > 1 else self.received[0]
             values = self.slots.values
             values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(self.expert_counts)] = self.expert_counts
             values[slots.VERDICT] = self.verdict or (VERDICT_OVER_CAPACITY if count > params["recv_capacity"] else 0)
             values[slots.RECV_COUNT] = count
+            if self.error is not None:
+                values[ERROR_RECORD:ERROR_RECORD + len(self.error)] = self.error
 
     def fill(self, ptr, byte, num_bytes, stream_ptr):
         """Stands for ``launch.fill_bytes``: recorded as a launch named ``fill``."""
@@ -123,7 +137,7 @@ class FakeOrder:
     """The stream order, reduced to what the host path asks of it."""
 
     def __init__(self):
-        self.stream = SimpleNamespace(ptr=0x0C0C)
+        self.stream = SimpleNamespace(ptr=COMM_STREAM)
         self.ptr = self.stream.ptr
         self.notify_done = None
         self.begun = []
@@ -149,6 +163,40 @@ class FakeOrder:
 
     def synchronize(self):
         pass
+
+
+class _RecordingRuntime:
+    """The CUDA runtime calls a StreamOrder makes, appended to a timeline."""
+
+    def __init__(self, timeline):
+        self.timeline = timeline
+
+    def eventRecord(self, event, stream):
+        self.timeline.append(("record", event, stream))
+
+    def streamWaitEvent(self, stream, event, flags):
+        self.timeline.append(("wait", stream, event))
+
+    def streamSynchronize(self, stream):
+        self.timeline.append(("stream sync", stream))
+
+
+class _RecordingWaitable:
+    """A stream or an event (``.ptr``) whose host waits go to a timeline."""
+
+    def __init__(self, kind, ptr, timeline):
+        self.kind, self.ptr, self.timeline = kind, ptr, timeline
+
+    def synchronize(self):
+        self.timeline.append((f"{self.kind} sync", self.ptr))
+
+
+def recording_order(timeline, shares_gpu=False) -> StreamOrder:
+    """A real StreamOrder on the communication stream COMM_STREAM whose CUDA calls (event records,
+    stream waits, host waits) are appended to ``timeline``; events are numbered from 1."""
+    numbers = itertools.count(1)
+    return StreamOrder(DEVICE, shares_gpu, _RecordingWaitable("stream", COMM_STREAM, timeline),
+                       lambda: _RecordingWaitable("event", next(numbers), timeline), _RecordingRuntime(timeline))
 
 
 class FakeMapped:
@@ -185,8 +233,12 @@ class FakeGroup(Group):
         raise AssertionError("the host path makes no collective calls")
 
 
-def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allocate_ahead=True, **launch_script):
-    """A Buffer of rank ``rank`` of ``num_ranks`` with fake hardware; returns ``(buffer, launches, lib)``."""
+def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allocate_ahead=True, order=None,
+                **launch_script):
+    """A Buffer of rank ``rank`` of ``num_ranks`` with fake hardware; returns ``(buffer, launches, lib)``.
+
+    ``order``: the stream order (default a :class:`FakeOrder`); ``launch_script``: :class:`Launches`'s options.
+    """
     lib = FakeLib()
     monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
     null_kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0))
@@ -196,7 +248,7 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     buf._set_up_host(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)
     buf._on_device = contextlib.nullcontext()
     host_slots = HostSlots(rank, 5.0, in_process=False, mapped=FakeMapped())
-    buf._attach(host_slots, FakeOrder(), 0xB0F)
+    buf._attach(host_slots, FakeOrder() if order is None else order, 0xB0F)
     launches = Launches(host_slots, **launch_script)
     router = launch.launch if isinstance(launch.launch, _Router) else _Router()
     router.add(buf, launches)

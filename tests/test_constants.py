@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from deepep_cupy import constants, kernels
+from deepep_cupy import constants, kernels, layout
 
 
 def _sources():
@@ -40,3 +40,15 @@ def test_there_is_no_constants_file_to_drift():
 def test_every_kernel_has_a_block_size_of_whole_warps():
     assert set(constants.BLOCK_THREADS) == set(kernels.SIGNATURES)
     assert all(n % 32 == 0 for n in constants.BLOCK_THREADS.values())
+
+
+def test_error_codes_are_distinct_and_not_zero():
+    codes = [constants.ERROR_TIMEOUT, constants.ERROR_MISMATCH, constants.ERROR_PEER_ABORTED]
+    assert 0 not in codes and len(set(codes)) == len(codes)
+
+
+def test_the_buffer_header_words_are_distinct_and_inside_the_header():
+    words = [index for indices in layout.HEADER_WORDS.values() for index in indices]
+    assert len(words) == len(set(words)), layout.HEADER_WORDS
+    assert 0 <= min(words) and max(words) < layout.SIGNAL_BYTES // layout.INT_BYTES
+    assert layout.HEADER_WORDS["abort mark"] == (constants.ABORT_INT,)

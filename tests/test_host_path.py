@@ -7,16 +7,17 @@ what is faked). The GPU tests check the same calls against the reference on real
 
 import numpy as np
 import pytest
-from host_fakes import fake_buffer, on_device
+from host_fakes import CALLER_STREAM, COMM_STREAM, fake_buffer, on_device, recording_order
 
 import deepep_cupy as ep
 from deepep_cupy import plans
 from deepep_cupy import reference as ref
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
-from deepep_cupy.constants import VERDICT_OVER_CAPACITY
+from deepep_cupy.constants import ERROR_PEER_ABORTED, ERROR_TIMEOUT, KERNEL_STAGES, VERDICT_OVER_CAPACITY
 
 R, N, H, K, E = 2, 64, 256, 4, 16
 CONFIG = ep.Config(8, 4, 32)
+STAGE_IDS = {stage: kernel_id for kernel_id, stage in KERNEL_STAGES.items()}
 
 
 def workload(num_tokens=N, seed=0, hidden=H):
@@ -335,3 +336,50 @@ def test_combine_needs_one_row_per_received_token(fake):
         buf.combine(recv_x[:99], handle, config=CONFIG)
     with pytest.raises(TypeError, match="x: expected dtype bfloat16 or float16 or float32, got float8_e4m3fn"):
         buf.combine(on_device(np.zeros((100, H), np.uint8)), handle, config=CONFIG)
+
+
+# --- failures of the count exchange, and destroy after them -----------------------------------
+
+def _record(code, stage, rank, peer):
+    """An error record as the kernels write it (kernels/common.cuh), for a whole-rank stage."""
+    return (code, STAGE_IDS[stage], rank, -1, peer, 7)
+
+
+def test_a_dispatch_whose_exchange_failed_after_the_count_was_published_raises(monkeypatch):
+    # The count is published between notify_dispatch's two barriers; the second one then timed out.
+    buf, _, _ = fake_buffer(monkeypatch, received=(100,), error=_record(ERROR_TIMEOUT, "notify_dispatch", 0, 1))
+    with pytest.raises(ep.DeepEPTimeoutError, match="rank 0: notify_dispatch timed out"):
+        dispatch(buf, workload())
+    with pytest.raises(ep.DeepEPError, match="Buffer unusable"):
+        dispatch(buf, workload())
+
+
+def test_a_late_ranks_dispatch_raises_that_a_peer_gave_up(monkeypatch):
+    # Rank 1 comes after rank 0 timed out: its first barrier sees rank 0's abort mark, so no count.
+    buf, _, _ = fake_buffer(monkeypatch, rank=1, received=(-1,),
+                            error=_record(ERROR_PEER_ABORTED, "notify_dispatch", 1, 0))
+    with pytest.raises(ep.PeerAbortedError, match="rank 1: notify_dispatch stopped .* rank 0 had given up") as info:
+        dispatch(buf, workload())
+    assert info.value.peer == 0
+
+
+def test_destroy_after_a_failed_dispatch_waits_for_the_kernels_it_launched(monkeypatch):
+    timeline = []
+    buf, launches, _ = fake_buffer(monkeypatch, order=recording_order(timeline), received=(100, -1),
+                                   timeline=timeline)
+    w = workload()
+    dispatch(buf, w)  # the next one allocates ahead: its transfer is launched before the count
+    launches.error = _record(ERROR_TIMEOUT, "notify_dispatch", 0, 1)
+    with pytest.raises(ep.DeepEPTimeoutError):
+        dispatch(buf, w)
+    last_launch = max(i for i, entry in enumerate(timeline) if entry[0] == "launch")
+    assert timeline[last_launch] == ("launch", "dispatch_kernel<2>", CALLER_STREAM)
+    records = [i for i, entry in enumerate(timeline) if entry[0] == "record" and entry[2] == CALLER_STREAM]
+    assert records and records[-1] > last_launch, "no event recorded behind the failed call's kernels"
+    event = timeline[records[-1]][1]
+    timeline.clear()
+    buf.destroy()  # raises nothing, waits on that event (and the comm stream), nothing device-wide
+    assert ("event sync", event) in timeline and ("stream sync", COMM_STREAM) in timeline
+    assert all(entry[0] in ("event sync", "stream sync") for entry in timeline), timeline
+    with pytest.raises(ep.DeepEPError, match="destroyed"):
+        dispatch(buf, w)

@@ -12,7 +12,13 @@ from host_fakes import FakeMapped
 
 import deepep_cupy as ep
 from deepep_cupy import slots
-from deepep_cupy.constants import KERNEL_STAGES, VERDICT_OVER_CAPACITY
+from deepep_cupy.constants import (
+    ERROR_MISMATCH,
+    ERROR_PEER_ABORTED,
+    ERROR_TIMEOUT,
+    KERNEL_STAGES,
+    VERDICT_OVER_CAPACITY,
+)
 from deepep_cupy.slots import HostSlots
 
 STAGE_IDS = {stage: kernel_id for kernel_id, stage in KERNEL_STAGES.items()}
@@ -57,6 +63,33 @@ def test_after_a_timeout_the_buffer_stays_unusable():
         record.raise_if_failed()
 
 
+def test_a_rank_stopped_by_a_peer_that_gave_up_raises_peer_aborted_naming_that_peer():
+    record = slots_with_record(3, STAGE_IDS["notify_dispatch"], 1, -1, 0, 5)
+    with pytest.raises(ep.PeerAbortedError, match="rank 1: notify_dispatch stopped \\(whole rank\\) because rank 0 "
+                                                  "had given up on this Buffer earlier") as info:
+        record.raise_if_failed()
+    assert isinstance(info.value, ep.DeepEPTimeoutError)
+    assert (info.value.rank, info.value.kernel, info.value.channel, info.value.peer) == (1, "notify_dispatch", None, 0)
+    assert "destroy it on every rank (buffer.destroy()) and create a new one on the same communicator" in \
+        str(info.value)
+
+
+def test_after_a_peer_gave_up_the_buffer_stays_unusable():
+    record = slots_with_record(3, STAGE_IDS["dispatch receiver"], 1, 2, 0, -1)
+    with pytest.raises(ep.PeerAbortedError, match="channel 2"):
+        record.raise_if_failed()
+    with pytest.raises(ep.DeepEPError, match="unusable: .*rank 0 had given up"):
+        record.raise_if_failed()
+
+
+def test_each_error_code_has_its_own_exception():
+    errors = {code: slots.kernel_error(np.array([code, 2, 0, -1, 1, 0, 0, 0]), 0, 5.0)
+              for code in (ERROR_TIMEOUT, ERROR_MISMATCH, ERROR_PEER_ABORTED)}
+    assert [type(e) for e in errors.values()] == [ep.DeepEPTimeoutError, ep.RankMismatchError, ep.PeerAbortedError]
+    assert "timed out after 5 s" in str(errors[ERROR_TIMEOUT])
+    assert "timed out after" not in str(errors[ERROR_PEER_ABORTED])  # it did not wait out a timeout itself
+
+
 def test_a_dispatch_posts_its_settings_and_clears_the_count():
     host_slots = slots_with_record()
     host_slots.values[slots.RECV_COUNT] = 12
@@ -92,6 +125,17 @@ def test_a_kernel_error_during_the_counts_wait_raises_it():
     host_slots.values[slots.RECV_COUNT] = -1
     with pytest.raises(ep.DeepEPTimeoutError, match="notify_dispatch timed out"):
         host_slots.wait_for_count(_KernelDone(host_slots, -1))
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_count_published_before_the_exchange_failed_raises_the_failure(in_process):
+    # notify_dispatch publishes the count between its two barriers; the second one then failed.
+    host_slots = slots_with_record(1, STAGE_IDS["notify_dispatch"], 0, -1, 1, 2, in_process=in_process)
+    host_slots.values[slots.RECV_COUNT] = 40
+    with pytest.raises(ep.DeepEPTimeoutError, match="notify_dispatch timed out"):
+        host_slots.wait_for_count(_KernelDone(host_slots, 40))
+    with pytest.raises(ep.DeepEPError, match="unusable"):
+        host_slots.raise_if_failed()
 
 
 def test_a_wait_that_outlasts_the_timeout_raises_and_marks_the_buffer_failed():

@@ -1,8 +1,11 @@
-"""MPI worker for the failure-behaviour GPU tests (issue: bad input, ranks that disagree, hangs, leaks).
+"""MPI worker for the failure-behaviour GPU tests (issue: bad input, ranks that disagree, hangs, leaks,
+recovery after a timeout, calls that overlap).
 
 Usage: ``mpiexec -n 2 python tests/workers/failure_worker.py [CASE ...]``. Every rank runs every
 case (collectively) and prints one line ``RESULT {json}`` per case with ``ok``, ``error`` and
-measurements; the test asserts on them.
+measurements; the test asserts on them. The cases from ``recovery_after_a_peer_never_joins`` on
+take any rank group (an mpi4py communicator or a ``deepep_cupy.ThreadGroup``):
+``local_failure_worker.py`` runs them with both ranks in one process.
 """
 
 import json
@@ -15,9 +18,20 @@ import traceback
 import numpy as np
 
 CASES = ["argument_checks", "invalid_expert_ids", "rank_mismatch", "cached_rank_mismatch", "peer_never_joins",
-         "many_iterations", "create_destroy_cycles"]
+         "many_iterations", "create_destroy_cycles", "recovery_after_a_peer_never_joins", "recovery_after_a_late_peer",
+         "two_buffers_used_alternately", "dispatch_while_an_async_combine_is_in_flight"]
+#: The cases that take any rank group, not only an mpi4py communicator (local_failure_worker.py runs them).
+GROUP_CASES = ["recovery_after_a_peer_never_joins", "recovery_after_a_late_peer", "two_buffers_used_alternately",
+               "dispatch_while_an_async_combine_is_in_flight"]
 
 N, H, E, K = 128, 1024, 16, 4
+#: Buffer timeout of the recovery cases: short, and far above how fast a late rank must fail.
+RECOVERY_TIMEOUT_S = 3.0
+#: The most seconds a late rank's call may take to raise (a rank that waited out its own timeout
+#: would take RECOVERY_TIMEOUT_S).
+LATE_RAISE_LIMIT_S = 1.0
+#: Dispatch + combine rounds, compared with the reference, on a new Buffer and in the concurrency cases.
+ROUNDS = 3
 
 
 def inputs(rng, num_ranks, num_tokens=N, hidden=H):
@@ -30,26 +44,60 @@ def inputs(rng, num_ranks, num_tokens=N, hidden=H):
     return xs, topks, weights
 
 
+class Round:
+    """One fresh dispatch + combine of new routing on every rank, split into its calls so that a
+    case can interleave them with other work. Making it draws every rank's inputs from ``rng``
+    (the same on every rank) and runs this rank's layout."""
+
+    def __init__(self, buf, rng, config):
+        import cupy
+
+        self.buf, self.config = buf, config
+        self.xs, self.topks, self.weights = inputs(rng, buf.num_ranks)
+        self.x, self.topk, self.w = (cupy.asarray(a[buf.rank]) for a in (self.xs, self.topks, self.weights))
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(self.topk, E)
+        self.layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        self.recv_x = self.handle = self.combined = self.combine_event = None
+
+    def dispatch(self, **kwargs):
+        self.recv_x, _, _, _, self.handle, _ = self.buf.dispatch(self.x, **self.layout, topk_idx=self.topk,
+                                                                 topk_weights=self.w, config=self.config, **kwargs)
+
+    def combine(self, **kwargs):
+        self.combined, _, self.combine_event = self.buf.combine(self.recv_x, self.handle, config=self.config,
+                                                                **kwargs)
+
+    def mismatches(self):
+        """What differs from the reference (bit-exact), as messages; empty when all is exact."""
+        import cupy
+
+        from deepep_cupy import reference as ref
+
+        rank = self.buf.rank
+        self.combine_event.current_stream_wait()  # nothing to wait for after a synchronous combine
+        # The copies below may not run on the stream the calls ran on (in-process ranks have one each).
+        cupy.cuda.get_current_stream().synchronize()
+        results = ref.dispatch(self.xs, self.topks, E, self.config.num_channels, topk_weights=self.weights)
+        want_combined = ref.combine([r["recv_x"] for r in results], results)[rank][0]
+        found = []
+        if not np.array_equal(cupy.asnumpy(self.recv_x), results[rank]["recv_x"]):
+            found.append("recv_x differs from the reference")
+        if not np.array_equal(cupy.asnumpy(self.combined), ref.round_to_dtype(want_combined, "bfloat16")):
+            found.append("combined_x differs from the reference")
+        return found
+
+    def check(self):
+        found = self.mismatches()
+        if found:
+            raise AssertionError("; ".join(found))
+
+
 def dispatch_and_check(buf, rng, config):
     """One fresh dispatch + combine on new routing, compared with the reference bit-exactly."""
-    import cupy
-
-    from deepep_cupy import reference as ref
-
-    R, rank = buf.num_ranks, buf.rank
-    xs, topks, weights = inputs(rng, R)
-    x, topk, w = (cupy.asarray(a[rank]) for a in (xs, topks, weights))
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                   num_tokens_per_expert=per_expert, topk_idx=topk,
-                                                   topk_weights=w, config=config)
-    combined, _, _ = buf.combine(recv_x, handle, config=config)
-    results = ref.dispatch(xs, topks, E, config.num_channels, topk_weights=weights)
-    want_combined = ref.combine([r["recv_x"] for r in results], results)[rank][0]
-    if not np.array_equal(cupy.asnumpy(recv_x), results[rank]["recv_x"]):
-        raise AssertionError("recv_x differs from the reference")
-    if not np.array_equal(cupy.asnumpy(combined), ref.round_to_dtype(want_combined, "bfloat16")):
-        raise AssertionError("combined_x differs from the reference")
+    one = Round(buf, rng, config)
+    one.dispatch()
+    one.combine()
+    one.check()
 
 
 def expect(exc_type, fragment, call):
@@ -247,6 +295,177 @@ def case_create_destroy_cycles(comm, ep, cupy):
             "peak_rss_bytes": [rss_before, rss_after]}
 
 
+# ---------------------------------------------------------------------------------------------
+# Recovery after a timeout, and calls that overlap. These take any rank group (``comm``: an mpi4py
+# communicator or a ThreadGroup) and keep every rank in the same sequence of collectives even when
+# a check fails on one of them (a rank that left it would hang the others): failures are collected
+# and raised at the end.
+
+
+def attempt(problems, what, call):
+    """``call()``, or None with the failure appended to ``problems`` instead of raised."""
+    try:
+        return call()
+    except Exception as exc:
+        problems.append(f"{what}: {type(exc).__name__}: {exc}")
+        return None
+
+
+class CaseFailed(AssertionError):
+    """Some of a case's checks failed; ``info`` holds its measurements all the same (they go into
+    its RESULT record)."""
+
+    def __init__(self, problems, info):
+        super().__init__("; ".join(problems))
+        self.info = info
+
+
+def raise_problems(problems, info):
+    if problems:
+        raise CaseFailed(problems, info)
+
+
+def _recovery_setting(ep, group):
+    config = ep.Config(24, 16, 256)
+    return config, ep.get_nvl_buffer_size_hint(H * 2, group.size, config)
+
+
+def _destroy_timed(buf):
+    start = time.monotonic()
+    buf.destroy()
+    return round(time.monotonic() - start, 3)
+
+
+def _exact_rounds_on_a_new_buffer(ep, group, size, rng, config, problems):
+    """A new Buffer on ``group``: ROUNDS dispatch + combine rounds compared with the reference; returns
+    how many were exact (the rounds are all run, whatever the results)."""
+    exact = 0
+    with ep.Buffer(group, size, timeout_s=RECOVERY_TIMEOUT_S) as buf:
+        for i in range(ROUNDS):
+            one = Round(buf, rng, config)
+            one.dispatch()
+            one.combine()
+            found = one.mismatches()
+            problems += [f"new Buffer, round {i}: {m}" for m in found]
+            exact += not found
+    return exact
+
+
+def case_recovery_after_a_peer_never_joins(comm, ep, cupy):
+    """Rank 0 dispatches, the others never do: rank 0 times out; every rank destroys its Buffer and
+    creates a new one on the same group, whose results are exact."""
+    from deepep_cupy.comm import as_group
+
+    group = as_group(comm)
+    config, size = _recovery_setting(ep, group)
+    rng = np.random.default_rng(60)
+    problems, info = [], {"timeout_s": RECOVERY_TIMEOUT_S, "rounds": ROUNDS}
+    buf = ep.Buffer(group, size, timeout_s=RECOVERY_TIMEOUT_S)
+    attempt(problems, "first round", lambda: dispatch_and_check(buf, rng, config))
+    alone = Round(buf, rng, config)
+    if group.rank == 0:
+        start = time.monotonic()
+        info["message"] = attempt(problems, "rank 0 alone", lambda: expect(
+            ep.DeepEPTimeoutError, "notify_dispatch timed out after", alone.dispatch))
+        info["raise_seconds"] = round(time.monotonic() - start, 3)
+    info["destroy_seconds"] = _destroy_timed(buf)
+    info["exact_rounds"] = _exact_rounds_on_a_new_buffer(ep, group, size, rng, config, problems)
+    raise_problems(problems, info)
+    return info
+
+
+def case_recovery_after_a_late_peer(comm, ep, cupy):
+    """Rank 0 dispatches and times out; only then do the others make the same call: it must raise
+    PeerAbortedError at once (not return, not wait out its own timeout). Then every rank destroys its
+    Buffer and creates a new one on the same group, whose results are exact."""
+    from deepep_cupy.comm import as_group
+
+    group = as_group(comm)
+    config, size = _recovery_setting(ep, group)
+    rng = np.random.default_rng(70)
+    problems, info = [], {"timeout_s": RECOVERY_TIMEOUT_S, "rounds": ROUNDS, "late_limit_s": LATE_RAISE_LIMIT_S}
+    buf = ep.Buffer(group, size, timeout_s=RECOVERY_TIMEOUT_S)
+    attempt(problems, "first round", lambda: dispatch_and_check(buf, rng, config))
+    late = Round(buf, rng, config)
+    if group.rank == 0:
+        info["message"] = attempt(problems, "rank 0 alone", lambda: expect(
+            ep.DeepEPTimeoutError, "notify_dispatch timed out after", late.dispatch))
+    group.barrier()  # rank 0 has given up: only now do the others come
+    if group.rank != 0:
+        start = time.monotonic()
+        try:
+            late.dispatch()
+            info["late_error"] = None
+            problems.append("the late rank's dispatch returned instead of raising")
+        except Exception as exc:
+            info["late_error"], info["message"] = type(exc).__name__, str(exc)
+            if not isinstance(exc, ep.PeerAbortedError) or "rank 0 had given up" not in str(exc):
+                problems.append(f"the late rank raised {type(exc).__name__}: {exc}")
+        info["late_seconds"] = round(time.monotonic() - start, 3)
+        if info["late_seconds"] > LATE_RAISE_LIMIT_S:
+            problems.append(f"the late rank's call took {info['late_seconds']} s to fail, limit {LATE_RAISE_LIMIT_S}")
+    attempt(problems, "the Buffer after the failure",
+            lambda: expect(ep.DeepEPError, "unusable", lambda: buf.get_dispatch_layout(late.topk, E)))
+    info["destroy_seconds"] = _destroy_timed(buf)
+    info["exact_rounds"] = _exact_rounds_on_a_new_buffer(ep, group, size, rng, config, problems)
+    raise_problems(problems, info)
+    return info
+
+
+def case_two_buffers_used_alternately(comm, ep, cupy):
+    """Two Buffers on one group, their calls interleaved: dispatch on A, dispatch on B, combine on A,
+    combine on B; every round's results exact."""
+    from deepep_cupy.comm import as_group
+
+    group = as_group(comm)
+    config, size = _recovery_setting(ep, group)
+    rng = np.random.default_rng(80)
+    problems, exact = [], 0
+    with ep.Buffer(group, size, timeout_s=20) as a, ep.Buffer(group, size, timeout_s=20) as b:
+        for i in range(ROUNDS):
+            on_a, on_b = Round(a, rng, config), Round(b, rng, config)
+            on_a.dispatch()
+            on_b.dispatch()
+            on_a.combine()
+            on_b.combine()
+            for name, one in (("A", on_a), ("B", on_b)):
+                found = one.mismatches()
+                problems += [f"round {i}, Buffer {name}: {m}" for m in found]
+                exact += not found
+    info = {"rounds": 2 * ROUNDS, "exact_rounds": exact}
+    raise_problems(problems, info)
+    return info
+
+
+def case_dispatch_while_an_async_combine_is_in_flight(comm, ep, cupy):
+    """Each round's combine is asynchronous (async_finish=True) and the next round's fresh dispatch is
+    issued before its event is waited for; every round's results exact."""
+    from deepep_cupy.comm import as_group
+
+    group = as_group(comm)
+    config, size = _recovery_setting(ep, group)
+    rng = np.random.default_rng(90)
+    problems, exact, asynchronous = [], 0, 0
+    with ep.Buffer(group, size, timeout_s=20) as buf:
+        previous = Round(buf, rng, config)
+        previous.dispatch()
+        for i in range(ROUNDS + 1):
+            current = Round(buf, rng, config) if i < ROUNDS else None  # its layout runs before the combine
+            previous.combine(async_finish=True)
+            asynchronous += previous.combine_event.event is not None
+            if current is not None:
+                current.dispatch()  # the combine may still run on the communication stream
+            found = previous.mismatches()  # waits for the combine's event first
+            problems += [f"round {i}: {m}" for m in found]
+            exact += not found
+            previous = current
+    if asynchronous != ROUNDS + 1:
+        problems.append(f"{ROUNDS + 1 - asynchronous} async combines returned no event")
+    info = {"rounds": ROUNDS + 1, "exact_rounds": exact, "async_combines": asynchronous}
+    raise_problems(problems, info)
+    return info
+
+
 def main(names):
     import cupy
     from mpi4py import MPI
@@ -263,7 +482,8 @@ def main(names):
         try:
             info, ok, error = globals()[f"case_{name}"](comm, ep, cupy), True, None
         except Exception as exc:
-            info, ok, error = {}, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            info = getattr(exc, "info", {})  # a CaseFailed keeps the measurements
+            ok, error = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             failures += 1
         sys.stdout.write("RESULT " + json.dumps({"rank": rank, "case": name, "ok": ok, "error": error,
                                                  "seconds": round(time.time() - start, 3), **info}) + "\n")
