@@ -167,6 +167,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
     channel_task_range(num_tokens, num_channels, channel, token_begin, token_end);
     for (int token = token_begin + warp - 1; token < token_end; token += kNumWarps - 1) {
         const int expected = lane < kNumRanks ? combine_head[(int64_t_)token * kNumRanks + lane] : -1;
+        // Before waiting, say which slot this warp needs now: the head the keeper publishes is the
+        // smallest slot any warp still needs, so the senders may fill every slot up to a queue
+        // ahead of it. (Saying only what a warp has finished lags by a round of warps: with fewer
+        // queue slots than reducer warps the senders then wait for a head that never moves.)
+        if (lane < kNumRanks)
+            warp_head[warp][lane] = expected >= 0 ? expected : -expected - 1;
         bool gave_up = false;
         if (expected >= 0) {
             Deadline deadline(timeout_ns);
