@@ -590,7 +590,8 @@ class Buffer:
 
     def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
         lay, config = spec.layout, spec.config
-        return self._bind("dispatch_kernel", (self.num_ranks,), grid=config.num_sms,
+        template_args = (self.num_ranks, "true") if spec.rows.scales_strided else (self.num_ranks,)
+        return self._bind("dispatch_kernel", template_args, grid=config.num_sms,
                           hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
                           scale_token_stride=spec.rows.scale_strides[0], scale_hidden_stride=spec.rows.scale_strides[1],
                           num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,

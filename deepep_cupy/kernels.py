@@ -34,7 +34,8 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "layout.cu": ("dispatch_layout_kernel",),
     "notify.cu": ("notify_dispatch_kernel", "cached_notify_dispatch_kernel",
                   "cached_notify_combine_kernel", "barrier_kernel"),
-    "dispatch.cu": tuple(f"dispatch_kernel<{r}>" for r in RANK_COUNTS),
+    "dispatch.cu": tuple(f"dispatch_kernel<{r}>" for r in RANK_COUNTS)
+    + tuple(f"dispatch_kernel<{r}, true>" for r in RANK_COUNTS),
     "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
 }
 

@@ -50,7 +50,10 @@ struct DispatchQueues {
     }
 };
 
-template <int kNumRanks>
+// kStridedScales: the FP8 scales are read with the strides passed (DeepEP passes them
+// column-major); otherwise as row-major [num_tokens][num_scales], which keeps the token loop's
+// code as fast as it was (a general stride there cost 40 us at 4096 tokens, docs/PERF_NOTES.md).
+template <int kNumRanks, bool kStridedScales = false>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int4* recv_x, float* recv_x_scales, int* recv_src_idx, int64_t_* recv_topk_idx,
         float* recv_topk_weights, int* recv_channel_prefix_matrix, int* send_head,
@@ -135,12 +138,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                         local_expert = local ? (int)(expert - expert_begin) : -1;
                         weight = local ? weight : 0.0f;
                     }
-                    // Scales may be strided (DeepEP passes them column-major).
-                    const float* token_scales = x_scales + (int64_t_)token * scale_token_stride;
+                    const int64_t_ token_stride = kStridedScales ? scale_token_stride : num_scales;
+                    const int64_t_ scale_stride = kStridedScales ? scale_hidden_stride : 1;
+                    const float* token_scales = x_scales + (int64_t_)token * token_stride;
                     if (lane < num_scales)
-                        scale0 = ld_stream(token_scales + (int64_t_)lane * scale_hidden_stride);
+                        scale0 = ld_stream(token_scales + lane * scale_stride);
                     if (lane + 32 < num_scales)
-                        scale1 = ld_stream(token_scales + (int64_t_)(lane + 32) * scale_hidden_stride);
+                        scale1 = ld_stream(token_scales + (lane + 32) * scale_stride);
                     warp_copy<DISPATCH_UNROLL>(q.x + (int64_t_)slot * hidden_int4, x + (int64_t_)token * hidden_int4,
                                                hidden_int4, lane);
                     if (lane == 0)
@@ -156,7 +160,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                     if (lane + 32 < num_scales)
                         slot_scales[lane + 32] = scale1;
                     for (int i = lane + 64; i < num_scales; i += 32)  // rows wider than 8192 FP8 values
-                        slot_scales[i] = token_scales[(int64_t_)i * scale_hidden_stride];
+                        slot_scales[i] = token_scales[i * scale_stride];
                 }
                 ++tail, ++sent;
             }

@@ -120,12 +120,12 @@ def test_column_major_fp8_scales_are_read_with_their_strides(fake):
     scales = on_device(np.ones((H // 128, N), np.float32)).T  # DeepEP's x_scales.T.contiguous().T
     assert not scales.flags.c_contiguous
     recv_x = dispatch(buf, w, x=(on_device(np.zeros((N, H), np.uint8)), scales))[0]
-    p = launches.last("dispatch_kernel<2>")
+    p = launches.last("dispatch_kernel<2, true>")
     assert (p["scale_token_stride"], p["scale_hidden_stride"]) == (1, N) and p["x_scales"] == scales.ctypes.data
     assert recv_x[1].shape == (100, H // 128) and recv_x[1].flags.c_contiguous
     handle = dispatch(buf, w)[4]
     buf.dispatch((on_device(np.zeros((N, H), np.uint8)), scales), handle=handle, config=CONFIG)
-    assert (launches.last("dispatch_kernel<2>")["scale_hidden_stride"]) == N
+    assert launches.last("dispatch_kernel<2, true>")["scale_hidden_stride"] == N
 
 
 def test_row_major_fp8_scales_keep_their_strides(fake):

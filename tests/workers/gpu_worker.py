@@ -163,6 +163,16 @@ def _run_scenario(buf, sc):
             import torch
             x = (x[0].view(torch.float8_e4m3fn), x[1])
     topk = device(mine["topk"])
+    weights = device(mine["weights"])
+    biases = make_biases(sc, inputs)
+    mine_biases = tuple(device(b) for b in biases[rank])
+    bias_in = mine_biases[0] if len(mine_biases) == 1 else (mine_biases or None)  # DeepEP: an array or a pair
+    if getattr(buf.group, "in_process", False):
+        # Every rank's inputs exist before any rank's kernels start waiting for the others: an
+        # allocation (cudaMalloc) waits for the kernels already running on its GPU, and ranks
+        # sharing a GPU would wait for each other (README, in-process ranks).
+        cupy.cuda.get_current_stream().synchronize()
+        buf.group.barrier()
 
     # Layout
     per_rank, none, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
@@ -178,7 +188,7 @@ def _run_scenario(buf, sc):
     if sc["with_topk"]:
         kwargs["topk_idx"] = topk
         if sc["with_weights"]:
-            kwargs["topk_weights"] = device(mine["weights"])
+            kwargs["topk_weights"] = weights
 
     def capture():
         # DeepEP's Buffer.capture() records on PyTorch's current stream: torch scenarios only.
@@ -266,9 +276,6 @@ def _run_scenario(buf, sc):
 
     # Combine the dispatched rows back (FP8 has no combine: combine takes 16/32-bit floats)
     if sc["combine"] and mine["scales"] is None:
-        biases = make_biases(sc, inputs)
-        mine_biases = tuple(device(b) for b in biases[rank])
-        bias_in = mine_biases[0] if len(mine_biases) == 1 else (mine_biases or None)  # DeepEP: an array or a pair
         sources = [(recv_x, recv_weights, handle, "combined")]
         if sc["worst"]:  # the fixed-size rows of num_worst_tokens, as they are
             sources.append((worst_x, worst_weights, worst_handle, "combined (num_worst_tokens)"))
