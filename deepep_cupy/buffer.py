@@ -175,7 +175,7 @@ class Buffer:
             try:
                 self._attach(HostSlots(self.rank, self.timeout_s, self._group.in_process),
                              StreamOrder.create(self.device_id, shares_gpu), self._nvl.peer_ptrs.data.ptr)
-                kernels.warm_up(self.num_ranks)
+                kernels.warm_up(self.num_ranks, every_instance=shares_gpu)
             except BaseException:
                 self.destroy()
                 raise

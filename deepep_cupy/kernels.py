@@ -139,15 +139,24 @@ def _load_now(function_ptr: int) -> None:
         raise KernelBuildError(f"deepep_cupy: cuFuncLoad failed with CUresult {status}")
 
 
-def warm_up(num_ranks: int) -> None:
+def warm_up(num_ranks: int, every_instance: bool = False) -> None:
     """Compile (or load from CuPy's cache) what a ``num_ranks`` group uses on its hot path:
-    the untemplated kernels, dispatch and the BF16 combine (other dtypes compile on first use)."""
+    the untemplated kernels, dispatch and the BF16 combine; the other instances (strided FP8
+    scales, other combine dtypes) compile on first use, unless ``every_instance``.
+
+    Ranks that share a GPU need ``every_instance``: loading a module waits for the kernels running
+    on the device, among them a co-located peer's that waits for this rank (see :func:`_load_now`).
+    """
     for expressions in SOURCES.values():
         for expression in expressions:
             if "<" not in expression:
                 get_kernel(expression)
     get_kernel(name_expression("dispatch_kernel", (num_ranks,)))
     get_kernel(name_expression("combine_kernel", (COMBINE_DTYPES["bfloat16"], num_ranks)))
+    if every_instance:
+        get_kernel(name_expression("dispatch_kernel", (num_ranks, "true")))
+        for element in COMBINE_DTYPES.values():
+            get_kernel(name_expression("combine_kernel", (element, num_ranks)))
 
 
 # ---------------------------------------------------------------------------------------------
