@@ -373,12 +373,22 @@ def main(names):
     def new_buffer():
         return ep.Buffer(comm, nvl_bytes, timeout_s=timeout_s)
 
-    buf = new_buffer()
     # Experts must split evenly over the ranks: round up for 3, 5, 6, 7 ranks.
     selected = [dict(s, num_experts=-(-s["num_experts"] // size) * size)
                 for s in SCENARIOS if not names or s["name"] in names]
+    return run_and_report(new_buffer, selected, rank, size, lambda ok: comm.allreduce(ok, op=MPI.LAND))
+
+
+def run_and_report(new_buffer, scenarios, rank, size, everyone_ok):
+    """Run ``scenarios`` in order on a Buffer from ``new_buffer()``, one ``RESULT`` line each.
+
+    ``everyone_ok(ok)``: whether every rank's scenario passed (a collective). A failed scenario does
+    not stop the others: every rank then replaces its Buffer (one that timed out is unusable).
+    Returns how many scenarios failed on this rank.
+    """
+    buf = new_buffer()
     failures = 0
-    for sc in selected:
+    for sc in scenarios:
         start = time.time()
         try:
             info = run_scenario(buf, sc)
@@ -386,8 +396,7 @@ def main(names):
         except Exception as exc:  # report and go on with the next scenario
             ok, error, info = False, f"{type(exc).__name__}: {exc}{kernel_error(buf)}\n{traceback.format_exc()}", {}
             failures += 1
-        # Every rank must know whether any failed: a rank whose Buffer timed out replaces it.
-        all_ok = comm.allreduce(ok, op=MPI.LAND)
+        all_ok = everyone_ok(ok)
         print("RESULT " + json.dumps({"rank": rank, "size": size, "scenario": sc["name"], "ok": ok,
                                       "all_ok": all_ok, "error": error, "seconds": round(time.time() - start, 3),
                                       **info}), flush=True)

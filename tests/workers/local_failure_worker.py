@@ -10,28 +10,16 @@ the README asks of in-process jobs that go on after a timeout. Exits with 1 when
 any rank, or (with an ``ERROR {json}`` line) when a rank raised out of the group.
 """
 
-import json
 import sys
-import threading
 import time
 import traceback
 
 import failure_worker  # run as a script: its folder is on sys.path
+from local_gpu_worker import emit
 
 NUM_RANKS = 2
 #: How long a rank waits in a collective of the group (the cases' own waits are far shorter).
 GROUP_TIMEOUT_S = 120.0
-
-_print_lock = threading.Lock()
-
-
-def emit(tag, record):
-    """One whole line per record, even with both rank threads printing at once."""
-    line = f"{tag} {json.dumps(record)}\n"
-    with _print_lock:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-
 
 def rank_main(group, names):
     """Run the cases ``names`` on this rank; return how many failed here."""

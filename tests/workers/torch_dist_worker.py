@@ -12,15 +12,12 @@ process group over a local TCP store (``MASTER_PORT``, chosen free when spawning
 reference bit-exactly. One ``RESULT {json}`` line per rank and scenario.
 """
 
-import json
 import os
 import socket
 import sys
-import time
-import traceback
 
 from gpu_scenarios import SCENARIOS, TORCH_DIST_NAMES  # run as a script: its folder is on sys.path
-from gpu_worker import kernel_error, run_scenario
+from gpu_worker import run_and_report
 
 
 def launcher_ranks():
@@ -45,28 +42,19 @@ def rank_main(rank: int, size: int, names) -> int:
     group = dist.new_group(list(range(size)))
     timeout_s = float(os.environ.get("DEEPEP_TEST_TIMEOUT_S", "30"))
     nvl_bytes = ep.get_nvl_buffer_size_hint(7168 * 4, size, ep.Config(48, 16, 256))
-    buf = ep.Buffer(group, nvl_bytes, timeout_s=timeout_s)
-    assert buf.group is group and buf.device_id == torch.cuda.current_device(), (buf.group, buf.device_id)
-    selected = [dict(s, framework="torch") for s in SCENARIOS if s["name"] in (names or TORCH_DIST_NAMES)]
-    failures = 0
-    for sc in selected:
-        start = time.time()
-        try:
-            info = run_scenario(buf, sc)
-            ok, error = True, None
-        except Exception as exc:  # report and go on with the next scenario
-            ok, error, info = False, f"{type(exc).__name__}: {exc}{kernel_error(buf)}\n{traceback.format_exc()}", {}
-            failures += 1
+
+    def new_buffer():
+        buf = ep.Buffer(group, nvl_bytes, timeout_s=timeout_s)
+        assert buf.group is group and buf.device_id == torch.cuda.current_device(), (buf.group, buf.device_id)
+        return buf
+
+    def everyone_ok(ok):
         oks = [None] * size
         dist.all_gather_object(oks, ok, group=group)
-        everyone_ok = all(oks)
-        print("RESULT " + json.dumps({"rank": rank, "size": size, "scenario": sc["name"], "ok": ok,
-                                      "all_ok": everyone_ok, "error": error,
-                                      "seconds": round(time.time() - start, 3), **info}), flush=True)
-        if not everyone_ok:
-            buf.destroy()
-            buf = ep.Buffer(group, nvl_bytes, timeout_s=timeout_s)
-    buf.destroy()
+        return all(oks)
+
+    selected = [dict(s, framework="torch") for s in SCENARIOS if s["name"] in (names or TORCH_DIST_NAMES)]
+    failures = run_and_report(new_buffer, selected, rank, size, everyone_ok)
     dist.destroy_process_group()
     return failures
 
