@@ -8,25 +8,11 @@ there, ordered by events; a call never overlaps the Buffer's previous call.
 from types import SimpleNamespace
 
 import pytest
+from host_fakes import COMM_STREAM, recording_order
 
 from deepep_cupy.events import EventOverlap
-from deepep_cupy.streams import StreamOrder
 
-COMM, CALLER, OTHER = 100, 200, 300
-
-
-class Runtime:
-    def __init__(self):
-        self.log = []
-
-    def eventRecord(self, event, stream):
-        self.log.append(("record", event, stream))
-
-    def streamWaitEvent(self, stream, event, flags):
-        self.log.append(("wait", stream, event))
-
-    def streamSynchronize(self, stream):
-        self.log.append(("sync", stream))
+COMM, CALLER, OTHER = COMM_STREAM, 200, 300
 
 
 class Lib:
@@ -38,10 +24,8 @@ class Lib:
 
 
 def make_order(shares_gpu=False):
-    events = iter(range(1, 100))
-    order = StreamOrder(0, shares_gpu, SimpleNamespace(ptr=COMM), lambda: SimpleNamespace(ptr=next(events)),
-                        Runtime())
-    return order, order._runtime.log
+    log = []
+    return recording_order(log, shares_gpu), log
 
 
 def call(order, caller=CALLER, previous=None, async_finish=False, on_comm=False, lib=None):
@@ -115,4 +99,4 @@ def test_ranks_sharing_a_gpu_return_after_the_call_finished():
     checked = []
     run_on = order.begin(CALLER, None, False, rank=0)
     order.finish(CALLER, run_on, Lib(), False, (), (), False, lambda: checked.append(1))
-    assert ("sync", CALLER) in log and checked == [1]
+    assert ("stream sync", CALLER) in log and checked == [1]
