@@ -268,6 +268,10 @@ class Buffer:
         self._shared_args = dict(buffer_ptrs=peer_table_ptr, num_ranks=self.num_ranks, rank=self.rank,
                                  timeout_ns=int(self.timeout_s * 1e9),
                                  error_record=host_slots.device_ptr(ERROR_RECORD))
+        # Where notify_dispatch publishes the counts and verdict of a dispatch whose host waits for them.
+        self._host_counts = dict(recv_counter=host_slots.device_ptr(slots.RECV_COUNT),
+                                 mismatch_flag=host_slots.device_ptr(slots.VERDICT),
+                                 recv_expert_counter=host_slots.device_ptr(slots.EXPERT_COUNTS), report_refusal=0)
 
     # -----------------------------------------------------------------------------------------
     # Lifetime
@@ -479,11 +483,17 @@ class Buffer:
             topk_idx: int64 ``[num_tokens, num_topk]`` or None; topk_weights: float32, same shape.
             expert_alignment: round each local expert's receive count up to a multiple of this.
             num_worst_tokens: 0, or the most tokens this rank can receive (fresh dispatch only):
-                the outputs then have exactly that many rows, rows past the received ones have
-                ``recv_topk_idx`` -1 (other outputs unwritten there), the expert counts come back as
-                an empty list, and ``combine`` takes x with either row count. A rank receiving
-                more raises ``ValueError`` on every rank. (The host still waits for the counts, to
-                check them.)
+                a dispatch that never waits for the host, as DeepEP's, and that a CUDA graph can
+                capture. The outputs have exactly that many rows; rows past the received ones have
+                ``recv_topk_idx`` -1 (other outputs unwritten there); the expert counts come back
+                as an empty list (DeepEP's) and, with the received row count, as device arrays
+                ``handle.recv_expert_counts`` and ``handle.recv_count``; ``combine`` takes x with
+                that many rows. Nothing is checked on the host after the launch: when a rank
+                receives more (or the ranks disagree, or an expert id is out of range) every rank
+                moves nothing, the handle's counts are 0, the cached dispatches and combines using
+                it move nothing, and the next call of the Buffer, or
+                :meth:`check_kernel_errors` once the GPU got there, raises ``ValueError``
+                (``RankMismatchError`` for settings) on every rank; the Buffer stays usable.
             config: :class:`Config` (default: :func:`get_dispatch_config`).
             previous_event: make the communication wait for this event instead of the caller's stream.
             async_finish: return an event instead of making the caller's stream wait.
@@ -537,14 +547,45 @@ class Buffer:
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, (int, np.integer)) \
                 or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
+        rows, plan, lib, dev = int(num_worst_tokens), call.plan, call.lib, self.device_id
+        spec = plan.spec
+        num_local_experts = spec.num_experts // self.num_ranks
+        layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
         with self._on_device:
-            out = self._exchange_and_transfer(call, int(num_worst_tokens), previous_event, async_finish,
-                                              allocate_on_comm_stream, fixed_rows=True)
-        if out is None:
-            raise ValueError(f"num_worst_tokens: a rank receives more than {num_worst_tokens} tokens; no tokens "
-                             "were moved (every rank raises)")
+            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
+            try:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    block = lib.empty((layout.total_ints(rows, num_local_experts),), "int32", dev)
+                    outputs = self._dispatch_outputs(lib, plan, rows)
+                handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
+                handle.publish_on_device(rows, num_local_experts)
+                recv_topk = outputs[2]
+                if recv_topk is not None:
+                    # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
+                    launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows * spec.num_topk * 8, run_on)
+                self._launch_notify(run_on, call, handle, rows, recv_counter=handle.recv_count_ptr,
+                                    mismatch_flag=handle.verdict_ptr,
+                                    recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1)
+                self._launch_transfer(run_on, call, outputs, handle)
+                recv_x, recv_scales, recv_topk, recv_weights = outputs
+                allocated = (block, *outputs)
+                event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                                     allocate_on_comm_stream)
+            except BaseException:
+                # Kernels may be queued already: destroy() and the next call must come after them.
+                self._order.abandon(run_on)
+                raise
         self.last_dispatch_allocation = "fixed"
-        return out
+        return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, [], handle,
+                event)
+
+    def _launch_notify(self, stream: int, call: _DispatchCall, handle: DispatchHandle, recv_capacity: int,
+                       **published) -> None:
+        """notify_dispatch of a fresh dispatch, publishing its counts and verdict where ``published`` says."""
+        call.plan.notify(stream, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
+                         is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
+                         channel_prefix_matrix=handle.channel_prefix_ptr, recv_capacity=recv_capacity,
+                         topk_idx=call.topk, num_tokens=call.num_tokens, **published)
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                     config) -> _DispatchCall:
@@ -578,12 +619,12 @@ class Buffer:
         spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                                           expert_alignment, config)
         lay = spec.layout
-        slot = self._slots.device_ptr
-        notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, mismatch_flag=slot(slots.VERDICT),
-                            recv_counter=slot(slots.RECV_COUNT), signature=slot(slots.SIGNATURE),
-                            recv_expert_counter=slot(slots.EXPERT_COUNTS), num_topk=spec.num_topk,
-                            num_experts=spec.num_experts, num_channels=config.num_channels,
-                            expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
+        row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
+        notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, row_bytes=row_bytes,
+                            topk_code=topk_code, num_scales=num_scales, num_sms=num_sms, send_chunk=send_chunk,
+                            recv_chunk=recv_chunk, num_topk=spec.num_topk, num_experts=num_experts,
+                            num_channels=config.num_channels, expert_alignment=spec.expert_alignment,
+                            zero_off=lay.meta_off, zero_count=lay.zero_count)
         main = self._bind_transfer(spec)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         return _Plan(spec, notify, main, row_args, plans.received_arrays(spec))
@@ -601,39 +642,34 @@ class Buffer:
                           queue_tokens=config.num_max_nvl_chunked_recv_tokens, **fixed)
 
     def _exchange_and_transfer(self, call: _DispatchCall, rows_ahead: Optional[int], previous_event,
-                               async_finish: bool, allocate_on_comm_stream: bool, fixed_rows: bool = False):
-        """The count exchange and the transfer of one fresh dispatch.
+                               async_finish: bool, allocate_on_comm_stream: bool):
+        """The count exchange and the transfer of one fresh dispatch whose host waits for the counts.
 
         With ``rows_ahead`` the outputs get that many rows and the transfer is launched before the
         host has the counts; returns None when some rank receives more than its rows (nothing was
-        moved). Without, the host waits for the counts and allocates exactly. ``fixed_rows``: the
-        outputs keep ``rows_ahead`` rows, the top-k ids of the rows past the received ones are -1
-        and the expert counts are not returned (``num_worst_tokens``).
+        moved). Without, the host waits for the counts and allocates exactly.
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec = plan.spec
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
         caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
         try:
+            if self._order.capturing:
+                raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
+                                 "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
+                                 "(fixed-size outputs, no host wait) or capture a cached dispatch")
             with self._allocating(lib, allocate_on_comm_stream):
                 block = lib.empty((layout.total_ints(rows_ahead or 0),), "int32", dev)
             handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
-            self._slots.start_dispatch(spec.signature)
-            plan.notify(run_on, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
-                        is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
-                        channel_prefix_matrix=handle.channel_prefix_ptr,
-                        recv_capacity=NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead, topk_idx=call.topk,
-                        num_tokens=call.num_tokens)
+            self._slots.start_dispatch()
+            self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead,
+                                **self._host_counts)
             if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
                 self._order.record_notify_done(run_on)
             outputs = None
             if rows_ahead is not None:
                 with self._allocating(lib, allocate_on_comm_stream):
                     outputs = self._dispatch_outputs(lib, plan, rows_ahead)
-                recv_topk = outputs[2]
-                if fixed_rows and recv_topk is not None:
-                    # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
-                    launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows_ahead * spec.num_topk * 8, run_on)
                 self._launch_transfer(run_on, call, outputs, handle)
             num_recv = self._slots.wait_for_count(self._order.notify_done)
             verdict = self._slots.verdict()
@@ -642,7 +678,7 @@ class Buffer:
                 if verdict == VERDICT_OVER_CAPACITY:
                     return None
                 raise self._verdict_error(verdict, call)
-            per_expert_list = [] if fixed_rows else self._slots.expert_counts(spec.num_experts // self.num_ranks)
+            per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
             if outputs is None:
                 with self._allocating(lib, allocate_on_comm_stream):
                     outputs = self._dispatch_outputs(lib, plan, num_recv)
@@ -652,11 +688,8 @@ class Buffer:
                 allocated = (block, src_idx, *outputs)
             else:
                 allocated = (block, *outputs)
-                if fixed_rows:
-                    handle.num_worst_tokens = rows_ahead
-                else:
-                    trim = lib.trim
-                    outputs = [None if a is None else trim(a, num_recv) for a in outputs]
+                trim = lib.trim
+                outputs = [None if a is None else trim(a, num_recv) for a in outputs]
             handle.num_recv_tokens = num_recv
             recv_x, recv_scales, recv_topk, recv_weights = outputs
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
@@ -694,7 +727,7 @@ class Buffer:
         if verdict == -(self.rank + 1) and call.topk_array is not None:
             topk = call.topk_array
             bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
-        return verdict_error(verdict, self.rank, spec.num_experts, self._slots.signature(), bad_ids)
+        return verdict_error(verdict, self.rank, spec.num_experts, spec.signature, bad_ids)
 
     def _check_handle(self, handle, config: Config) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
@@ -718,12 +751,12 @@ class Buffer:
         self._check_handle(handle, config)
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
-        num_recv = handle.num_recv_tokens
+        num_recv = handle.rows
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
             try:
-                plan.notify(run_on)
+                plan.notify(run_on, dispatch_verdict=handle.verdict_ptr)
                 with self._allocating(lib, allocate_on_comm_stream):
                     recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
                 plan.main(run_on, recv_x=lib.pointer(recv_x),
@@ -791,10 +824,9 @@ class Buffer:
         if plan is None or (n, n_w).count(n) != plan.row_args:
             plan = self._plan(key, self._combine_plan, x, topk_weights, config, biases)
         self._check_handle(handle, config)
-        if n != handle.num_recv_tokens and n != handle.num_worst_tokens:
-            worst = f" or {handle.num_worst_tokens} (its num_worst_tokens)" if handle.num_worst_tokens else ""
-            raise ValueError(f"x: expected {handle.num_recv_tokens} rows (the tokens the handle's dispatch "
-                             f"received){worst}, got {n}")
+        if n != handle.rows:
+            received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
+            raise ValueError(f"x: expected {handle.rows} rows ({received}), got {n}")
         spec, num_tokens, dev = plan.spec, handle.num_tokens, self.device_id
         for i, rows in enumerate((n_b0, n_b1)):
             if rows != num_tokens and rows != ABSENT_ROWS:
@@ -807,7 +839,7 @@ class Buffer:
                     combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
                     combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
                 plan.notify(run_on, send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr,
-                            num_tokens=num_tokens)
+                            num_tokens=num_tokens, dispatch_verdict=handle.verdict_ptr)
                 plan.main(run_on, combined_x=lib.pointer(combined),
                           combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
                           x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,

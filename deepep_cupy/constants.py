@@ -30,6 +30,9 @@ ERROR_TIMEOUT = 1
 ERROR_MISMATCH = 2  # ranks called a cached dispatch or a combine with different settings
 #: A rank stopped because another rank had given up on the Buffer (the record's peer names it).
 ERROR_PEER_ABORTED = 3
+#: A dispatch the host did not wait for (``num_worst_tokens``) was refused on every rank; the
+#: record's detail is notify_dispatch's verdict.
+ERROR_DISPATCH_REFUSED = 4
 
 #: Int index, in every rank's NVLink buffer, of its verdict on the running call (0: go ahead).
 VERDICT_INT = 16
@@ -82,6 +85,7 @@ def cuda_defines() -> Dict[str, int]:
         "ERROR_TIMEOUT": ERROR_TIMEOUT,
         "ERROR_MISMATCH": ERROR_MISMATCH,
         "ERROR_PEER_ABORTED": ERROR_PEER_ABORTED,
+        "ERROR_DISPATCH_REFUSED": ERROR_DISPATCH_REFUSED,
         "VERDICT_INT": VERDICT_INT,
         "ABORT_INT": ABORT_INT,
         "BARRIERS_INT": BARRIERS_INT,

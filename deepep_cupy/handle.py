@@ -20,7 +20,9 @@ class HandleLayout(NamedTuple):
     ``rank_prefix_matrix [R, R]``, ``channel_prefix_matrix [R, C]``,
     ``recv_channel_prefix_matrix [R, C]``, ``send_head [N, R]``, then ``combine_head [N, R]``
     (scratch of every combine with this handle: cached_notify_combine derives it from
-    ``send_head``), then ``recv_src_idx`` with one entry per received row.
+    ``send_head``), then ``recv_src_idx`` with one entry per received row; a dispatch that the
+    host does not wait for (``num_worst_tokens``) adds its verdict, its received row count and its
+    per-expert counts after that (:data:`DEVICE_COUNTS_HEADER` + local experts ints).
     """
     num_ranks: int
     num_channels: int
@@ -32,9 +34,15 @@ class HandleLayout(NamedTuple):
     combine_head: int
     recv_src_idx: int
 
-    def total_ints(self, rows: int) -> int:
-        """Ints to allocate for a handle with ``rows`` received rows."""
-        return self.recv_src_idx + rows
+    def total_ints(self, rows: int, device_counts: int = 0) -> int:
+        """Ints to allocate for a handle with ``rows`` received rows (and ``device_counts`` local
+        experts whose counts the device publishes there; 0: none)."""
+        return self.recv_src_idx + rows + (DEVICE_COUNTS_HEADER + device_counts if device_counts else 0)
+
+
+#: Ints before the per-expert counts a dispatch publishes on the device: its verdict (0: it moved
+#: the tokens), then the rows it received.
+DEVICE_COUNTS_HEADER = 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -60,11 +68,18 @@ class DispatchHandle:
         lib: the caller's array library.
         block: the int32 allocation holding the handle's arrays (carved by ``layout``).
         layout: where each array lies in ``block``.
-        num_recv_tokens: rows the dispatch received.
-        num_worst_tokens: rows of its outputs when it was given ``num_worst_tokens`` (0: exact rows).
+        num_recv_tokens: rows the dispatch received (None until known: see :meth:`publish_on_device`).
         is_token_in_rank: the caller's array, kept as given.
         in_rank_ptr: its device address.
         owner: ``id`` of the Buffer that made the handle.
+
+    Attributes:
+        num_worst_tokens: rows of the dispatch's outputs when it was given ``num_worst_tokens``
+            (0: exact rows); :attr:`rows` is the row count either way.
+        recv_count, recv_expert_counts: with ``num_worst_tokens``, the rows received (int32 [1])
+            and the rows per local expert, rounded up to the alignment (int32 [local experts]), as
+            device arrays of the caller's library that the dispatch writes (None otherwise).
+        verdict_ptr: device address of that dispatch's verdict (0 when its host checked it).
     """
 
     def __init__(self, lib, block, layout: HandleLayout, num_recv_tokens: int, is_token_in_rank: Any,
@@ -84,8 +99,28 @@ class DispatchHandle:
         self.combine_head_ptr = base + INT_BYTES * layout.combine_head
         self.recv_src_idx_ptr = base + INT_BYTES * layout.recv_src_idx
         self.in_rank_ptr = in_rank_ptr
+        self.verdict_ptr = self.recv_count_ptr = self.recv_expert_counts_ptr = 0
+        self.recv_count = self.recv_expert_counts = None
         self._src_idx = None
         self._items = None
+
+    def publish_on_device(self, rows: int, num_local_experts: int) -> None:
+        """The dispatch has ``rows`` output rows (``num_worst_tokens``) and writes its verdict and
+        counts into the handle's allocation (sized by ``total_ints(rows, num_local_experts)``)
+        instead of telling the host."""
+        self.num_worst_tokens = rows
+        self.num_recv_tokens = None
+        start = self.layout.recv_src_idx + rows
+        self.verdict_ptr = self.lib.pointer(self.block) + INT_BYTES * start
+        self.recv_count_ptr = self.verdict_ptr + INT_BYTES
+        self.recv_expert_counts_ptr = self.recv_count_ptr + INT_BYTES
+        self.recv_count = self._view(start + 1, (1,))
+        self.recv_expert_counts = self._view(start + DEVICE_COUNTS_HEADER, (num_local_experts,))
+
+    @property
+    def rows(self) -> int:
+        """Rows of the dispatch's outputs (what a cached dispatch returns and a combine takes)."""
+        return self.num_worst_tokens or self.num_recv_tokens
 
     def use_separate_src_idx(self, src_idx) -> None:
         """Keep ``recv_src_idx`` in its own allocation (made once the receive count was known)."""
@@ -111,7 +146,7 @@ class DispatchHandle:
         """DeepEP's handle tuple (made on first use)."""
         if self._items is None:
             L, R, C, N = self.layout, self.layout.num_ranks, self.layout.num_channels, self.layout.num_tokens
-            src_idx = (self._view(L.recv_src_idx, (self.num_recv_tokens,)) if self._src_idx is None
+            src_idx = (self._view(L.recv_src_idx, (self.rows,)) if self._src_idx is None
                        else self._src_idx)
             self._items = (self._view(L.rank_prefix, (R, R)), self._view(L.channel_prefix, (R, C)),
                            self._view(L.recv_channel_prefix, (R, C)), src_idx, self.is_token_in_rank,

@@ -176,18 +176,19 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "notify_dispatch_kernel": _signature(
         "num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
         "rank_prefix_matrix:ptr channel_prefix_matrix:ptr recv_capacity:i32 recv_counter:ptr mismatch_flag:ptr "
-        "signature:ptr recv_expert_counter:ptr topk_idx:ptr num_topk:i32 num_tokens:i32 num_experts:i32 "
+        "recv_expert_counter:ptr report_refusal:i32 row_bytes:i32 topk_code:i32 num_scales:i32 num_sms:i32 "
+        "send_chunk:i32 recv_chunk:i32 topk_idx:ptr num_topk:i32 num_tokens:i32 num_experts:i32 "
         "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 "
         "zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
     "cached_notify_dispatch_kernel": _signature(
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _CALL_SETTINGS +
-        " zero_off:i64 zero_count:i32 timeout_ns:i64 error_record:ptr"),
+        " zero_off:i64 zero_count:i32 dispatch_verdict:ptr timeout_ns:i64 error_record:ptr"),
     "barrier_kernel": _signature(
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 timeout_ns:i64 error_record:ptr"),
     "cached_notify_combine_kernel": _signature(
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _CALL_SETTINGS +
         " zero_off:i64 zero_count:i32 send_head:ptr combine_head:ptr num_tokens:i32 num_channels:i32 "
-        "timeout_ns:i64 error_record:ptr"),
+        "dispatch_verdict:ptr timeout_ns:i64 error_record:ptr"),
     "dispatch_kernel": _signature(
         "recv_x:ptr recv_x_scales:ptr recv_src_idx:ptr recv_topk_idx:ptr recv_topk_weights:ptr "
         "recv_channel_prefix_matrix:ptr send_head:ptr x:ptr x_scales:ptr topk_idx:ptr topk_weights:ptr "

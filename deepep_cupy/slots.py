@@ -8,8 +8,10 @@ reads them through a NumPy view, without any CUDA call:
                          (kernels/common.cuh); 0 in [0] means none
     RECV_COUNT           tokens this rank receives in the running fresh dispatch (-1 until known)
     VERDICT              notify_dispatch's verdict on the call (0: go ahead, see below)
-    [SIGNATURE, +7)      this rank's settings of the running dispatch, compared across ranks
     [EXPERT_COUNTS, ...) tokens this rank receives per local expert (rounded up to the alignment)
+
+(A dispatch with ``num_worst_tokens`` publishes its counts and verdict into its handle instead,
+on the device; a refusal then reaches the host through the error record.)
 
 Verdicts: 0 all ranks agree; ``p + 1`` rank p's settings differ from rank 0's; ``-(p + 1)``
 rank p's expert ids are out of range; :data:`VERDICT_OVER_CAPACITY` a rank receives more than
@@ -28,6 +30,7 @@ from typing import Optional
 import numpy as np
 
 from .constants import (
+    ERROR_DISPATCH_REFUSED,
     ERROR_MISMATCH,
     ERROR_PEER_ABORTED,
     KERNEL_STAGES,
@@ -41,8 +44,7 @@ ERROR_RECORD = 0
 ERROR_RECORD_INTS = 8
 RECV_COUNT = 8
 VERDICT = 9
-SIGNATURE = 16
-EXPERT_COUNTS = 32
+EXPERT_COUNTS = 16
 SLOT_INTS = EXPERT_COUNTS + MAX_LOCAL_EXPERTS
 #: The row capacity a fresh dispatch states when its host waits for the counts (no limit).
 NO_CAPACITY_LIMIT = 2 ** 31 - 1
@@ -90,15 +92,18 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[DeepEPError]:
     """The exception an error record stands for, or None when it records nothing.
 
     A settings disagreement (every rank stopped before moving anything and the queues were reset)
-    gives a :class:`RankMismatchError` after which the Buffer stays usable; anything else is a
-    :class:`DeepEPTimeoutError` after which it is not: a :class:`PeerAbortedError` when this rank
-    stopped because another rank had given up on the Buffer before.
+    gives a :class:`RankMismatchError`, a refused dispatch that the host did not wait for what
+    :func:`verdict_error` gives for its verdict; after those the Buffer stays usable. Anything else
+    is a :class:`DeepEPTimeoutError` after which it is not: a :class:`PeerAbortedError` when this
+    rank stopped because another rank had given up on the Buffer before.
     """
     code = int(record[0])
     if code <= 0:
         return None
     stage = KERNEL_STAGES.get(int(record[1]), f"kernel {int(record[1])}")
     where_rank, channel, peer, detail = (int(v) for v in record[2:6])
+    if code == ERROR_DISPATCH_REFUSED:
+        return refused_dispatch_error(detail, where_rank)
     if code == ERROR_MISMATCH:
         operation = "combine" if "combine" in stage else "cached dispatch"
         return RankMismatchError(
@@ -116,6 +121,22 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[DeepEPError]:
         f"rank {where_rank}: {stage} timed out after {timeout_s:g} s waiting for rank {peer} ({where}, detail "
         f"{detail}); a peer did not join or died. {RECOVERY}", rank=where_rank, kernel=stage,
         channel=channel_or_none, peer=peer)
+
+
+def refused_dispatch_error(verdict: int, rank: int) -> Exception:
+    """What a dispatch with ``num_worst_tokens`` raises, at the host's next check, when every rank
+    refused it (``verdict``: notify_dispatch's)."""
+    after = ("; no tokens were moved, and the cached dispatches and combines that used its handle moved "
+             "nothing (their outputs are not valid). The Buffer stays usable")
+    if verdict == VERDICT_OVER_CAPACITY:
+        return ValueError(f"num_worst_tokens: in an earlier dispatch that the host did not wait for, a rank "
+                          f"received more tokens than num_worst_tokens{after}")
+    if verdict < 0:
+        return ValueError(f"topk_idx: in an earlier dispatch with num_worst_tokens (the host did not wait for "
+                          f"it), rank {-verdict - 1} passed expert ids outside [-1, num_experts){after}")
+    return RankMismatchError(
+        f"rank {rank}: in an earlier dispatch with num_worst_tokens (the host did not wait for it), the "
+        f"settings differ between rank 0 and rank {verdict - 1} (compared: {', '.join(SIGNATURE_FIELDS)}){after}")
 
 
 def verdict_error(verdict: int, rank: int, num_experts: int, signature, bad_ids=None) -> Optional[Exception]:
@@ -152,7 +173,6 @@ class HostSlots:
         self.mapped = mapped if mapped is not None else MappedInts(SLOT_INTS)
         self.values = self.mapped.values
         self.failed: Optional[str] = None
-        self._posted_signature = None
         #: Seconds the last :meth:`wait_for_count` waited.
         self.last_wait_s = 0.0
 
@@ -173,21 +193,17 @@ class HostSlots:
     def _raise_record(self) -> None:
         record = self.values[ERROR_RECORD:ERROR_RECORD + ERROR_RECORD_INTS]
         error = kernel_error(record, self.rank, self.timeout_s)
-        if isinstance(error, RankMismatchError):
+        if not isinstance(error, DeepEPTimeoutError):
             record[:] = 0  # reported once: nothing was moved, so the next call may go ahead
         else:
             self.failed = str(error)
         raise error
 
-    def start_dispatch(self, signature) -> None:
-        """Clear the count and verdict slots and post this rank's settings for notify_dispatch
-        (only when they changed: the kernel reads them on every call)."""
+    def start_dispatch(self) -> None:
+        """Clear the count and verdict slots before a dispatch whose host waits for them."""
         values = self.values
         values[RECV_COUNT] = -1
         values[VERDICT] = 0
-        if signature is not self._posted_signature:
-            values[SIGNATURE:SIGNATURE + SIGNATURE_INTS - 1] = signature
-            self._posted_signature = signature
 
     def wait_for_count(self, kernel_done=None) -> int:
         """Wait until notify_dispatch publishes the receive count; raise a kernel error or a timeout.
@@ -244,5 +260,3 @@ class HostSlots:
     def expert_counts(self, num_local_experts: int) -> list:
         return self.values[EXPERT_COUNTS:EXPERT_COUNTS + num_local_experts].tolist()
 
-    def signature(self) -> list:
-        return self.values[SIGNATURE:SIGNATURE + SIGNATURE_INTS - 1].tolist()

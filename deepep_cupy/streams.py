@@ -19,6 +19,14 @@ its kernels straight on the caller's stream: the same order as "wait for the cal
 communication stream, make the caller wait", with one event operation instead of four. Calls stay
 in order across streams because each records an event at its end; the next call waits for it
 only when it runs on another stream than the last one.
+
+Under CUDA stream capture (``torch.cuda.graph``, ``cupy.cuda.Stream.begin_capture``) a call
+joins the capture and nothing else: it waits for the caller's stream (or ``previous_event``) but
+not for the Buffer's eager calls, records no event that an eager call would later wait for, and
+keeps none of the host waits of ranks sharing a GPU. Waiting across the capture's boundary is an
+error in CUDA, and within a capture the caller's stream already orders the calls (an
+asynchronous call's event must be waited on before the capture ends, as CUDA requires of every
+stream a capture forks). Replays are ordered by the stream they are launched on.
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ class StreamOrder:
         self._last_stream: Optional[int] = None
         self._last_event = self._last_done
         self._done: dict = {}  # per array library: the (immutable) EventOverlap of a finished call
+        #: Whether the running call's stream is being captured into a CUDA graph (set by :meth:`begin`).
+        self.capturing = False
 
     @classmethod
     def create(cls, device_id: int, shares_gpu: bool) -> "StreamOrder":
@@ -73,18 +83,21 @@ class StreamOrder:
                 "stream, not the legacy default stream (one rank's wait there would block a peer's launch); "
                 "run_local_group sets one per rank, or use `with cupy.cuda.Stream(non_blocking=True):`")
         runtime = self._runtime
+        self.capturing = capturing = bool(runtime.streamIsCapturing(caller_ptr))
         if previous_event is not None and previous_event.event is None:
             previous_event = None  # the event of a synchronous call: nothing to wait for
         run_on = self.ptr if on_comm_stream or previous_event is not None else caller_ptr
-        if self._last_stream is not None and self._last_stream != run_on:
+        if not capturing and self._last_stream is not None and self._last_stream != run_on:
             runtime.streamWaitEvent(run_on, self._last_event.ptr, 0)  # after the Buffer's last call
         if run_on == self.ptr:
             if previous_event is not None:
                 runtime.streamWaitEvent(self.ptr, previous_event.event.ptr, 0)
             else:
-                # One reusable event: a stream wait captures the event's state when it is enqueued.
-                runtime.eventRecord(self._caller_done.ptr, caller_ptr)
-                runtime.streamWaitEvent(self.ptr, self._caller_done.ptr, 0)
+                # A stream wait takes the event's state when it is enqueued, so one event serves
+                # every call; a capture gets its own (its record is a node of the graph).
+                caller_done = self._new_event() if capturing else self._caller_done
+                runtime.eventRecord(caller_done.ptr, caller_ptr)
+                runtime.streamWaitEvent(self.ptr, caller_done.ptr, 0)
         return run_on
 
     def begin_on_comm_stream(self) -> int:
@@ -110,9 +123,11 @@ class StreamOrder:
                 were allocated for the communication stream).
             check_errors: called after the wait that ranks sharing a GPU do (see below).
         """
+        runtime = self._runtime
+        if self.capturing:
+            return self._finish_captured(caller_ptr, run_on, lib, async_finish, arrays)
         if allocated_on_comm:
             lib.used_on(outputs, caller_ptr, self.device_id)
-        runtime = self._runtime
         if async_finish:
             event = self._new_event()
             runtime.eventRecord(event.ptr, self.ptr)
@@ -131,6 +146,25 @@ class StreamOrder:
             runtime.streamSynchronize(caller_ptr)
             if check_errors is not None:
                 check_errors()
+        return self._synchronous_result(lib)
+
+    def _finish_captured(self, caller_ptr: int, run_on: int, lib, async_finish: bool, arrays) -> EventOverlap:
+        """:meth:`finish` of a captured call: fresh events only, the Buffer's eager order untouched.
+        Nothing is handed to the allocators: a capture's memory lives as long as its graph (PyTorch's
+        graph pool) or as the caller's references (CuPy)."""
+        runtime = self._runtime
+        if async_finish:
+            event = self._new_event()
+            runtime.eventRecord(event.ptr, self.ptr)
+            return EventOverlap(event, tuple(arrays), lib, self.device_id)
+        if run_on != caller_ptr:
+            joined = self._new_event()
+            runtime.eventRecord(joined.ptr, run_on)
+            runtime.streamWaitEvent(caller_ptr, joined.ptr, 0)
+        return self._synchronous_result(lib)
+
+    def _synchronous_result(self, lib) -> EventOverlap:
+        """The (immutable, shared) EventOverlap a synchronous call returns."""
         done = self._done.get(lib)
         if done is None:
             done = self._done[lib] = EventOverlap(None, (), lib, self.device_id)
@@ -139,6 +173,8 @@ class StreamOrder:
     def abandon(self, run_on: int) -> None:
         """A call that stops after launching kernels on ``run_on`` (a redone or refused dispatch, or
         one that raised): later calls and :meth:`synchronize` still come after them."""
+        if self.capturing:
+            return  # nothing ran: a capture only records (the caller discards the graph)
         self._runtime.eventRecord(self._last_done.ptr, run_on)
         self._last_stream, self._last_event = run_on, self._last_done
 

@@ -63,10 +63,13 @@ __device__ __forceinline__ int settings_verdict(void* const* buffer_ptrs, int nu
 // Before a cached dispatch or a combine: compare the call's settings across ranks, then reset the
 // queues (`zero_off`, `zero_count` ints) between two barriers (nobody may still use the old queues,
 // nobody may start before the reset). Block 0, all of it. A disagreement is left in this rank's
-// verdict word for the transfer kernel and in the error record for the host.
+// verdict word for the transfer kernel and in the error record for the host. `dispatch_verdict`
+// (null when its host checked it) is the verdict of the dispatch whose handle the call uses: a
+// refused one (reported then) makes this call move nothing too, on every rank alike.
 __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int num_ranks, int rank,
-                                                const int* settings, int64_t_ zero_off,
-                                                int zero_count, int64_t_ timeout_ns, int* error_record, int kernel) {
+                                                const int* settings, int64_t_ zero_off, int zero_count,
+                                                const int* dispatch_verdict, int64_t_ timeout_ns,
+                                                int* error_record, int kernel) {
     CallCounters counters(buffer_ptrs, rank);
     const int epoch = counters.first_epoch;
     const int64_t_ notify_off = counters.notify_off;
@@ -75,7 +78,8 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
         return;
     if (threadIdx.x == 0) {
         const int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
-        *verdict_word(buffer_ptrs, rank) = verdict;
+        const int handle_verdict = dispatch_verdict != nullptr ? *dispatch_verdict : 0;
+        *verdict_word(buffer_ptrs, rank) = verdict != 0 ? verdict : handle_verdict;
         if (verdict != 0)
             report_error(error_record, ERROR_MISMATCH, kernel, rank, -1, verdict - 1, verdict);
     }
@@ -94,21 +98,28 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
 //   int recv_capacity[R]                 [src]      = rows src allocated for what it receives
 //
 // Block 0 scatters this rank's rows into every peer's area, then after a barrier sums the tables
-// into the rank prefix matrix and the receive counts (published to host-mapped memory for the host
-// to size the outputs), and zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints)
+// into the rank prefix matrix and the receive counts (`recv_counter`, `recv_expert_counter`:
+// host-mapped memory for a host that sizes the outputs from them, or device memory of the handle
+// for a dispatch the host does not wait for), and zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints)
 // before a second barrier, so that no sender writes into a queue that is not yet reset. No barrier
 // is needed before the scatter: the area alternates, and a peer can only come back to this one
 // after this rank has passed the second barrier of the next dispatch, long after reading it.
 // A host that allocated the outputs before knowing the counts (and launched the dispatch right
 // behind this kernel) states how many rows it allocated; if any rank receives more, every rank
 // sees it in the same table, and the verdict VERDICT_OVER_CAPACITY makes every rank's dispatch
-// move nothing, so that the hosts can redo the call with exact sizes.
+// move nothing, so that the hosts can redo the call with exact sizes. A refused call publishes
+// zero counts and a zero rank prefix matrix (a combine with its handle then moves nothing), and
+// with `report_refusal` also leaves the verdict in the error record: a host that does not wait
+// for the counts (num_worst_tokens, CUDA graphs) learns of it there at its next check.
+// The settings ranks compare (`row_bytes` .. `recv_chunk`, with num_experts) are arguments, not
+// host memory, so that a captured call replays with its own.
 // Blocks 1..R count, per destination rank, the tokens of each channel (the sender-side channel
 // prefix matrix).
 extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dispatch_kernel(
         const int* num_tokens_per_rank, const int* num_tokens_per_expert, const bool* is_token_in_rank,
         int* rank_prefix_matrix, int* channel_prefix_matrix, int recv_capacity,
-        int* recv_counter, int* mismatch_flag, const int* signature, int* recv_expert_counter,
+        int* recv_counter, int* mismatch_flag, int* recv_expert_counter, int report_refusal,
+        int row_bytes, int topk_code, int num_scales, int num_sms, int send_chunk, int recv_chunk,
         const int64_t_* topk_idx, int num_topk, int num_tokens, int num_experts, int num_channels, int expert_alignment,
         void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ zero_off, int zero_count,
         int64_t_ timeout_ns, int* error_record) {
@@ -116,6 +127,8 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
     const int experts_per_rank = num_experts / num_ranks;
 
     if (blockIdx.x == 0) {
+        const int signature[SIGNATURE_INTS - 1] = {row_bytes, topk_code, num_scales, num_experts, num_sms,
+                                                   send_chunk, recv_chunk};
         CallCounters counters(buffer_ptrs, rank);
         const int epoch = counters.first_epoch;
         const int64_t_ notify_off = counters.notify_off;
@@ -166,10 +179,10 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
         const int* rank_counts = area + num_ranks * SIGNATURE_INTS;
         const int* expert_counts = rank_counts + num_ranks * num_ranks;
         const int* capacities = expert_counts + num_ranks * experts_per_rank;
-        __shared__ int num_recv_tokens;
+        __shared__ int num_recv_tokens, call_verdict;
         if (thread == 0) {
-            // The host refuses a dispatch with a verdict; the word is written anyway, to clear
-            // a disagreement left by an earlier cached call.
+            // The word is written even when it is 0, to clear a disagreement left by an earlier
+            // cached call.
             int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
             for (int dst = 0; dst < num_ranks && verdict == 0; ++dst) {
                 int received = 0;
@@ -178,13 +191,19 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
                 if (received > capacities[dst])
                     verdict = VERDICT_OVER_CAPACITY;
             }
+            call_verdict = verdict;
             *verdict_word(buffer_ptrs, rank) = verdict;
-            *reinterpret_cast<volatile int*>(mismatch_flag) = verdict;
+            if (mismatch_flag != nullptr)
+                *reinterpret_cast<volatile int*>(mismatch_flag) = verdict;
+            if (verdict != 0 && report_refusal)
+                report_error(error_record, ERROR_DISPATCH_REFUSED, KERNEL_NOTIFY_DISPATCH, rank, -1, -1, verdict);
         }
+        __syncthreads();
+        const bool refused = call_verdict != 0;
         if (thread < num_ranks) {
             int running = 0;
             for (int src = 0; src < num_ranks; ++src) {
-                running += rank_counts[src * num_ranks + thread];
+                running += refused ? 0 : rank_counts[src * num_ranks + thread];
                 rank_prefix_matrix[src * num_ranks + thread] = running;
             }
             if (thread == rank)
@@ -192,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
         }
         for (int e = thread; e < experts_per_rank; e += num_threads) {
             int sum = 0;
-            for (int src = 0; src < num_ranks; ++src)
+            for (int src = 0; src < num_ranks && !refused; ++src)
                 sum += expert_counts[src * experts_per_rank + e];
             sum = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
             reinterpret_cast<volatile int*>(recv_expert_counter)[e] = sum;
@@ -235,9 +254,9 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
 extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_DISPATCH_THREADS) cached_notify_dispatch_kernel(
         void* const* buffer_ptrs, int num_ranks, int rank,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
-        int64_t_ zero_off, int zero_count, int64_t_ timeout_ns, int* error_record) {
+        int64_t_ zero_off, int zero_count, const int* dispatch_verdict, int64_t_ timeout_ns, int* error_record) {
     const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
-    check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, timeout_ns,
+    check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, dispatch_verdict, timeout_ns,
                     error_record, KERNEL_CACHED_NOTIFY_DISPATCH);
 }
 
@@ -259,10 +278,10 @@ extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_COMBINE_THREADS) cach
         void* const* buffer_ptrs, int num_ranks, int rank,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
         int64_t_ zero_off, int zero_count, const int* send_head, int* combine_head, int num_tokens,
-        int num_channels, int64_t_ timeout_ns, int* error_record) {
+        int num_channels, const int* dispatch_verdict, int64_t_ timeout_ns, int* error_record) {
     if (blockIdx.x == 0) {
         const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
-        check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count,
+        check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, dispatch_verdict,
                         timeout_ns, error_record, KERNEL_CACHED_NOTIFY_COMBINE);
         return;
     }

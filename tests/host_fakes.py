@@ -140,6 +140,7 @@ class FakeOrder:
         self.stream = SimpleNamespace(ptr=COMM_STREAM)
         self.ptr = self.stream.ptr
         self.notify_done = None
+        self.capturing = False
         self.begun = []
         self.finished = []
 
@@ -166,10 +167,15 @@ class FakeOrder:
 
 
 class _RecordingRuntime:
-    """The CUDA runtime calls a StreamOrder makes, appended to a timeline."""
+    """The CUDA runtime calls a StreamOrder makes, appended to a timeline; the streams in
+    ``capturing`` are being captured into a CUDA graph."""
 
-    def __init__(self, timeline):
+    def __init__(self, timeline, capturing=()):
         self.timeline = timeline
+        self.capturing = set(capturing)
+
+    def streamIsCapturing(self, stream):
+        return stream in self.capturing
 
     def eventRecord(self, event, stream):
         self.timeline.append(("record", event, stream))
@@ -193,7 +199,8 @@ class _RecordingWaitable:
 
 def recording_order(timeline, shares_gpu=False) -> StreamOrder:
     """A real StreamOrder on the communication stream COMM_STREAM whose CUDA calls (event records,
-    stream waits, host waits) are appended to ``timeline``; events are numbered from 1."""
+    stream waits, host waits) are appended to ``timeline``; events are numbered from 1. Its
+    ``_runtime.capturing`` is the set of streams that are being captured (none at first)."""
     numbers = itertools.count(1)
     return StreamOrder(DEVICE, shares_gpu, _RecordingWaitable("stream", COMM_STREAM, timeline),
                        lambda: _RecordingWaitable("event", next(numbers), timeline), _RecordingRuntime(timeline))

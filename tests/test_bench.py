@@ -421,3 +421,28 @@ def test_calls_options_parse_and_refuse_unknown_libraries(capsys):
 def test_calls_are_in_the_json_document():
     doc = bench.results_to_json({}, calls=report.summarize_calls([_calls_rank(1.0)]))
     assert json.loads(json.dumps(doc))["calls"]["rows"]
+
+
+def test_the_captured_step_is_layout_then_a_worst_case_dispatch_then_combine():
+    from deepep_cupy.bench import graphs
+
+    log = []
+
+    class Recording:
+        num_ranks = 2
+
+        def get_dispatch_layout(self, topk_idx, num_experts):
+            log.append(("layout", num_experts))
+            return "per_rank", None, "per_expert", "in_rank", None
+
+        def dispatch(self, x, **kwargs):
+            log.append(("dispatch", kwargs["num_worst_tokens"], kwargs["config"]))
+            return "recv_x", None, "recv_w", [], "handle", None
+
+        def combine(self, x, handle, topk_weights, config):
+            log.append(("combine", x, handle, topk_weights, config))
+
+    a = {"x": np.zeros((128, 16)), "topk_idx": None, "topk_weights": None}
+    graphs.step(Recording(), a, 64, "d", "c")()
+    assert log == [("layout", 64), ("dispatch", 256, "d"), ("combine", "recv_x", "handle", "recv_w", "c")]
+    assert set(graphs.STEP_OPS) <= set(calls.OPS)

@@ -5,10 +5,11 @@ run a DeepEP-style script end to end (tests/test_gpu_torch_dist.py)."""
 import numpy as np
 import pytest
 from host_fakes import fake_buffer, on_device
-from test_host_path import CONFIG, E, H, K, N, dispatch, workload
+from test_host_path import CONFIG, STAGE_IDS, E, H, K, N, dispatch, workload
 
 import deepep_cupy as ep
 from deepep_cupy import reference as ref
+from deepep_cupy.constants import ERROR_DISPATCH_REFUSED, VERDICT_OVER_CAPACITY
 
 
 @pytest.fixture
@@ -140,27 +141,65 @@ def test_worst_case_dispatch_returns_fixed_rows_with_ids_minus_one_past_the_rece
     w = workload()
     recv_x, recv_topk, recv_w, per_expert, handle, _ = dispatch(buf, w, num_worst_tokens=N * 2)
     assert recv_x.shape == (N * 2, H) and recv_topk.shape == recv_w.shape == (N * 2, K)
-    assert per_expert == [] and handle.num_recv_tokens == 100 and handle.num_worst_tokens == N * 2
-    assert launches.names()[-3:] == ["notify_dispatch_kernel", "fill", "dispatch_kernel<2>"]
+    assert per_expert == [] and handle.num_worst_tokens == handle.rows == N * 2
+    assert launches.names()[-3:] == ["fill", "notify_dispatch_kernel", "dispatch_kernel<2>"]
     fill = launches.last("fill")
     assert (fill["ptr"], fill["byte"], fill["num_bytes"]) == (recv_topk.ctypes.data, 0xFF, N * 2 * K * 8)
     assert launches.last("notify_dispatch_kernel")["recv_capacity"] == N * 2
     assert buf.last_dispatch_allocation == "fixed"
 
 
-def test_worst_case_dispatch_raises_when_a_rank_receives_more(monkeypatch):
-    buf, _, _ = fake_buffer(monkeypatch, received=(500,))
-    with pytest.raises(ValueError, match="num_worst_tokens: a rank receives more than 128 tokens"):
-        dispatch(buf, workload(), num_worst_tokens=128)
+def test_worst_case_dispatch_never_waits_for_the_host(monkeypatch):
+    buf, launches, _ = fake_buffer(monkeypatch, received=(-1,))  # a host wait for the count would time out
+    handle = dispatch(buf, workload(), num_worst_tokens=N * 2)[4]
+    assert handle.num_recv_tokens is None
 
 
-def test_combine_takes_a_worst_case_handles_rows_either_way(fake):
+def test_worst_case_dispatch_publishes_its_counts_and_verdict_in_the_handle(fake):
+    buf, launches, _ = fake
+    handle = dispatch(buf, workload(), num_worst_tokens=N * 2)[4]
+    assert handle.recv_count.shape == (1,) and handle.recv_expert_counts.shape == (E // 2,)
+    assert handle.recv_count_ptr == handle.recv_count.ctypes.data == handle.verdict_ptr + 4
+    assert handle.recv_expert_counts_ptr == handle.recv_expert_counts.ctypes.data
+    notify = launches.last("notify_dispatch_kernel")
+    assert (notify["recv_counter"], notify["mismatch_flag"], notify["recv_expert_counter"], notify["report_refusal"]) \
+        == (handle.recv_count_ptr, handle.verdict_ptr, handle.recv_expert_counts_ptr, 1)
+
+
+def test_calls_with_a_worst_case_handle_move_nothing_when_its_dispatch_was_refused(fake):
+    buf, launches, _ = fake
+    recv_x, _, _, _, handle, _ = dispatch(buf, workload(), num_worst_tokens=N * 2)
+    buf.dispatch(workload()["x"], handle=handle, config=CONFIG)
+    assert launches.last("cached_notify_dispatch_kernel")["dispatch_verdict"] == handle.verdict_ptr != 0
+    buf.combine(recv_x, handle, config=CONFIG)
+    assert launches.last("cached_notify_combine_kernel")["dispatch_verdict"] == handle.verdict_ptr
+
+
+def test_a_refused_worst_case_dispatch_raises_at_the_next_call_and_leaves_the_buffer_usable(monkeypatch):
+    refused = [ERROR_DISPATCH_REFUSED, STAGE_IDS["notify_dispatch"], 0, -1, -1, VERDICT_OVER_CAPACITY]
+    buf, _, _ = fake_buffer(monkeypatch, received=(500,), error=refused)
+    recv_x, _, _, _, handle, _ = dispatch(buf, workload(), num_worst_tokens=128)
+    with pytest.raises(ValueError, match="num_worst_tokens: in an earlier dispatch that the host did not wait for, "
+                                         "a rank received more tokens than num_worst_tokens"):
+        buf.combine(recv_x, handle, config=CONFIG)
+    buf.combine(recv_x, handle, config=CONFIG)
+
+
+def test_combine_takes_a_worst_case_handles_fixed_rows(fake):
     buf, launches, _ = fake
     recv_x, _, _, _, handle, _ = dispatch(buf, workload(), num_worst_tokens=N * 2)
     buf.combine(recv_x, handle, config=CONFIG)
-    buf.combine(recv_x[:100], handle, config=CONFIG)
-    with pytest.raises(ValueError, match=r"x: expected 100 rows .* or 128 \(its num_worst_tokens\), got 99"):
-        buf.combine(recv_x[:99], handle, config=CONFIG)
+    with pytest.raises(ValueError, match=r"x: expected 128 rows \(its num_worst_tokens\), got 100"):
+        buf.combine(recv_x[:100], handle, config=CONFIG)
+
+
+def test_a_capture_refuses_a_dispatch_that_waits_for_the_counts(fake):
+    buf, launches, _ = fake
+    buf._order.capturing = True
+    with pytest.raises(ValueError, match="a fresh dispatch without num_worst_tokens makes the host wait"):
+        dispatch(buf, workload())
+    assert launches.names() == []
+    dispatch(buf, workload(), num_worst_tokens=N * 2)
 
 
 def test_combine_adds_the_biases_it_is_given(fake):

@@ -332,7 +332,7 @@ def test_combine_needs_one_row_per_received_token(fake):
     buf, _, _ = fake
     w = workload()
     recv_x, _, _, _, handle, _ = dispatch(buf, w)
-    with pytest.raises(ValueError, match=r"x: expected 100 rows \(the tokens the handle's dispatch received\), got 99"):
+    with pytest.raises(ValueError, match=r"x: expected 100 rows \(the tokens its dispatch received\), got 99"):
         buf.combine(recv_x[:99], handle, config=CONFIG)
     with pytest.raises(TypeError, match="x: expected dtype bfloat16 or float16 or float32, got float8_e4m3fn"):
         buf.combine(on_device(np.zeros((100, H), np.uint8)), handle, config=CONFIG)

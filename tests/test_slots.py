@@ -13,6 +13,7 @@ from host_fakes import FakeMapped
 import deepep_cupy as ep
 from deepep_cupy import slots
 from deepep_cupy.constants import (
+    ERROR_DISPATCH_REFUSED,
     ERROR_MISMATCH,
     ERROR_PEER_ABORTED,
     ERROR_TIMEOUT,
@@ -90,11 +91,24 @@ def test_each_error_code_has_its_own_exception():
     assert "timed out after" not in str(errors[ERROR_PEER_ABORTED])  # it did not wait out a timeout itself
 
 
-def test_a_dispatch_posts_its_settings_and_clears_the_count():
+def test_a_dispatch_whose_host_waits_clears_the_count_and_the_verdict():
     host_slots = slots_with_record()
-    host_slots.values[slots.RECV_COUNT] = 12
-    host_slots.start_dispatch((1, 2, 3, 4, 5, 6, 7))
-    assert host_slots.values[slots.RECV_COUNT] == -1 and host_slots.signature() == [1, 2, 3, 4, 5, 6, 7]
+    host_slots.values[slots.RECV_COUNT], host_slots.values[slots.VERDICT] = 12, 3
+    host_slots.start_dispatch()
+    assert host_slots.values[slots.RECV_COUNT] == -1 and host_slots.values[slots.VERDICT] == 0
+
+
+@pytest.mark.parametrize("verdict, error, message", [
+    (VERDICT_OVER_CAPACITY, ValueError, "a rank received more tokens than num_worst_tokens"),
+    (-2, ValueError, r"rank 1 passed expert ids outside \[-1, num_experts\)"),
+    (2, ep.RankMismatchError, "the settings differ between rank 0 and rank 1"),
+])
+def test_a_refused_dispatch_is_reported_once_by_its_verdict(verdict, error, message):
+    host_slots = slots_with_record()
+    host_slots.values[:8] = [ERROR_DISPATCH_REFUSED, 2, 0, -1, -1, verdict, 0, 0]
+    with pytest.raises(error, match=message):
+        host_slots.raise_if_failed()
+    host_slots.raise_if_failed()  # the Buffer stays usable
 
 
 class _KernelDone:

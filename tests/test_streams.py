@@ -100,3 +100,54 @@ def test_ranks_sharing_a_gpu_return_after_the_call_finished():
     run_on = order.begin(CALLER, None, False, rank=0)
     order.finish(CALLER, run_on, Lib(), False, (), (), False, lambda: checked.append(1))
     assert ("stream sync", CALLER) in log and checked == [1]
+
+
+# --- under CUDA stream capture -------------------------------------------------------------------
+
+def test_a_captured_call_waits_for_no_eager_call_and_leaves_their_order_alone():
+    order, log = make_order()
+    call(order, caller=CALLER)
+    eager_order = (order._last_stream, order._last_event)
+    log.clear()
+    order._runtime.capturing.add(OTHER)
+    run_on, event = call(order, caller=OTHER)
+    assert run_on == OTHER and event.event is None and log == []
+    assert (order._last_stream, order._last_event) == eager_order
+
+
+def test_an_eager_call_after_a_capture_waits_for_the_eager_call_before_it():
+    order, log = make_order()
+    call(order, caller=CALLER)
+    order._runtime.capturing.add(OTHER)
+    call(order, caller=OTHER)
+    order._runtime.capturing.clear()
+    log.clear()
+    call(order, caller=OTHER)
+    assert log[0] == ("wait", OTHER, order._last_done.ptr)
+
+
+def test_a_captured_asynchronous_call_forks_the_comm_stream_with_events_of_its_own():
+    order, log = make_order()
+    order._runtime.capturing.add(CALLER)
+    lib = Lib()
+    run_on, event = call(order, async_finish=True, lib=lib)
+    fork = log[0][1]
+    assert run_on == COMM and fork not in (order._caller_done.ptr, order._last_done.ptr)
+    assert log == [("record", fork, CALLER), ("wait", COMM, fork), ("record", event.event.ptr, COMM)]
+    assert lib.used == []  # the capture's memory lives with its graph, not by stream bookkeeping
+
+
+def test_ranks_sharing_a_gpu_do_not_wait_on_the_host_for_a_captured_call():
+    order, log = make_order(shares_gpu=True)
+    order._runtime.capturing.add(CALLER)
+    run_on = order.begin(CALLER, None, False, rank=0)
+    order.finish(CALLER, run_on, Lib(), False, (), (), False, lambda: pytest.fail("checked errors"))
+    assert not any(entry[0].endswith("sync") for entry in log)
+
+
+def test_a_captured_call_that_stops_records_nothing():
+    order, log = make_order()
+    order._runtime.capturing.add(CALLER)
+    run_on = order.begin(CALLER, None, False, rank=0)
+    order.abandon(run_on)
+    assert log == [] and order._last_stream is None

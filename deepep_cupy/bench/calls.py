@@ -3,7 +3,9 @@
 For every token count of ``--calls-tokens`` and array library of ``--calls-libs`` (CuPy arrays, and
 PyTorch tensors when torch imports), each rank builds its workload in that library and times, per
 op (layout; fresh dispatch BF16 and FP8 with top-k and weights; cached dispatch BF16 and FP8;
-combine BF16 with weights), ``--calls-iters`` calls issued back to back after a warm-up:
+combine BF16 with weights; and the step an inference server captures, layout + dispatch with
+``num_worst_tokens`` + combine, called eagerly and replayed from a CUDA graph:
+:mod:`deepep_cupy.bench.graphs`), ``--calls-iters`` calls issued back to back after a warm-up:
 
 * **loop time**: GPU time per call over the whole loop (events on the caller's stream around it;
   no L2 flush, no barrier between calls), so host stalls count: what a training loop sees;
@@ -22,10 +24,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .graphs import STEP_OPS, step_ops
 from .workload import make_workload
 
 DEFAULT_CALLS_TOKENS = (128, 512, 1024, 2048, 4096, 8192)
-OPS = ("layout", "dispatch BF16", "dispatch FP8", "cached dispatch BF16", "cached dispatch FP8", "combine BF16")
+OPS = ("layout", "dispatch BF16", "dispatch FP8", "cached dispatch BF16", "cached dispatch FP8",
+       "combine BF16") + STEP_OPS
 
 #: DeepEP V1 (commit 92fe2de) on 2 x H200, torch tensors, same loop: {op: {tokens: (loop us, host us)}}
 #: (host None where it was not measured).
@@ -124,6 +128,7 @@ def bench_calls_rank(buf: Any, group: Any, args: Any, reference: Any, dispatch_c
                 stream = _caller_stream(lib, device)
                 a = _device_arrays(lib, host, device)
                 ops = _calls(buf, a, E, d, c)
+                ops.update(step_ops(buf, lib, a, E, d, c, device, getattr(group, "in_process", False)))
                 waits = lambda: buf.last_count_wait_s  # noqa: E731
                 figures = {op: time_loop(ops[op], stream, args.calls_warmup, args.calls_iters, group.barrier,
                                          waits if op.startswith("dispatch") else None) for op in OPS}

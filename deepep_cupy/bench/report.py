@@ -328,7 +328,7 @@ def plot_calls(path: str, calls: Dict[str, Any], settings: Dict[str, Any]) -> Op
         import matplotlib.pyplot as plt
     except Exception as exc:
         return f"matplotlib is not importable ({exc})"
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7.5))
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     for ax, op in zip(axes.flat, CALL_OPS):
         for lib in dict.fromkeys(r["lib"] for r in calls["rows"]):
             pts = sorted((r["num_tokens"], r["loop_us"]) for r in calls["rows"] if r["op"] == op and r["lib"] == lib)

@@ -258,7 +258,8 @@ def _run_scenario(buf, sc):
         buf.allocate_ahead = True
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
     if sc["worst"]:
-        worst_x, worst_topk, worst_weights, worst_handle = check_worst_case(fresh_dispatch, want, to_numpy, sc)
+        worst_x, worst_topk, worst_weights, worst_handle = check_worst_case(fresh_dispatch, want, per_expert_list,
+                                                                            to_numpy, sc)
 
     # Cached dispatch: same routing, fresh payload
     if sc["cached"]:
@@ -320,16 +321,20 @@ def make_biases(sc, inputs):
     return biases
 
 
-def check_worst_case(fresh_dispatch, want, to_numpy, sc):
+def check_worst_case(fresh_dispatch, want, want_per_expert, to_numpy, sc):
     """A fresh dispatch with ``num_worst_tokens``: fixed-size outputs, the received rows first (as
-    the exact dispatch returns them), top-k ids -1 past them, no expert counts."""
+    the exact dispatch returns them), top-k ids -1 past them, no expert counts in the list (DeepEP's)
+    but the received and per-expert counts (those of the exact dispatch) in the handle's device arrays."""
     num_recv = want["recv_x"].shape[0]
     worst = num_recv + 37
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = fresh_dispatch(num_worst_tokens=worst)
     rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
-    if rows.shape[0] != worst or per_expert_list != [] or handle.num_recv_tokens != num_recv:
+    if rows.shape[0] != worst or per_expert_list != [] or handle.num_recv_tokens is not None:
         raise Mismatch(f"num_worst_tokens={worst}: {rows.shape[0]} rows, expert counts {per_expert_list}, "
-                       f"handle receives {handle.num_recv_tokens} (expected {worst}, [], {num_recv})")
+                       f"handle receives {handle.num_recv_tokens} (expected {worst}, [], None)")
+    expect_equal("worst: handle.recv_count", to_numpy(handle.recv_count), np.array([num_recv], np.int32))
+    expect_equal("worst: handle.recv_expert_counts", to_numpy(handle.recv_expert_counts),
+                 np.array(want_per_expert, np.int32))
     expect_equal("worst: recv_x", to_numpy(rows)[:num_recv], want["recv_x"])
     if isinstance(recv_x, tuple):
         expect_equal("worst: recv_x_scales", to_numpy(recv_x[1])[:num_recv], want["recv_x_scales"])

@@ -1,0 +1,78 @@
+"""One MoE step (layout, a dispatch with ``num_worst_tokens``, combine) called eagerly and replayed
+from a CUDA graph, for the loop benchmark (:mod:`deepep_cupy.bench.calls`).
+
+The step is what an inference server captures: a dispatch that never waits for the host, sized for
+every token of every rank. The graph is captured once per array library and token count, after a
+warm-up call (plans, kernels and allocator pools made outside the capture; CuPy's on the capture
+stream itself), on a capture stream of its own (``torch.cuda.graph``; CuPy's
+``Stream.begin_capture``), in thread-local mode when the ranks are threads of one process. A replay
+launches on the caller's current stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+#: The two ops this module adds to the loop benchmark.
+STEP_OPS = ("step eager", "step graph replay")
+
+
+def step(buf: Any, a: Dict[str, Any], num_experts: int, dispatch_config: Any, combine_config: Any
+         ) -> Callable[[], Any]:
+    """The step on the workload ``a`` (``x``, ``topk_idx``, ``topk_weights``) as one call."""
+    worst = a["x"].shape[0] * buf.num_ranks
+
+    def run():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(a["topk_idx"], num_experts)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+            a["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=a["topk_idx"], topk_weights=a["topk_weights"], num_worst_tokens=worst, config=dispatch_config)
+        return buf.combine(recv_x, handle, topk_weights=recv_w, config=combine_config)
+
+    return run
+
+
+class Replay:
+    """``fn`` captured once into a CUDA graph; calling the object replays it on the current stream."""
+
+    def __init__(self, lib: str, fn: Callable[[], Any], device: int, thread_local: bool):
+        self.lib = lib
+        if lib == "torch":
+            import torch
+
+            torch.cuda.current_stream(device).synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device),
+                                  capture_error_mode="thread_local" if thread_local else "global"):
+                self.outputs = fn()  # kept: the graph writes into them
+        else:
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                # CuPy's pool keeps freed blocks per stream: one call on the capture stream first
+                # leaves the blocks that the capture then takes without a cudaMalloc.
+                fn()
+                stream.synchronize()
+                stream.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal if thread_local else None)
+                try:
+                    self.outputs = fn()
+                finally:
+                    self.graph = stream.end_capture()
+
+    def __call__(self) -> None:
+        if self.lib == "torch":
+            self.graph.replay()
+        else:
+            import cupy
+
+            self.graph.launch(cupy.cuda.get_current_stream())
+
+
+def step_ops(buf: Any, lib: str, a: Dict[str, Any], num_experts: int, dispatch_config: Any, combine_config: Any,
+             device: int, thread_local: bool) -> Dict[str, Callable[[], Any]]:
+    """:data:`STEP_OPS` as calls: the eager step (called once here, before the capture) and its replay."""
+    eager = step(buf, a, num_experts, dispatch_config, combine_config)
+    eager()
+    return {"step eager": eager, "step graph replay": Replay(lib, eager, device, thread_local)}

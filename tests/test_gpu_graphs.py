@@ -1,0 +1,66 @@
+"""CUDA graphs on real GPUs: layout, a dispatch with ``num_worst_tokens``, a cached dispatch and a
+combine, captured once (``torch.cuda.graph`` and CuPy's stream capture) and replayed with new inputs
+and new routing in the same buffers, every replay bit-exact against the reference; a replay that
+only one rank runs ends in a timeout exception, and a new Buffer works after it. Under mpiexec and
+with both ranks in one process (tests/workers/graph_worker.py)."""
+
+import pytest
+from _harness import WORKERS, describe, gpu_count, records_by, run_mpi, run_python, script_constant
+
+WORKER = WORKERS / "graph_worker.py"
+CASES = script_constant(WORKER, "CASES")
+TIMEOUT_S = script_constant(WORKER, "TIMEOUT_S")
+
+
+def _results(run):
+    return records_by(run.stdout, "case"), run
+
+
+@pytest.fixture(scope="module")
+def mpi_results():
+    if gpu_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
+    return _results(run_mpi(2, [str(WORKER)], timeout=300))
+
+
+@pytest.fixture(scope="module")
+def local_results():
+    if gpu_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
+    return _results(run_python([str(WORKER), "--local"], timeout=300))
+
+
+def _every_rank_passed(results, run, case):
+    entries = results.get(case)
+    assert entries and len(entries) == 2, f"no result for {case}\n{describe(run)}"
+    for entry in entries:
+        assert entry["ok"], f"rank {entry['rank']}: {entry['error']}"
+    return entries
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", CASES)
+def test_captured_steps_under_mpi(mpi_results, case):
+    _every_rank_passed(*mpi_results, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_captured_steps_with_in_process_ranks(local_results, case):
+    _every_rank_passed(*local_results, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_a_lone_replay_raises_a_timeout_after_the_buffers_timeout(mpi_results):
+    entries = _every_rank_passed(*mpi_results, "lone_replay_times_out")
+    lone = next(e for e in entries if e["rank"] == 0)
+    assert lone["raised"] == "DeepEPTimeoutError" and lone["replay_seconds"] <= TIMEOUT_S + 10
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_replays_receive_what_their_own_routing_sends(mpi_results):
+    entries = _every_rank_passed(*mpi_results, "replay_torch")
+    assert all(len(set(e["received"])) > 1 for e in entries)  # the routing changed between replays
