@@ -5,7 +5,7 @@ exchange counts or reset the queues, allocate the outputs, move the tokens, hand
 results. The work under them lives in small modules: argument checks and their cached specs
 (``plans``), array libraries (``tensors``), kernel launches with bound arguments (``launch``),
 the host-mapped slots and their errors (``slots``), stream ordering (``streams``), the handle
-(``handle``) and the NVLink buffers (``ipc``).
+(``handle``), the NVLink buffers (``ipc``) and the three ways of dispatching (``dispatch_path``).
 
 Per call a Buffer reads its arguments natively (:func:`deepep_cupy.tensors.read`) and looks up
 the plan made for arguments of those kinds; only a call with new kinds of arguments runs the
@@ -16,21 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import compat, kernels, launch, plans, slots
+from . import compat, kernels, plans, slots
 from .capacity import ReceiveCapacityGuess
 from .comm import Group, as_group, check_sm_budget
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
-from .constants import MAX_RANKS, VERDICT_OVER_CAPACITY
+from .constants import MAX_RANKS
+from .dispatch_path import DispatchPath
 from .errors import RankMismatchError
 from .events import EventOverlap
-from .handle import DispatchHandle, handle_layout
+from .handle import DispatchHandle
 from .ipc import NvlBuffer
 from .launch import KernelCall, parameter_struct
-from .slots import ERROR_RECORD, NO_CAPACITY_LIMIT, HostSlots, verdict_error
+from .slots import ERROR_RECORD, HostSlots
 from .streams import StreamOrder
 from .tensors import ABSENT, read
 
@@ -40,42 +41,6 @@ __all__ = ["Buffer", "DispatchHandle"]
 MAX_PLANS = 256
 _NO_CONTEXT = contextlib.nullcontext()
 ABSENT_ROWS = ABSENT[2]
-
-
-class _Plan(NamedTuple):
-    """A checked spec with its kernels bound: ``notify`` (count exchange or queue reset, if any)
-    and ``main``; ``row_args``: how many of the call's arrays must have the first one's rows;
-    ``outputs``: ``(extents after the rows, dtype name)`` of each array the call returns per
-    received row (None for one it does not return)."""
-    spec: Any
-    notify: Optional[KernelCall]
-    main: KernelCall
-    row_args: int = 1
-    outputs: Tuple[Optional[Tuple[Tuple[int, ...], str]], ...] = ()
-
-
-class _DispatchCall(NamedTuple):
-    """One fresh dispatch's arguments as the kernels take them."""
-    plan: _Plan
-    lib: Any
-    num_tokens: int
-    x: int
-    x_scales: int
-    per_rank: int
-    in_rank: int
-    per_expert: int
-    topk: int
-    weights: int
-    scale_strides: Tuple[int, int]  # (token, scale) strides of x's FP8 scales, in elements
-    arrays: tuple  # (x rows, scales, per_rank, in_rank, per_expert, topk, weights) as the caller passed them
-
-    @property
-    def in_rank_array(self) -> Any:
-        return self.arrays[3]
-
-    @property
-    def topk_array(self) -> Any:
-        return self.arrays[5]
 
 
 class _DeviceScope:
@@ -100,7 +65,7 @@ class _DeviceScope:
             self._runtime.setDevice(previous)
 
 
-class Buffer:
+class Buffer(DispatchPath):
     """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
 
     Created collectively by every rank of the group, one rank per GPU (or, in one process, one
@@ -205,7 +170,7 @@ class Buffer:
         self._slots: Optional[HostSlots] = None
         self._order: Optional[StreamOrder] = None
         self._capacity_guess = ReceiveCapacityGuess()
-        self._plans: Dict[tuple, _Plan] = {}
+        self._plans: Dict[tuple, plans.Plan] = {}
         self._default_configs: Dict[tuple, Config] = {}
         self._checked_sms: set = set()
         self._on_device = _DeviceScope(device_id)
@@ -388,7 +353,7 @@ class Buffer:
         shared = {name: value for name, value in self._shared_args.items() if name in names}
         return KernelCall(kernel, template_args, grid=grid, shared_mem=shared_mem, **shared, **fixed)
 
-    def _plan(self, key: tuple, build, *args) -> _Plan:
+    def _plan(self, key: tuple, build, *args) -> plans.Plan:
         """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan."""
         with self._on_device:
             plan = build(*args)
@@ -454,11 +419,11 @@ class Buffer:
                 raise
         return per_rank, None, per_expert, in_rank, event
 
-    def _layout_plan(self, topk_idx, num_experts) -> _Plan:
+    def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
         spec = plans.check_layout(self._context, topk_idx, num_experts)
         main = self._bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self.num_ranks),
                           num_topk=spec.num_topk, num_experts=spec.num_experts)
-        return _Plan(spec, None, main)
+        return plans.Plan(spec, None, main)
 
     # -----------------------------------------------------------------------------------------
     # Dispatch
@@ -518,217 +483,6 @@ class Buffer:
                                     topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
                                     async_finish, allocate_on_comm_stream)
 
-    def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                        topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                        allocate_on_comm_stream):
-        call = self._read_fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                topk_weights, expert_alignment, config)
-        if num_worst_tokens:
-            return self._worst_case_dispatch(call, num_worst_tokens, previous_event, async_finish,
-                                             allocate_on_comm_stream)
-        rows_ahead = self._capacity_guess.rows(call.num_tokens) if self.allocate_ahead else None
-        with self._on_device:
-            out = self._exchange_and_transfer(call, rows_ahead, previous_event, async_finish,
-                                              allocate_on_comm_stream)
-            if out is None:
-                # A rank received more than its guess: every rank's transfer moved nothing. Again,
-                # with the host waiting for the counts (all ranks come here together).
-                self.last_dispatch_allocation = "retried"
-                out = self._exchange_and_transfer(call, None, previous_event, async_finish,
-                                                  allocate_on_comm_stream)
-            else:
-                self.last_dispatch_allocation = "exact" if rows_ahead is None else "ahead"
-        self._capacity_guess.observe(call.num_tokens, out[4].num_recv_tokens)
-        return out
-
-    def _worst_case_dispatch(self, call: _DispatchCall, num_worst_tokens: int, previous_event, async_finish: bool,
-                             allocate_on_comm_stream: bool):
-        """A fresh dispatch whose outputs have ``num_worst_tokens`` rows (DeepEP's fixed-size mode)."""
-        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, (int, np.integer)) \
-                or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
-        rows, plan, lib, dev = int(num_worst_tokens), call.plan, call.lib, self.device_id
-        spec = plan.spec
-        num_local_experts = spec.num_experts // self.num_ranks
-        layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        with self._on_device:
-            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            try:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    block = lib.empty((layout.total_ints(rows, num_local_experts),), "int32", dev)
-                    outputs = self._dispatch_outputs(lib, plan, rows)
-                handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
-                handle.publish_on_device(rows, num_local_experts)
-                recv_topk = outputs[2]
-                if recv_topk is not None:
-                    # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
-                    launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows * spec.num_topk * 8, run_on)
-                self._launch_notify(run_on, call, handle, rows, recv_counter=handle.recv_count_ptr,
-                                    mismatch_flag=handle.verdict_ptr,
-                                    recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1)
-                self._launch_transfer(run_on, call, outputs, handle)
-                recv_x, recv_scales, recv_topk, recv_weights = outputs
-                allocated = (block, *outputs)
-                event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                     allocate_on_comm_stream)
-            except BaseException:
-                # Kernels may be queued already: destroy() and the next call must come after them.
-                self._order.abandon(run_on)
-                raise
-        self.last_dispatch_allocation = "fixed"
-        return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, [], handle,
-                event)
-
-    def _launch_notify(self, stream: int, call: _DispatchCall, handle: DispatchHandle, recv_capacity: int,
-                       **published) -> None:
-        """notify_dispatch of a fresh dispatch, publishing its counts and verdict where ``published`` says."""
-        call.plan.notify(stream, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
-                         is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
-                         channel_prefix_matrix=handle.channel_prefix_ptr, recv_capacity=recv_capacity,
-                         topk_idx=call.topk, num_tokens=call.num_tokens, **published)
-
-    def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
-                    config) -> _DispatchCall:
-        """A fresh dispatch's arguments, checked by the plan made for arguments of their kinds."""
-        rows, scales = plans.split_x(x)
-        lib, x_ptr, n, x_key = read(rows)
-        _, s_ptr, n_s, s_key = read(scales)
-        _, r_ptr, n_r, r_key = read(per_rank)
-        _, i_ptr, n_i, i_key = read(in_rank)
-        _, e_ptr, n_e, e_key = read(per_expert)
-        _, t_ptr, n_t, t_key = read(topk_idx)
-        _, w_ptr, n_w, w_key = read(topk_weights)
-        key = ("dispatch", type(x) is tuple, x_key, s_key, r_key, n_r, i_key, e_key, n_e, t_key, w_key,
-               expert_alignment, config)
-        plan = self._plans.get(key)
-        if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
-            plan = self._plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                              expert_alignment, config)
-        return _DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
-                             self._scale_strides(plan.spec.rows, lib, scales),
-                             (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights))
-
-    @staticmethod
-    def _scale_strides(rows: plans.Rows, lib, scales) -> Tuple[int, int]:
-        if not rows.scales_strided:
-            return rows.scale_strides
-        strides = lib.element_strides(scales)
-        return (strides[0], strides[1] if len(strides) > 1 else 1)
-
-    def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config):
-        spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                                          expert_alignment, config)
-        lay = spec.layout
-        row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
-        notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, row_bytes=row_bytes,
-                            topk_code=topk_code, num_scales=num_scales, num_sms=num_sms, send_chunk=send_chunk,
-                            recv_chunk=recv_chunk, num_topk=spec.num_topk, num_experts=num_experts,
-                            num_channels=config.num_channels, expert_alignment=spec.expert_alignment,
-                            zero_off=lay.meta_off, zero_count=lay.zero_count)
-        main = self._bind_transfer(spec)
-        row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
-        return _Plan(spec, notify, main, row_args, plans.received_arrays(spec))
-
-    def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
-        lay, config = spec.layout, spec.config
-        template_args = (self.num_ranks, "true") if spec.rows.scales_strided else (self.num_ranks,)
-        return self._bind("dispatch_kernel", template_args, grid=config.num_sms,
-                          hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
-                          scale_token_stride=spec.rows.scale_strides[0], scale_hidden_stride=spec.rows.scale_strides[1],
-                          num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
-                          x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
-                          topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
-                          max_send_tokens=config.num_max_nvl_chunked_send_tokens,
-                          queue_tokens=config.num_max_nvl_chunked_recv_tokens, **fixed)
-
-    def _exchange_and_transfer(self, call: _DispatchCall, rows_ahead: Optional[int], previous_event,
-                               async_finish: bool, allocate_on_comm_stream: bool):
-        """The count exchange and the transfer of one fresh dispatch whose host waits for the counts.
-
-        With ``rows_ahead`` the outputs get that many rows and the transfer is launched before the
-        host has the counts; returns None when some rank receives more than its rows (nothing was
-        moved). Without, the host waits for the counts and allocates exactly.
-        """
-        plan, lib, dev = call.plan, call.lib, self.device_id
-        spec = plan.spec
-        layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-        try:
-            if self._order.capturing:
-                raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
-                                 "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
-                                 "(fixed-size outputs, no host wait) or capture a cached dispatch")
-            with self._allocating(lib, allocate_on_comm_stream):
-                block = lib.empty((layout.total_ints(rows_ahead or 0),), "int32", dev)
-            handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
-            self._slots.start_dispatch()
-            self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead,
-                                **self._host_counts)
-            if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
-                self._order.record_notify_done(run_on)
-            outputs = None
-            if rows_ahead is not None:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    outputs = self._dispatch_outputs(lib, plan, rows_ahead)
-                self._launch_transfer(run_on, call, outputs, handle)
-            num_recv = self._slots.wait_for_count(self._order.notify_done)
-            verdict = self._slots.verdict()
-            if verdict:
-                self._order.abandon(run_on)
-                if verdict == VERDICT_OVER_CAPACITY:
-                    return None
-                raise self._verdict_error(verdict, call)
-            per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
-            if outputs is None:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    outputs = self._dispatch_outputs(lib, plan, num_recv)
-                    src_idx = lib.empty((num_recv,), "int32", dev)
-                handle.use_separate_src_idx(src_idx)
-                self._launch_transfer(run_on, call, outputs, handle)
-                allocated = (block, src_idx, *outputs)
-            else:
-                allocated = (block, *outputs)
-                trim = lib.trim
-                outputs = [None if a is None else trim(a, num_recv) for a in outputs]
-            handle.num_recv_tokens = num_recv
-            recv_x, recv_scales, recv_topk, recv_weights = outputs
-            event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                 allocate_on_comm_stream)
-            return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, per_expert_list,
-                    handle, event)
-        except BaseException:
-            # Kernels may be queued already: destroy() and the next call must come after them.
-            self._order.abandon(run_on)
-            raise
-
-    def _dispatch_outputs(self, lib, plan: _Plan, rows: int) -> list:
-        """``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]`` with ``rows`` rows (None for
-        what the call does not return)."""
-        empty, dev = lib.empty, self.device_id
-        return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
-
-    def _launch_transfer(self, stream: int, call: _DispatchCall, outputs: tuple, handle: DispatchHandle) -> None:
-        recv_x, recv_scales, recv_topk, recv_weights = outputs
-        lib = call.lib
-        call.plan.main(stream, recv_x=lib.pointer(recv_x),
-                       recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales),
-                       recv_src_idx=handle.recv_src_idx_ptr,
-                       recv_topk_idx=0 if recv_topk is None else lib.pointer(recv_topk),
-                       recv_topk_weights=0 if recv_weights is None else lib.pointer(recv_weights),
-                       recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, send_head=handle.send_head_ptr,
-                       x=call.x, x_scales=call.x_scales, topk_idx=call.topk, topk_weights=call.weights,
-                       is_token_in_rank=call.in_rank, channel_prefix_matrix=handle.channel_prefix_ptr,
-                       rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=call.num_tokens,
-                       scale_token_stride=call.scale_strides[0], scale_hidden_stride=call.scale_strides[1])
-
-    def _verdict_error(self, verdict: int, call: _DispatchCall) -> Exception:
-        spec = call.plan.spec
-        bad_ids = None
-        if verdict == -(self.rank + 1) and call.topk_array is not None:
-            topk = call.topk_array
-            bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
-        return verdict_error(verdict, self.rank, spec.num_experts, spec.signature, bad_ids)
-
     def _check_handle(self, handle, config: Config) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
@@ -739,53 +493,6 @@ class Buffer:
             raise ValueError(f"config: the handle was made with num_sms={2 * handle.num_channels}, got "
                              f"num_sms={config.num_sms}; dispatch and combine must use the same num_sms")
         return handle
-
-    def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream):
-        rows, scales = plans.split_x(x)
-        lib, x_ptr, n, x_key = read(rows)
-        _, s_ptr, n_s, s_key = read(scales)
-        key = ("cached dispatch", type(x) is tuple, x_key, s_key, config)
-        plan = self._plans.get(key)
-        if plan is None or (n, n_s).count(n) != plan.row_args:
-            plan = self._plan(key, self._cached_plan, x, config)
-        self._check_handle(handle, config)
-        if n != handle.num_tokens:
-            raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
-        num_recv = handle.rows
-        scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
-        with self._on_device:
-            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            try:
-                plan.notify(run_on, dispatch_verdict=handle.verdict_ptr)
-                with self._allocating(lib, allocate_on_comm_stream):
-                    recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
-                plan.main(run_on, recv_x=lib.pointer(recv_x),
-                          recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
-                          is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
-                          rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
-                          scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])
-                outputs = (recv_x, recv_scales)
-                event = self._finish(caller, run_on, lib, async_finish,
-                                     (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
-                                     allocate_on_comm_stream)
-            except BaseException:
-                # Kernels may be queued already: destroy() and the next call must come after them.
-                self._order.abandon(run_on)
-                raise
-        return (recv_x if recv_scales is None else (recv_x, recv_scales)), None, None, None, handle, event
-
-    def _cached_plan(self, x, config):
-        spec = plans.check_cached_dispatch(self._context, x, config)
-        lay = spec.layout
-        notify = self._bind("cached_notify_dispatch_kernel", grid=1, op=plans.OP_CACHED_DISPATCH,
-                            row_bytes=spec.rows.row_bytes, row_detail=spec.rows.num_scales, num_sms=config.num_sms,
-                            send_chunk=config.num_max_nvl_chunked_send_tokens,
-                            recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
-                            zero_count=lay.zero_count)
-        # A cached dispatch neither moves top-k nor writes the handle's receive side.
-        main = self._bind_transfer(spec, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
-                                   recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)
-        return _Plan(spec, notify, main, 1 + (spec.rows.scales is not None), plans.received_arrays(spec))
 
     # -----------------------------------------------------------------------------------------
     # Combine
@@ -869,7 +576,7 @@ class Buffer:
                           x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
                           max_send_tokens=config.num_max_nvl_chunked_send_tokens,
                           queue_tokens=config.num_max_nvl_chunked_recv_tokens)
-        return _Plan(spec, notify, main, 1 + (spec.num_topk > 0))
+        return plans.Plan(spec, notify, main, 1 + (spec.num_topk > 0))
 
     # -----------------------------------------------------------------------------------------
 

@@ -285,3 +285,15 @@ def split_x(x) -> Tuple[Any, Any]:
     if type(x) is tuple and len(x) == 2:
         return x
     return x, None
+
+
+class Plan(NamedTuple):
+    """A checked spec with its kernels bound: ``notify`` (count exchange or queue reset, if any)
+    and ``main``; ``row_args``: how many of the call's arrays must have the first one's rows;
+    ``outputs``: ``(extents after the rows, dtype name)`` of each array the call returns per
+    received row (None for one it does not return)."""
+    spec: Any
+    notify: Optional[Any]  # a launch.KernelCall
+    main: Any  # a launch.KernelCall
+    row_args: int = 1
+    outputs: Tuple[Optional[Tuple[Tuple[int, ...], str]], ...] = ()
