@@ -88,7 +88,7 @@ class MappedInts:
             self._ptr = 0
 
 
-def kernel_error(record, rank: int, timeout_s: float) -> Optional[DeepEPError]:
+def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
     """The exception an error record stands for, or None when it records nothing.
 
     A settings disagreement (every rank stopped before moving anything and the queues were reset)
