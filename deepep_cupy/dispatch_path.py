@@ -46,6 +46,14 @@ class DispatchCall(NamedTuple):
         return self.arrays[5]
 
 
+def dispatch_result(outputs, per_expert_list, handle: DispatchHandle, event) -> tuple:
+    """DeepEP's dispatch result from ``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]``:
+    ``(recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights, per_expert_list, handle, event)``."""
+    recv_x, recv_scales, recv_topk, recv_weights = outputs
+    return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, per_expert_list,
+            handle, event)
+
+
 class DispatchPath:
     """Buffer's dispatch, after its shared arguments were checked (see the module docstring)."""
 
@@ -98,7 +106,6 @@ class DispatchPath:
                                     mismatch_flag=handle.verdict_ptr,
                                     recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1)
                 self._launch_transfer(run_on, call, outputs, handle)
-                recv_x, recv_scales, recv_topk, recv_weights = outputs
                 allocated = (block, *outputs)
                 event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
@@ -107,8 +114,7 @@ class DispatchPath:
                 self._order.abandon(run_on)
                 raise
         self.last_dispatch_allocation = "fixed"
-        return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, [], handle,
-                event)
+        return dispatch_result(outputs, [], handle, event)
 
     def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int,
                        **published) -> None:
@@ -222,11 +228,9 @@ class DispatchPath:
                 trim = lib.trim
                 outputs = [None if a is None else trim(a, num_recv) for a in outputs]
             handle.num_recv_tokens = num_recv
-            recv_x, recv_scales, recv_topk, recv_weights = outputs
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
-            return (recv_x if recv_scales is None else (recv_x, recv_scales), recv_topk, recv_weights, per_expert_list,
-                    handle, event)
+            return dispatch_result(outputs, per_expert_list, handle, event)
         except BaseException:
             # Kernels may be queued already: destroy() and the next call must come after them.
             self._order.abandon(run_on)
@@ -292,7 +296,7 @@ class DispatchPath:
                 # Kernels may be queued already: destroy() and the next call must come after them.
                 self._order.abandon(run_on)
                 raise
-        return (recv_x if recv_scales is None else (recv_x, recv_scales)), None, None, None, handle, event
+        return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
     def _cached_plan(self, x, config):
         spec = plans.check_cached_dispatch(self._context, x, config)

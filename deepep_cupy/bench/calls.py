@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import tensors
 from .graphs import STEP_OPS, step_ops
 from .workload import make_workload
 
@@ -73,16 +74,6 @@ def _device_arrays(lib: str, host: Dict[str, np.ndarray], device: int) -> Dict[s
     return out
 
 
-def _caller_stream(lib: str, device: int) -> int:
-    if lib == "torch":
-        import torch
-
-        return torch.cuda.current_stream(device).cuda_stream
-    import cupy
-
-    return cupy.cuda.get_current_stream().ptr
-
-
 def time_loop(fn: Callable[[], Any], stream_ptr: int, warmup: int, iters: int, barrier: Callable[[], None],
               wait_s: Optional[Callable[[], float]] = None) -> Dict[str, float]:
     """Loop and host time of ``fn`` (see the module docstring), in microseconds."""
@@ -125,7 +116,7 @@ def bench_calls_rank(buf: Any, group: Any, args: Any, reference: Any, dispatch_c
         host = make_workload(reference, args, group.rank, num_tokens)
         for lib in available_libs(args.calls_libs):
             with _lib_stream(lib, device):
-                stream = _caller_stream(lib, device)
+                stream = tensors.library(lib).current_stream(device)
                 a = _device_arrays(lib, host, device)
                 ops = _calls(buf, a, E, d, c)
                 ops.update(step_ops(buf, lib, a, E, d, c, device, getattr(group, "in_process", False)))

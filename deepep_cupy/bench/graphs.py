@@ -33,18 +33,21 @@ def step(buf: Any, a: Dict[str, Any], num_experts: int, dispatch_config: Any, co
 
 
 class Replay:
-    """``fn`` captured once into a CUDA graph; calling the object replays it on the current stream."""
+    """``fn`` captured once into a CUDA graph, after one call outside the capture; calling the
+    object replays it on the current stream. ``outputs``: what the captured call returned (the
+    graph writes into them on every replay)."""
 
     def __init__(self, lib: str, fn: Callable[[], Any], device: int, thread_local: bool):
         self.lib = lib
         if lib == "torch":
             import torch
 
+            fn()
             torch.cuda.current_stream(device).synchronize()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device),
                                   capture_error_mode="thread_local" if thread_local else "global"):
-                self.outputs = fn()  # kept: the graph writes into them
+                self.outputs = fn()
         else:
             import cupy
 
@@ -72,7 +75,6 @@ class Replay:
 
 def step_ops(buf: Any, lib: str, a: Dict[str, Any], num_experts: int, dispatch_config: Any, combine_config: Any,
              device: int, thread_local: bool) -> Dict[str, Callable[[], Any]]:
-    """:data:`STEP_OPS` as calls: the eager step (called once here, before the capture) and its replay."""
+    """:data:`STEP_OPS` as calls: the eager step and its replay."""
     eager = step(buf, a, num_experts, dispatch_config, combine_config)
-    eager()
     return {"step eager": eager, "step graph replay": Replay(lib, eager, device, thread_local)}

@@ -27,6 +27,8 @@ import traceback
 import numpy as np
 from gpu_worker import Mismatch, expect_equal, to_numpy
 
+from deepep_cupy.bench.graphs import Replay
+
 CASES = ("replay_torch", "replay_cupy", "lone_replay_times_out")
 REPLAYS = 6
 N, H, K, E = 256, 1024, 4, 32
@@ -78,12 +80,22 @@ class Step:
                 target.view(torch.int16 if values.dtype == np.uint16 else target.dtype).copy_(source)
             else:
                 target.set(values, stream=cupy.cuda.get_current_stream())
+        self.synchronize()
+
+    def synchronize(self):
+        """Wait for the work queued on the current stream of the step's library (a replay's too)."""
+        import cupy
+
         if self.framework == "torch":
             import torch
 
             torch.cuda.current_stream().synchronize()
         else:
             cupy.cuda.get_current_stream().synchronize()
+
+    def capture(self, in_process):
+        """The step captured once (threads of one process capture in thread-local mode)."""
+        return Replay(self.framework, self, self.device_id, thread_local=in_process)
 
     def __call__(self):
         buf = self.buf
@@ -96,50 +108,6 @@ class Step:
         return dict(per_rank=per_rank, per_expert=per_expert, in_rank=in_rank, recv_x=recv_x, recv_topk=recv_topk,
                     recv_weights=recv_weights, handle=handle, cached_x=cached_x, combined=combined,
                     combined_weights=combined_weights)
-
-
-class Graph:
-    """A step captured once (``torch.cuda.graph`` or CuPy's stream capture) and replayed."""
-
-    def __init__(self, step, in_process):
-        import cupy
-
-        self.framework = step.framework
-        if self.framework == "torch":
-            import torch
-
-            self.torch = torch
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()  # warm-up, as PyTorch asks before a capture (plans, kernels, allocator pools)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            # Threads of one process capture at once: each only guards its own capture, on a stream
-            # of its own device (torch.cuda.graph's default capture stream is one per process).
-            mode = "thread_local" if in_process else "global"
-            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(), capture_error_mode=mode):
-                self.outputs = step()
-            self.stream = torch.cuda.current_stream()
-        else:
-            self.stream = cupy.cuda.Stream(non_blocking=True)
-            with self.stream:
-                step()
-                self.stream.synchronize()
-                mode = cupy.cuda.runtime.streamCaptureModeThreadLocal if in_process else None
-                self.stream.begin_capture(mode)
-                self.outputs = step()
-                self.graph = self.stream.end_capture()
-
-    def replay(self):
-        if self.framework == "torch":
-            self.graph.replay()
-        else:
-            self.graph.launch(self.stream)
-
-    def synchronize(self):
-        self.stream.synchronize()
 
 
 def draw_inputs(seed, num_ranks, num_tokens=N, hidden=H, num_topk=K, num_experts=E):
@@ -201,15 +169,15 @@ def _replay_case(framework):
         try:
             step = Step(buf, framework)
             step.write(draw_inputs(0, buf.num_ranks)[buf.rank])
-            graph = Graph(step, in_process)
+            graph = step.capture(in_process)
             num_channels = ep.Buffer.get_dispatch_config(buf.num_ranks).num_channels
             received = []
             for replay in range(1, REPLAYS + 1):
                 inputs = draw_inputs(replay, buf.num_ranks)
                 step.write(inputs[buf.rank])
                 group.barrier()
-                graph.replay()
-                graph.synchronize()
+                graph()
+                step.synchronize()
                 buf.check_kernel_errors()
                 received.append(check_replay(graph.outputs, inputs, buf.rank, num_channels, f"replay {replay}"))
                 group.barrier()  # no rank overwrites inputs that a peer's replay still reads
@@ -223,14 +191,14 @@ def case_lone_replay_times_out(group, ep, in_process):
     buf = new_buffer(ep, group)
     step = Step(buf, "cupy")
     step.write(draw_inputs(0, buf.num_ranks)[buf.rank])
-    graph = Graph(step, in_process)
+    graph = step.capture(in_process)
     group.barrier()
     info = {}
     try:
         if buf.rank == 0:
             start = time.monotonic()
-            graph.replay()
-            graph.synchronize()  # the kernels end by themselves: every wait has a deadline
+            graph()
+            step.synchronize()  # the kernels end by themselves: every wait has a deadline
             info["replay_seconds"] = round(time.monotonic() - start, 2)
             try:
                 buf.check_kernel_errors()
@@ -274,9 +242,9 @@ def case_bench(group, ep, in_process, calls=50):
         try:
             step = Step(buf, "torch", num_tokens, hidden, topk, experts, with_cached=False)
             step.write(draw_inputs(7, R, num_tokens, hidden, topk, experts)[buf.rank])
-            graph = Graph(step, in_process)
+            graph = step.capture(in_process)
             for variant in ("eager", "graph", "eager", "graph"):  # alternated
-                run = graph.replay if variant == "graph" else step
+                run = graph if variant == "graph" else step
                 stream = torch.cuda.current_stream()
                 torch.cuda.synchronize()
                 group.barrier()
