@@ -23,7 +23,7 @@ import numpy as np
 from . import compat, kernels, plans, slots
 from .capacity import ReceiveCapacityGuess
 from .comm import Group, as_group, check_sm_budget
-from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
+from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config, sender_blocks
 from .constants import MAX_RANKS
 from .dispatch_path import DispatchPath
 from .errors import RankMismatchError
@@ -490,8 +490,9 @@ class Buffer(DispatchPath):
             raise ValueError("handle: it was made by another Buffer; a handle is only valid on the Buffer "
                              "whose dispatch returned it")
         if handle.num_channels != config.num_channels:
-            raise ValueError(f"config: the handle was made with num_sms={2 * handle.num_channels}, got "
-                             f"num_sms={config.num_sms}; dispatch and combine must use the same num_sms")
+            raise ValueError(f"config: the handle was made with another num_sms ({handle.num_channels} channels; "
+                             f"num_sms={config.num_sms} makes {config.num_channels}); dispatch and combine must use "
+                             "the same num_sms")
         return handle
 
     # -----------------------------------------------------------------------------------------
@@ -545,14 +546,13 @@ class Buffer(DispatchPath):
                 with self._allocating(lib, allocate_on_comm_stream):
                     combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
                     combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
-                plan.notify(run_on, send_head=handle.send_head_ptr, combine_head=handle.combine_head_ptr,
-                            num_tokens=num_tokens, dispatch_verdict=handle.verdict_ptr)
+                plan.notify(run_on, rank_prefix_matrix=handle.rank_prefix_ptr, dispatch_verdict=handle.verdict_ptr)
                 plan.main(run_on, combined_x=lib.pointer(combined),
                           combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
                           x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
                           rank_prefix_matrix=handle.rank_prefix_ptr,
                           recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr,
-                          combine_head=handle.combine_head_ptr, num_tokens=num_tokens)
+                          send_head=handle.send_head_ptr, num_tokens=num_tokens)
                 outputs = (combined, combined_weights)
                 event = self._finish(caller, run_on, lib, async_finish,
                                      (x, topk_weights, *biases, handle.block, *outputs), outputs,
@@ -566,16 +566,16 @@ class Buffer(DispatchPath):
     def _combine_plan(self, x, topk_weights, config, biases):
         spec = plans.check_combine(self._context, x, topk_weights, config, biases)
         lay = spec.layout
-        notify = self._bind("cached_notify_combine_kernel", grid=1 + config.num_channels, op=plans.OP_COMBINE,
+        notify = self._bind("cached_notify_combine_kernel", grid=1, op=plans.OP_COMBINE,
                             row_bytes=spec.row_bytes, row_detail=spec.row_detail, num_sms=config.num_sms,
                             send_chunk=config.num_max_nvl_chunked_send_tokens,
                             recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
-                            zero_count=lay.zero_count, num_channels=config.num_channels)
+                            zero_count=lay.zero_count, region_tokens=lay.region_tokens)
         main = self._bind("combine_kernel", (spec.element, self.num_ranks), grid=config.num_sms,
-                          hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk, meta_off=lay.meta_off,
-                          x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
-                          max_send_tokens=config.num_max_nvl_chunked_send_tokens,
-                          queue_tokens=config.num_max_nvl_chunked_recv_tokens)
+                          num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
+                          meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
+                          region_tokens=lay.region_tokens, num_senders=sender_blocks(config.num_sms),
+                          send_chunk=config.num_max_nvl_chunked_send_tokens)
         return plans.Plan(spec, notify, main, 1 + (spec.num_topk > 0))
 
     # -----------------------------------------------------------------------------------------

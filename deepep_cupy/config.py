@@ -14,22 +14,28 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from . import layout
-from .constants import FP8_SCALE_BLOCK, MAX_RANKS, MAX_TOPK
+from .constants import BLOCK_THREADS, FP8_SCALE_BLOCK, MAX_RANKS, MAX_TOPK
 
+#: Tokens per rank :func:`get_nvl_buffer_size_hint` makes room for unless told otherwise.
+DEFAULT_MAX_TOKENS_PER_RANK = 8192
 #: Environment variable naming a JSON file of tuned configs (written by ``bench --save-config``).
 CONFIG_ENV = "DEEPEP_CUPY_CONFIG"
 
 
 @dataclass(frozen=True)
 class Config:
-    """How many SMs and how large the NVLink queues are for one dispatch or combine.
+    """How many SMs dispatch and combine use, and how often their senders publish progress.
 
     Args:
-        num_sms: thread blocks of the transfer kernels; even (half send, half receive), one
-            channel per pair, so ``num_sms // 2`` channels. A combine must use the same number
-            of SMs as the dispatch whose handle it uses.
-        num_max_nvl_chunked_send_tokens: tokens a sender writes before publishing its queue tail.
-        num_max_nvl_chunked_recv_tokens: slots of each (channel, rank) queue in the receiver's buffer.
+        num_sms: thread blocks of the transfer kernels, even: :func:`sender_blocks` of them send,
+            the others receive (dispatch) or reduce (combine). Every sender warp of a dispatch is
+            one channel (a contiguous range of the rank's tokens), so a combine must use the same
+            number of SMs as the dispatch whose handle it uses.
+        num_max_nvl_chunked_send_tokens: tokens a sender warp writes before it publishes how far
+            it got (the receivers copy what is published).
+        num_max_nvl_chunked_recv_tokens: DeepEP's queue depth. Accepted (and compared across
+            ranks) so that DeepEP's configs work; the transfer regions here are sized by the
+            Buffer (deepep_cupy/layout.py), not by it.
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's internode
             settings, accepted so that its five-argument configs work; intranode calls ignore them.
     """
@@ -48,11 +54,6 @@ class Config:
                 raise ValueError(f"Config.{name}: expected a positive int, got {value!r}")
         if self.num_sms % 2:
             raise ValueError(f"Config.num_sms: expected an even number (send/receive block pairs), got {self.num_sms}")
-        if self.num_max_nvl_chunked_send_tokens > self.num_max_nvl_chunked_recv_tokens:
-            raise ValueError(
-                "Config: num_max_nvl_chunked_send_tokens "
-                f"({self.num_max_nvl_chunked_send_tokens}) must not exceed num_max_nvl_chunked_recv_tokens "
-                f"({self.num_max_nvl_chunked_recv_tokens}): a sender waits for a whole chunk of free slots")
 
     def __hash__(self) -> int:
         # Hashed on every call (plans are cached by it): computed once.
@@ -65,17 +66,15 @@ class Config:
 
     @property
     def num_channels(self) -> int:
-        return self.num_sms // 2
+        """Channels of a dispatch with this config: one per sender warp."""
+        return sender_blocks(self.num_sms) * BLOCK_THREADS["dispatch_kernel"] // 32
 
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *, num_topk: int = MAX_TOPK) -> int:
-        """Bytes of NVLink buffer that dispatch and combine need with this config.
-
-        Args:
-            hidden_bytes: bytes of one token row at its widest (``hidden * 2`` for BF16).
-            num_ranks: ranks in the group.
-            num_topk: top-k entries per token (default: the largest supported).
-        """
-        return get_nvl_buffer_size_hint(hidden_bytes, num_ranks, self, num_topk=num_topk)
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *, num_topk: int = MAX_TOPK,
+                                 num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
+        """Bytes of NVLink buffer that dispatch and combine need with this config
+        (:func:`get_nvl_buffer_size_hint`)."""
+        return get_nvl_buffer_size_hint(hidden_bytes, num_ranks, self, num_topk=num_topk,
+                                        num_max_tokens_per_rank=num_max_tokens_per_rank)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's RDMA buffer size: always 0 here (intranode only; ``Buffer`` refuses more)."""
@@ -85,9 +84,34 @@ class Config:
         return asdict(self)
 
 
+#: Blocks that push over NVLink at the link's rate: one SM pushes about 40 GB/s of 16-byte stores
+#: and 2 x H200 (18 NVLinks) take about 326 GB/s per direction, reached with 8 (docs/PERF_NOTES.md).
+LINK_SENDER_BLOCKS = 8
+
+
+def sender_blocks(num_sms: int) -> int:
+    """Blocks of a transfer kernel of ``num_sms`` blocks that send; the rest receive (dispatch) or
+    reduce (combine).
+
+    A dispatch's receivers copy twice what its senders push (the arrived rows, and this rank's own
+    tokens), and a combine's reducers read two rows or more for every row pushed: they get about
+    two thirds of the blocks, the senders at most enough to fill the links (half of 8 or fewer).
+    """
+    if num_sms <= 8:
+        return max(1, num_sms // 2)
+    return min(LINK_SENDER_BLOCKS, round(num_sms / 3))
+
+
 def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional[Config] = None, *,
-                             num_topk: int = MAX_TOPK) -> int:
+                             num_topk: int = MAX_TOPK,
+                             num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
     """Bytes of NVLink buffer needed by dispatch (BF16 or FP8 with scales) and combine.
+
+    A receiver's buffer holds one region per other rank, with a slot for every token that rank
+    may send it: about ``(num_ranks - 1) * num_max_tokens_per_rank * (hidden_bytes + 8 * num_topk
+    + 4 * scales + 4)`` bytes (8 ranks x 8192 tokens x hidden 7168 BF16 with top-8: 0.84 GB).
+    A call in which a rank sends another more tokens than its Buffer has room for raises a
+    ``ValueError`` on every rank before anything moves.
 
     Args:
         hidden_bytes: bytes of one token row at its widest (``hidden * 2`` for BF16).
@@ -95,29 +119,29 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
         config: the config to size for (default: the larger of the recommended dispatch and
             combine configs for ``num_ranks``).
         num_topk: top-k entries per token.
+        num_max_tokens_per_rank: the most tokens a rank dispatches in one call.
 
     Returns:
         A byte count; pass it (or more) as ``num_nvl_bytes`` to :class:`deepep_cupy.Buffer`.
     """
     if config is None:
-        return max(get_nvl_buffer_size_hint(hidden_bytes, num_ranks, c, num_topk=num_topk)
+        return max(get_nvl_buffer_size_hint(hidden_bytes, num_ranks, c, num_topk=num_topk,
+                                            num_max_tokens_per_rank=num_max_tokens_per_rank)
                    for c in (get_dispatch_config(num_ranks), get_combine_config(num_ranks)))
     # FP8 rows carry hidden / FP8_SCALE_BLOCK float scales; count them on top of the widest row.
     num_scales = max(1, hidden_bytes // 2 // FP8_SCALE_BLOCK)
-    d = layout.dispatch_layout(num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                               hidden_bytes, num_topk, num_scales)
-    c = layout.combine_layout(num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                              hidden_bytes, num_topk)
+    tokens = int(num_max_tokens_per_rank)
+    d = layout.dispatch_layout(num_ranks, config.num_channels, tokens, hidden_bytes, num_topk, num_scales)
+    c = layout.combine_layout(num_ranks, config.num_channels, tokens, hidden_bytes, num_topk)
     return max(d.total_bytes, c.total_bytes)
 
 
-# Recommended settings per rank count. 2 ranks: measured on 2 x H200 (scripts/quick_perf.py,
-# reference workload): 32-token chunks and 512-slot queues beat 16/256 and 6/256 for combine and
-# tie for dispatch. More ranks were not measured: smaller queues keep the buffer near 1 GB at 8.
+# Recommended settings per rank count, measured on 2 x H200 (docs/PERF_NOTES.md): 24 SMs give the
+# links their 8 senders and the copies their 16 receivers; publishing every 4 tokens beats 8 and 16.
+# The queue depth is DeepEP's and unused here (see Config).
 #: SMs of the recommended configs.
 DEFAULT_NUM_SMS = 24
-_DISPATCH_CONFIGS = {r: Config(DEFAULT_NUM_SMS, 32, 512) if r <= 4 else Config(DEFAULT_NUM_SMS, 16, 256)
-                     for r in range(2, MAX_RANKS + 1)}
+_DISPATCH_CONFIGS = {r: Config(DEFAULT_NUM_SMS, 4, 256) for r in range(2, MAX_RANKS + 1)}
 _COMBINE_CONFIGS = dict(_DISPATCH_CONFIGS)
 
 

@@ -33,6 +33,9 @@ ERROR_PEER_ABORTED = 3
 #: A dispatch the host did not wait for (``num_worst_tokens``) was refused on every rank; the
 #: record's detail is notify_dispatch's verdict.
 ERROR_DISPATCH_REFUSED = 4
+#: A cached dispatch or a combine was refused on every rank: its handle routes more tokens from one
+#: rank to another than a transfer region of the NVLink buffer holds; the detail is that count.
+ERROR_BUFFER_TOO_SMALL = 5
 
 #: Int index, in every rank's NVLink buffer, of its verdict on the running call (0: go ahead).
 VERDICT_INT = 16
@@ -49,6 +52,9 @@ NOTIFY_AREA_BYTES = -(-4 * MAX_RANKS * (SIGNATURE_INTS + MAX_RANKS + MAX_LOCAL_E
 #: The verdict when a rank receives more tokens than its host allocated rows for: nothing moves
 #: and the hosts redo the call with exact sizes.
 VERDICT_OVER_CAPACITY = 1024
+#: The verdict when a rank sends another more tokens than a transfer region of the NVLink buffer
+#: holds (deepep_cupy/layout.py): nothing moves and the call raises.
+VERDICT_BUFFER_TOO_SMALL = 1025
 #: Int index, in every rank's NVLink buffer, of its abort mark: 0 while every rank is in, ``r + 1``
 #: once rank ``r`` gave up on the Buffer (timed out). The rank that gives up writes it into every
 #: rank's buffer, its own included; it is never reset (a new Buffer's buffer starts zeroed).
@@ -67,8 +73,10 @@ BLOCK_THREADS: Dict[str, int] = {
     "notify_dispatch_kernel": 1024,
     "cached_notify_dispatch_kernel": 256,
     "barrier_kernel": 32,
-    "cached_notify_combine_kernel": 32 * MAX_RANKS,  # one warp per peer rank
-    "dispatch_kernel": 512,
+    "cached_notify_combine_kernel": 256,
+    # Every sender warp of a dispatch is one channel: the handle's channel count is the sender
+    # blocks times these threads / 32 (deepep_cupy.config.Config.num_channels).
+    "dispatch_kernel": 768,
     "combine_kernel": 768,
 }
 
@@ -86,6 +94,7 @@ def cuda_defines() -> Dict[str, int]:
         "ERROR_MISMATCH": ERROR_MISMATCH,
         "ERROR_PEER_ABORTED": ERROR_PEER_ABORTED,
         "ERROR_DISPATCH_REFUSED": ERROR_DISPATCH_REFUSED,
+        "ERROR_BUFFER_TOO_SMALL": ERROR_BUFFER_TOO_SMALL,
         "VERDICT_INT": VERDICT_INT,
         "ABORT_INT": ABORT_INT,
         "BARRIERS_INT": BARRIERS_INT,
@@ -93,6 +102,7 @@ def cuda_defines() -> Dict[str, int]:
         "NOTIFY_AREA_OFFSET": NOTIFY_AREA_OFFSET,
         "NOTIFY_AREA_BYTES": NOTIFY_AREA_BYTES,
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,
+        "VERDICT_BUFFER_TOO_SMALL": VERDICT_BUFFER_TOO_SMALL,
     }
     defines.update({f"KERNEL_{_macro(stage)}": kernel_id for kernel_id, stage in KERNEL_STAGES.items()})
     defines.update({_macro(kernel[:-len("_kernel")]) + "_THREADS": n for kernel, n in BLOCK_THREADS.items()})

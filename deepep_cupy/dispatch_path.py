@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import launch, plans
+from .config import sender_blocks
 from .constants import VERDICT_OVER_CAPACITY
 from .handle import DispatchHandle, handle_layout
 from .launch import KernelCall
@@ -161,7 +162,7 @@ class DispatchPath:
                             topk_code=topk_code, num_scales=num_scales, num_sms=num_sms, send_chunk=send_chunk,
                             recv_chunk=recv_chunk, num_topk=spec.num_topk, num_experts=num_experts,
                             num_channels=config.num_channels, expert_alignment=spec.expert_alignment,
-                            zero_off=lay.meta_off, zero_count=lay.zero_count)
+                            zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens)
         main = self._bind_transfer(spec)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         return Plan(spec, notify, main, row_args, plans.received_arrays(spec))
@@ -175,8 +176,8 @@ class DispatchPath:
                           num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
                           x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
                           topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
-                          max_send_tokens=config.num_max_nvl_chunked_send_tokens,
-                          queue_tokens=config.num_max_nvl_chunked_recv_tokens, **fixed)
+                          region_tokens=lay.region_tokens, num_senders=sender_blocks(config.num_sms),
+                          send_chunk=config.num_max_nvl_chunked_send_tokens, **fixed)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows_ahead: Optional[int], previous_event,
                                async_finish: bool, allocate_on_comm_stream: bool):
@@ -280,7 +281,7 @@ class DispatchPath:
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
             try:
-                plan.notify(run_on, dispatch_verdict=handle.verdict_ptr)
+                plan.notify(run_on, rank_prefix_matrix=handle.rank_prefix_ptr, dispatch_verdict=handle.verdict_ptr)
                 with self._allocating(lib, allocate_on_comm_stream):
                     recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
                 plan.main(run_on, recv_x=lib.pointer(recv_x),
@@ -305,7 +306,7 @@ class DispatchPath:
                             row_bytes=spec.rows.row_bytes, row_detail=spec.rows.num_scales, num_sms=config.num_sms,
                             send_chunk=config.num_max_nvl_chunked_send_tokens,
                             recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
-                            zero_count=lay.zero_count)
+                            zero_count=lay.zero_count, region_tokens=lay.region_tokens)
         # A cached dispatch neither moves top-k nor writes the handle's receive side.
         main = self._bind_transfer(spec, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
                                    recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)

@@ -18,9 +18,8 @@ class HandleLayout(NamedTuple):
     """Int32 offsets of a handle's arrays in its allocation (R ranks, C channels, N tokens).
 
     ``rank_prefix_matrix [R, R]``, ``channel_prefix_matrix [R, C]``,
-    ``recv_channel_prefix_matrix [R, C]``, ``send_head [N, R]``, then ``combine_head [N, R]``
-    (scratch of every combine with this handle: cached_notify_combine derives it from
-    ``send_head``), then ``recv_src_idx`` with one entry per received row; a dispatch that the
+    ``recv_channel_prefix_matrix [R, C]``, ``send_head [N, R]``, then ``recv_src_idx`` with one
+    entry per received row; a dispatch that the
     host does not wait for (``num_worst_tokens``) adds its verdict, its received row count and its
     per-expert counts after that (:data:`DEVICE_COUNTS_HEADER` + local experts ints).
     """
@@ -31,7 +30,6 @@ class HandleLayout(NamedTuple):
     channel_prefix: int
     recv_channel_prefix: int
     send_head: int
-    combine_head: int
     recv_src_idx: int
 
     def total_ints(self, rows: int, device_counts: int = 0) -> int:
@@ -51,9 +49,7 @@ def handle_layout(num_ranks: int, num_channels: int, num_tokens: int) -> HandleL
     channel_prefix = R * R
     recv_channel_prefix = channel_prefix + R * C
     send_head = recv_channel_prefix + R * C
-    combine_head = send_head + N * R
-    return HandleLayout(R, C, N, 0, channel_prefix, recv_channel_prefix, send_head, combine_head,
-                        combine_head + N * R)
+    return HandleLayout(R, C, N, 0, channel_prefix, recv_channel_prefix, send_head, send_head + N * R)
 
 
 class DispatchHandle:
@@ -96,7 +92,6 @@ class DispatchHandle:
         self.channel_prefix_ptr = base + INT_BYTES * layout.channel_prefix
         self.recv_channel_prefix_ptr = base + INT_BYTES * layout.recv_channel_prefix
         self.send_head_ptr = base + INT_BYTES * layout.send_head
-        self.combine_head_ptr = base + INT_BYTES * layout.combine_head
         self.recv_src_idx_ptr = base + INT_BYTES * layout.recv_src_idx
         self.in_rank_ptr = in_rank_ptr
         self.verdict_ptr = self.recv_count_ptr = self.recv_expert_counts_ptr = 0

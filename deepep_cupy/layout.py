@@ -14,21 +14,24 @@ is valid in a peer's buffer too. All regions start on 128-byte boundaries.
                         (sized for 8 ranks and MAX_LOCAL_EXPERTS; dispatches alternate between the
                         two, so a rank can post the next counts while a slower peer still reads the
                         last ones, and the notify kernel needs no barrier before it writes)
-    [DATA_OFFSET, ...)  the region of the running transfer, one of:
+    [DATA_OFFSET, ...)  the metadata and regions of the running transfer, one of:
 
-    dispatch            int start[C*R], end[C*R], head[C*R], tail[C*R]                 (queue metadata)
-                        x[C*R][Q][row_bytes]
-                        int src_idx[C*R][Q]
-                        int topk_idx[C*R][Q][K]
-                        float topk_weights[C*R][Q][K]
-                        float scales[C*R][Q][S]
+    dispatch            int start[C*R], end[C*R], tail[C*R]                      (channel metadata)
+                        x[R-1][T][row_bytes]
+                        int src_idx[R-1][T]
+                        int topk_idx[R-1][T][K]
+                        float topk_weights[R-1][T][K]
+                        float scales[R-1][T][S]
 
-    combine             int head[C*R], tail[C*R]
-                        x[C*R][Q][row_bytes]
-                        float topk_weights[C*R][Q][K]
+    combine             int tail[C*R]
+                        x[R-1][T][row_bytes]
+                        float topk_weights[R-1][T][K]
 
-Queue q = channel * R + sender lives in the receiver's buffer. C = channels (num_sms / 2),
-Q = queue slots (``num_max_nvl_chunked_recv_tokens``), K = top-k, S = scales per token.
+Each other rank has one region of T slots (``region_tokens``) in a receiver's buffer, slot j
+holding the j-th token that rank sends this one (kernels/dispatch.cu, kernels/combine.cu); a call
+takes the largest T that fits the Buffer, and refuses to move anything when a rank sends another
+more than T tokens. C = the dispatch's channels (``Config.num_channels``), K = top-k, S = scales
+per token.
 """
 
 from __future__ import annotations
@@ -88,8 +91,10 @@ class DispatchLayout:
     topk_idx_off: int
     topk_weights_off: int
     scales_off: int
+    #: slots of each region: the most tokens one rank may send another in this call
+    region_tokens: int
     total_bytes: int
-    #: the queue metadata that must be zero before a dispatch: ints from meta_off
+    #: the channel metadata that must be zero before a dispatch: ints from meta_off
     zero_count: int
 
 
@@ -98,35 +103,51 @@ class CombineLayout:
     meta_off: int
     x_off: int
     topk_weights_off: int
+    region_tokens: int
     total_bytes: int
     zero_count: int
 
 
 @functools.lru_cache(maxsize=256)
-def dispatch_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_bytes: int,
+def dispatch_layout(num_ranks: int, num_channels: int, region_tokens: int, row_bytes: int,
                     num_topk: int, num_scales: int) -> DispatchLayout:
     """Offsets of a dispatch's regions (see the module docstring)."""
     queues = num_channels * num_ranks
-    slots = queues * queue_tokens
+    slots = (num_ranks - 1) * region_tokens
     carve = _Carver(DATA_OFFSET)
-    meta_off = carve.take(INT_BYTES * 4 * queues)
+    meta_off = carve.take(INT_BYTES * 3 * queues)
     x_off = carve.take(slots * row_bytes)
     src_idx_off = carve.take(INT_BYTES * slots)
     topk_idx_off = carve.take(INT_BYTES * slots * num_topk)
     topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
     scales_off = carve.take(INT_BYTES * slots * num_scales)
     return DispatchLayout(meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off,
-                          scales_off, carve.offset, 4 * queues)
+                          scales_off, region_tokens, carve.offset, 3 * queues)
 
 
 @functools.lru_cache(maxsize=256)
-def combine_layout(num_ranks: int, num_channels: int, queue_tokens: int, row_bytes: int,
+def combine_layout(num_ranks: int, num_channels: int, region_tokens: int, row_bytes: int,
                    num_topk: int) -> CombineLayout:
     """Offsets of a combine's regions (see the module docstring)."""
     queues = num_channels * num_ranks
-    slots = queues * queue_tokens
+    slots = (num_ranks - 1) * region_tokens
     carve = _Carver(DATA_OFFSET)
-    meta_off = carve.take(INT_BYTES * 2 * queues)
+    meta_off = carve.take(INT_BYTES * queues)
     x_off = carve.take(slots * row_bytes)
     topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
-    return CombineLayout(meta_off, x_off, topk_weights_off, carve.offset, 2 * queues)
+    return CombineLayout(meta_off, x_off, topk_weights_off, region_tokens, carve.offset, queues)
+
+
+#: The most slots a region gets, however large the Buffer (kernels index slots with int32).
+MAX_REGION_TOKENS = 1 << 30
+
+
+def largest_fitting(make, num_nvl_bytes: int):
+    """``make(T)`` (a layout for regions of T slots) for the largest T whose layout fits in
+    ``num_nvl_bytes``, or None when not even one slot fits."""
+    empty = make(0).total_bytes
+    per_slot = -(-(make(1024).total_bytes - empty) // 1024)
+    tokens = min(MAX_REGION_TOKENS, max(0, (num_nvl_bytes - empty) // per_slot))
+    while tokens > 0 and make(tokens).total_bytes > num_nvl_bytes:  # alignment padding: a few slots at most
+        tokens -= 1
+    return make(tokens) if tokens > 0 else None

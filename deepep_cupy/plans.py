@@ -147,12 +147,14 @@ def _check_topk_width(num_topk: int, arg: str) -> None:
         raise ValueError(f"{arg}: expected at most {MAX_TOPK} columns, got {num_topk}")
 
 
-def require_room(needed: int, ctx: Context, what: str) -> None:
-    if needed > ctx.num_nvl_bytes:
+def fitting_layout(make, ctx: Context, what: str, row_bytes: int):
+    """``make(T)``, the transfer layout with the largest regions (T slots each) that fit the Buffer."""
+    plan = layout.largest_fitting(make, ctx.num_nvl_bytes)
+    if plan is None:
         raise ValueError(
-            f"num_nvl_bytes: {what} needs {needed} bytes of NVLink buffer with this config, the Buffer has "
-            f"{ctx.num_nvl_bytes}; create it with deepep_cupy.get_nvl_buffer_size_hint(...) bytes or use "
-            "smaller num_sms / num_max_nvl_chunked_recv_tokens")
+            f"num_nvl_bytes: a {what} of {row_bytes}-byte rows needs more than the Buffer's {ctx.num_nvl_bytes} "
+            "bytes of NVLink buffer for even one token; create it with deepep_cupy.get_nvl_buffer_size_hint(...) bytes")
+    return plan
 
 
 def check_layout(ctx: Context, topk_idx: Any, num_experts: Any) -> LayoutSpec:
@@ -220,18 +222,18 @@ def check_fresh_dispatch(ctx: Context, x, num_tokens_per_rank, is_token_in_rank,
             with_weights = True
     elif topk_weights is not None:
         raise ValueError("topk_weights: given without topk_idx")
-    plan = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens, rows.row_bytes,
-                                  num_topk, rows.num_scales)
-    require_room(plan.total_bytes, ctx, "dispatch")
+    plan = fitting_layout(functools.partial(layout.dispatch_layout, R, config.num_channels, row_bytes=rows.row_bytes,
+                                            num_topk=num_topk, num_scales=rows.num_scales),
+                          ctx, "dispatch", rows.row_bytes)
     return DispatchSpec(rows, config, plan, num_topk, with_weights, num_experts, int(expert_alignment))
 
 
 def check_cached_dispatch(ctx: Context, x, config: Config) -> DispatchSpec:
     """Check a dispatch with a handle (the handle itself is checked per call)."""
     rows = check_rows(x, ctx)
-    plan = layout.dispatch_layout(ctx.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                  rows.row_bytes, 0, rows.num_scales)
-    require_room(plan.total_bytes, ctx, "dispatch")
+    plan = fitting_layout(functools.partial(layout.dispatch_layout, ctx.num_ranks, config.num_channels,
+                                            row_bytes=rows.row_bytes, num_topk=0, num_scales=rows.num_scales),
+                          ctx, "dispatch", rows.row_bytes)
     return DispatchSpec(rows, config, plan)
 
 
@@ -254,9 +256,8 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
         check_array(weights, "topk_weights", ("float32",), 2, (rows.shape[0], None))
         num_topk = weights.shape[1]
         _check_topk_width(num_topk, "topk_weights")
-    plan = layout.combine_layout(ctx.num_ranks, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                 row_bytes, num_topk)
-    require_room(plan.total_bytes, ctx, "combine")
+    plan = fitting_layout(functools.partial(layout.combine_layout, ctx.num_ranks, config.num_channels,
+                                            row_bytes=row_bytes, num_topk=num_topk), ctx, "combine", row_bytes)
     return CombineSpec(rows.lib, rows.dtype_name, rows.shape[1], row_bytes, num_topk, config, plan)
 
 

@@ -145,17 +145,16 @@ def _channel_prefix_matrix(is_token_in_rank: np.ndarray, num_channels: int) -> n
     return np.cumsum(counts, axis=1).astype(np.int32)
 
 
-def _send_head(is_token_in_rank: np.ndarray, num_channels: int) -> np.ndarray:
-    """``[N, R]`` int32: slot of token ``t`` in its channel's queue toward rank ``k``, or ``-1``."""
+def _send_head(is_token_in_rank: np.ndarray) -> np.ndarray:
+    """``[N, R]`` int32: slot of token ``t`` in rank ``k``'s region for this rank (how many earlier
+    tokens of this rank go to ``k``; also the token's row within the block ``k`` receives from this
+    rank), or ``-1`` where ``t`` does not go to ``k``."""
     num_tokens, num_ranks = is_token_in_rank.shape
     if num_tokens == 0:
         return np.zeros((0, num_ranks), dtype=np.int32)
     sent = is_token_in_rank.astype(np.int64)
-    before = np.cumsum(sent, axis=0) - sent            # tokens t' < t sent to k, over the whole rank
-    per = -(-num_tokens // num_channels)
-    channel_begin = (np.arange(num_tokens) // per) * per  # first token of t's channel
-    slots = before - before[channel_begin]               # ... restricted to t's channel
-    return np.where(is_token_in_rank, slots, -1).astype(np.int32)
+    before = np.cumsum(sent, axis=0) - sent
+    return np.where(is_token_in_rank, before, -1).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +235,7 @@ def dispatch(xs, topk_idxs, num_experts, num_channels, *, topk_weights=None, x_s
     # Per-sender layout and sender-side matrices.
     layouts = [get_dispatch_layout(t, num_experts, num_ranks) for t in topk_idxs]
     channel_prefix = [_channel_prefix_matrix(in_rank, num_channels) for _, _, in_rank in layouts]
-    send_heads = [_send_head(in_rank, num_channels) for _, _, in_rank in layouts]
+    send_heads = [_send_head(in_rank) for _, _, in_rank in layouts]
 
     # rank_prefix_matrix[i, k]: tokens ranks 0..i send to rank k.
     per_rank = np.stack([counts for counts, _, _ in layouts]).astype(np.int64)  # [sender, receiver]

@@ -15,7 +15,8 @@ on the device; a refusal then reaches the host through the error record.)
 
 Verdicts: 0 all ranks agree; ``p + 1`` rank p's settings differ from rank 0's; ``-(p + 1)``
 rank p's expert ids are out of range; :data:`VERDICT_OVER_CAPACITY` a rank receives more than
-the rows its host allocated ahead.
+the rows its host allocated ahead; :data:`VERDICT_BUFFER_TOO_SMALL` a rank sends another more
+tokens than a transfer region of the NVLink buffer holds.
 
 This module also turns an error record into the exception the host raises.
 """
@@ -30,12 +31,14 @@ from typing import Optional
 import numpy as np
 
 from .constants import (
+    ERROR_BUFFER_TOO_SMALL,
     ERROR_DISPATCH_REFUSED,
     ERROR_MISMATCH,
     ERROR_PEER_ABORTED,
     KERNEL_STAGES,
     MAX_LOCAL_EXPERTS,
     SIGNATURE_INTS,
+    VERDICT_BUFFER_TOO_SMALL,
     VERDICT_OVER_CAPACITY,
 )
 from .errors import DeepEPError, DeepEPTimeoutError, PeerAbortedError, RankMismatchError
@@ -53,6 +56,9 @@ YIELDING_POLLS = 100_000
 POLL_SLEEP_S = 1e-4
 #: Polls between two looks at the clock.
 POLLS_PER_CLOCK_CHECK = 1024
+#: How to make room for more tokens per rank.
+BUFFER_ADVICE = ("create the Buffer with deepep_cupy.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, "
+                 "num_max_tokens_per_rank=...) bytes for the tokens a rank dispatches")
 #: What every rank must do once a Buffer is unusable (the README's "After a timeout").
 RECOVERY = ("The Buffer is unusable: destroy it on every rank (buffer.destroy()) and create a new one on the "
             "same communicator")
@@ -104,6 +110,11 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
     where_rank, channel, peer, detail = (int(v) for v in record[2:6])
     if code == ERROR_DISPATCH_REFUSED:
         return refused_dispatch_error(detail, where_rank)
+    if code == ERROR_BUFFER_TOO_SMALL:
+        operation = "combine" if "combine" in stage else "cached dispatch"
+        return ValueError(f"num_nvl_bytes: the last {operation} was refused on every rank: its handle has a rank "
+                          f"send {detail} tokens to another, more than a transfer region of this Buffer holds for "
+                          f"its rows; {BUFFER_ADVICE}. No tokens were moved and its outputs are unwritten")
     if code == ERROR_MISMATCH:
         operation = "combine" if "combine" in stage else "cached dispatch"
         return RankMismatchError(
@@ -131,6 +142,9 @@ def refused_dispatch_error(verdict: int, rank: int) -> Exception:
     if verdict == VERDICT_OVER_CAPACITY:
         return ValueError(f"num_worst_tokens: in an earlier dispatch that the host did not wait for, a rank "
                           f"received more tokens than num_worst_tokens{after}")
+    if verdict == VERDICT_BUFFER_TOO_SMALL:
+        return ValueError(f"num_nvl_bytes: in an earlier dispatch that the host did not wait for, a rank sent "
+                          f"another more tokens than a transfer region of this Buffer holds ({BUFFER_ADVICE}){after}")
     if verdict < 0:
         return ValueError(f"topk_idx: in an earlier dispatch with num_worst_tokens (the host did not wait for "
                           f"it), rank {-verdict - 1} passed expert ids outside [-1, num_experts){after}")
@@ -146,6 +160,9 @@ def verdict_error(verdict: int, rank: int, num_experts: int, signature, bad_ids=
     """
     if verdict == 0 or verdict == VERDICT_OVER_CAPACITY:
         return None
+    if verdict == VERDICT_BUFFER_TOO_SMALL:
+        return ValueError(f"num_nvl_bytes: a rank sends another more tokens than a transfer region of this Buffer "
+                          f"holds for these rows; {BUFFER_ADVICE}. No tokens were moved")
     if verdict < 0:
         bad_rank = -verdict - 1
         detail = f": values such as {bad_ids}" if bad_ids else ""

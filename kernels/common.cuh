@@ -241,6 +241,45 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
     }
 }
 
+// One warp copies `n` 16-byte words from `src` to every non-null entry of `dsts`: each word is
+// loaded once and stored to every destination (a token fanned out to the ranks that take it).
+template <int kUnroll, int kNumDsts>
+__device__ __forceinline__ void warp_fan_out(int4* const (&dsts)[kNumDsts], const int4* src, int n, int lane) {
+    for (int i = lane; i < n; i += kUnroll * 32) {
+        int4 v[kUnroll];
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (i + u * 32 < n)
+                v[u] = ld_stream(src + i + u * 32);
+        #pragma unroll
+        for (int d = 0; d < kNumDsts; ++d) {
+            if (dsts[d] == nullptr)
+                continue;
+            #pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * 32 < n)
+                    st_stream(dsts[d] + i + u * 32, v[u]);
+        }
+    }
+}
+
+// The transfer regions: a rank's NVLink buffer holds one region per other rank, the region of
+// `source` in the buffer of `owner` being number (source - owner - 1) mod R, in 0 .. R - 2.
+__device__ __forceinline__ int region_index(int source, int owner, int num_ranks) {
+    return (source - owner - 1 + num_ranks) % num_ranks;
+}
+
+// The most tokens one rank sends another in a dispatch whose rank prefix matrix is given (the
+// same matrix on every rank, so every rank finds the same). A combine sends the same rows back.
+__device__ __forceinline__ int largest_rank_count(const int* rank_prefix_matrix, int num_ranks) {
+    int largest = 0;
+    for (int i = 0; i < num_ranks * num_ranks; ++i) {
+        const int before = i >= num_ranks ? rank_prefix_matrix[i - num_ranks] : 0;
+        largest = max(largest, rank_prefix_matrix[i] - before);
+    }
+    return largest;
+}
+
 // Named barrier over `num_threads` threads of the block (id 0 is __syncthreads').
 __device__ __forceinline__ void group_sync(int barrier_id, int num_threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(barrier_id), "r"(num_threads) : "memory");

@@ -1,58 +1,128 @@
 // dispatch: every rank sends each of its tokens once to every rank that owns one of its experts.
 #include "common.cuh"
 
-// Queues. For channel c and sender s, the queue lives in the RECEIVER's NVLink buffer at index
-// q = c * R + s of each region below (byte offsets from the buffer base, computed by
-// deepep_cupy/layout.py and passed in):
-//   meta_off:          int start[C*R], end[C*R], head[C*R], tail[C*R]
-//                      start/end: the channel's token range within the block the receiver gets
-//                      from s, stored as -value-1 so that 0 means "not written yet";
-//                      tail: slots filled (written by the sender); head: slots consumed (receiver)
-//   x_off:             int4 x[C*R][Q][hidden_int4]
-//   src_idx_off:       int  src_idx[C*R][Q]
-//   topk_idx_off:      int  topk_idx[C*R][Q][K]      (already local expert ids, -1 elsewhere)
-//   topk_weights_off:  float topk_weights[C*R][Q][K]
-//   scales_off:        float scales[C*R][Q][S]
-// Head and tail only grow; slot = position % Q.
+// Regions. A receiver's NVLink buffer holds one region per other rank s (region_index(s, receiver)),
+// of `region_tokens` slots. Slot j of the region of s holds the j-th token, in token order, that
+// s sends to the receiver: the region is, row for row, the block of recv_x that comes from s, so
+// nothing ever waits for free space. Byte offsets from the buffer base (deepep_cupy/layout.py):
+//   meta_off:          int start[C][R], end[C][R], tail[C][R]       index channel * R + s
+//                      start/end: the channel's slot range, stored as -value-1 so that 0 means
+//                      "not written yet"; tail: the slot after the last one written (0: none)
+//   x_off:             int4  x[R-1][region_tokens][hidden_int4]
+//   src_idx_off:       int   src_idx[R-1][region_tokens]
+//   topk_idx_off:      int   topk_idx[R-1][region_tokens][K]   (local expert ids, -1 elsewhere)
+//   topk_weights_off:  float topk_weights[R-1][region_tokens][K]
+//   scales_off:        float scales[R-1][region_tokens][S]
 //
-// Grid: 2 * C blocks; block 2c sends channel c, block 2c+1 receives channel c. In both, the
-// threads form one group of kWarpsPerRank warps per peer rank, synchronised by named barrier
-// (peer + 1).
-
-// 16-byte loads each lane keeps in flight while copying a token (latency hiding over NVLink).
+// Grid: `num_senders` sender blocks, then receiver blocks. Every sender warp is one channel: a
+// contiguous range of the rank's tokens (C = num_senders * warps per block). It reads each token
+// once and writes it to the region of every other rank that takes it, publishing its tail every
+// `send_chunk` tokens; that is all senders do, so that few SMs keep the links busy. Receiver warps
+// take the (channel, source) queues in turn: a queue from another rank is copied into recv_x as
+// its tail advances (the block of recv_x from a source is contiguous, as its region is); the
+// queue from this rank itself is its own tokens of that channel, copied from x.
+constexpr int kDispatchWarps = DISPATCH_THREADS / 32;
+// 16-byte loads each lane keeps in flight while copying (latency hiding over NVLink); halved for
+// more than 4 ranks, whose destination addresses take the registers.
 #define DISPATCH_UNROLL 8
 
-struct DispatchQueues {
-    int *start, *end, *head, *tail;
-    int4* x;
-    int* src_idx;
-    int* topk_idx;
-    float* topk_weights;
-    float* scales;
+// A token's FP8 scales into `out`: `scale0`, `scale1` (already loaded by lanes 0..63), then any
+// beyond 64 (rows wider than 8192 FP8 values) read now.
+__device__ __forceinline__ void write_scales(float* out, int num_scales, float scale0, float scale1,
+                                             const float* token_scales, int64_t_ scale_stride, int lane) {
+    if (lane < num_scales)
+        out[lane] = scale0;
+    if (lane + 32 < num_scales)
+        out[lane + 32] = scale1;
+    for (int i = lane + 64; i < num_scales; i += 32)
+        out[i] = token_scales[i * scale_stride];
+}
 
-    __device__ __forceinline__ DispatchQueues(void* base, int queue, int num_queues, int queue_tokens,
-                                              int hidden_int4, int num_topk, int num_scales,
-                                              int64_t_ meta_off, int64_t_ x_off, int64_t_ src_idx_off,
-                                              int64_t_ topk_idx_off, int64_t_ topk_weights_off,
-                                              int64_t_ scales_off) {
-        char* b = reinterpret_cast<char*>(base);
-        int* meta = reinterpret_cast<int*>(b + meta_off);
-        start = meta + queue;
-        end = meta + num_queues + queue;
-        head = meta + 2 * num_queues + queue;
-        tail = meta + 3 * num_queues + queue;
-        const int64_t_ first_slot = (int64_t_)queue * queue_tokens;
-        x = reinterpret_cast<int4*>(b + x_off) + first_slot * hidden_int4;
-        src_idx = reinterpret_cast<int*>(b + src_idx_off) + first_slot;
-        topk_idx = reinterpret_cast<int*>(b + topk_idx_off) + first_slot * num_topk;
-        topk_weights = reinterpret_cast<float*>(b + topk_weights_off) + first_slot * num_topk;
-        scales = reinterpret_cast<float*>(b + scales_off) + first_slot * num_scales;
+struct DispatchRegions {
+    char* base;  // one rank's NVLink buffer
+    int num_channels, region_tokens, hidden_int4, num_topk, num_scales;
+    int64_t_ meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off;
+
+    __device__ __forceinline__ int* start(int channel, int source, int num_ranks) const {
+        return reinterpret_cast<int*>(base + meta_off) + channel * num_ranks + source;
+    }
+    __device__ __forceinline__ int* end(int channel, int source, int num_ranks) const {
+        return start(channel, source, num_ranks) + num_channels * num_ranks;
+    }
+    __device__ __forceinline__ int* tail(int channel, int source, int num_ranks) const {
+        return start(channel, source, num_ranks) + 2 * num_channels * num_ranks;
+    }
+    // First slot of region `region`, counted in slots from the start of all regions.
+    __device__ __forceinline__ int64_t_ slot(int region, int j) const {
+        return (int64_t_)region * region_tokens + j;
+    }
+    __device__ __forceinline__ int4* x(int64_t_ slot) const {
+        return reinterpret_cast<int4*>(base + x_off) + slot * hidden_int4;
+    }
+    __device__ __forceinline__ int* src_idx(int64_t_ slot) const {
+        return reinterpret_cast<int*>(base + src_idx_off) + slot;
+    }
+    __device__ __forceinline__ int* topk_idx(int64_t_ slot) const {
+        return reinterpret_cast<int*>(base + topk_idx_off) + slot * num_topk;
+    }
+    __device__ __forceinline__ float* topk_weights(int64_t_ slot) const {
+        return reinterpret_cast<float*>(base + topk_weights_off) + slot * num_topk;
+    }
+    __device__ __forceinline__ float* scales(int64_t_ slot) const {
+        return reinterpret_cast<float*>(base + scales_off) + slot * num_scales;
+    }
+};
+
+// A token's top-k entries (lane k holds entry k) and FP8 scales (lanes hold scales lane and
+// lane + 32), loaded before its row so that their latency hides behind the row's copy.
+struct TokenSide {
+    int64_t_ expert;
+    float weight, scale0, scale1;
+    const float* scales;  // the token's scales in x_scales
+    int64_t_ scale_stride;
+
+    template <bool kStridedScales>
+    __device__ __forceinline__ void load(int token, const int64_t_* topk_idx, const float* topk_weights, int num_topk,
+                                         const float* x_scales, int num_scales, int scale_token_stride,
+                                         int scale_hidden_stride, int lane) {
+        expert = -1;
+        weight = scale0 = scale1 = 0.0f;
+        if (topk_idx != nullptr && lane < num_topk) {
+            expert = ld_stream(topk_idx + (int64_t_)token * num_topk + lane);
+            if (topk_weights != nullptr)
+                weight = ld_stream(topk_weights + (int64_t_)token * num_topk + lane);
+        }
+        const int64_t_ token_stride = kStridedScales ? scale_token_stride : num_scales;
+        scale_stride = kStridedScales ? scale_hidden_stride : 1;
+        scales = x_scales + (int64_t_)token * token_stride;
+        if (lane < num_scales)
+            scale0 = ld_stream(scales + lane * scale_stride);
+        if (lane + 32 < num_scales)
+            scale1 = ld_stream(scales + (lane + 32) * scale_stride);
+    }
+
+    // Lane k's entry as rank `owner` sees it: its local expert id (-1 when another rank's).
+    __device__ __forceinline__ int local_expert(int owner, int experts_per_rank) const {
+        const bool local = expert >= (int64_t_)owner * experts_per_rank && expert < (int64_t_)(owner + 1) * experts_per_rank;
+        return local ? (int)(expert - (int64_t_)owner * experts_per_rank) : -1;
+    }
+
+    // The top-k entries (ids as `int_t`) and scales, as rank `owner` receives them.
+    template <typename int_t>
+    __device__ __forceinline__ void write(int owner, int experts_per_rank, int num_topk, int_t* ids, float* weights,
+                                          int num_scales, float* out_scales, int lane) const {
+        const int id = local_expert(owner, experts_per_rank);
+        if (ids != nullptr && lane < num_topk) {
+            ids[lane] = id;
+            if (weights != nullptr)
+                weights[lane] = id >= 0 ? weight : 0.0f;
+        }
+        write_scales(out_scales, num_scales, scale0, scale1, scales, scale_stride, lane);
     }
 };
 
 // kStridedScales: the FP8 scales are read with the strides passed (DeepEP passes them
-// column-major); otherwise as row-major [num_tokens][num_scales], which keeps the token loop's
-// code as fast as it was (a general stride there cost 40 us at 4096 tokens, docs/PERF_NOTES.md).
+// column-major); otherwise as row-major [num_tokens][num_scales].
 template <int kNumRanks, bool kStridedScales = false>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int4* recv_x, float* recv_x_scales, int* recv_src_idx, int64_t_* recv_topk_idx,
@@ -63,211 +133,212 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int scale_token_stride, int scale_hidden_stride, void* const* buffer_ptrs, int rank,
         int64_t_ meta_off, int64_t_ x_off, int64_t_ src_idx_off, int64_t_ topk_idx_off,
         int64_t_ topk_weights_off, int64_t_ scales_off,
-        int max_send_tokens, int queue_tokens, int64_t_ timeout_ns, int* error_record) {
+        int region_tokens, int num_senders, int send_chunk, int64_t_ timeout_ns, int* error_record) {
     if (!transfer_may_start(buffer_ptrs, rank, error_record, KERNEL_DISPATCH_SENDER))
         return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
-    constexpr int kWarpsPerRank = DISPATCH_THREADS / 32 / kNumRanks;
-    constexpr int kGroupThreads = kWarpsPerRank * 32;
-    const int thread = threadIdx.x, lane = thread % 32;
-    const int peer = thread / kGroupThreads;
-    if (peer >= kNumRanks)
-        return;  // leftover warps when 16 warps do not split evenly over the ranks
-    const int warp_in_group = (thread % kGroupThreads) / 32;
-    const int thread_in_group = thread % kGroupThreads;
-    const int barrier_id = peer + 1;
-    const int num_channels = gridDim.x / 2, channel = blockIdx.x / 2;
-    const bool is_sender = blockIdx.x % 2 == 0;
-    const int num_queues = num_channels * kNumRanks;
+    constexpr int kUnroll = kNumRanks <= 4 ? DISPATCH_UNROLL : DISPATCH_UNROLL / 2;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int num_channels = num_senders * kDispatchWarps;
+    DispatchRegions regions{nullptr, num_channels, region_tokens, hidden_int4, num_topk, num_scales,
+                            meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off};
+    // The first row of recv_x (on `receiver`) of the block that comes from `source`.
+    auto block_row = [&](int source, int receiver) {
+        return source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + receiver] : 0;
+    };
 
-    __shared__ int group_abort[kNumRanks];
-    __shared__ int group_tail[kNumRanks];
-    if (thread_in_group == 0)
-        group_abort[peer] = 0;
-    group_sync(barrier_id, kGroupThreads);
-
-    if (is_sender) {
-        // Our queue for this channel in the peer's buffer.
-        DispatchQueues q(buffer_ptrs[peer], channel * kNumRanks + rank, num_queues, queue_tokens,
-                         hidden_int4, num_topk, num_scales, meta_off, x_off, src_idx_off,
-                         topk_idx_off, topk_weights_off, scales_off);
-        const int experts_per_rank = num_experts / kNumRanks;
-        const int expert_begin = peer * experts_per_rank, expert_end = expert_begin + experts_per_rank;
-
-        if (thread_in_group == 0) {
-            const int before = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
-            const int through = channel_prefix_matrix[peer * num_channels + channel];
-            st_relaxed_sys(q.start, -before - 1);
-            st_relaxed_sys(q.end, -through - 1);
-        }
-
+    if (blockIdx.x < num_senders) {
+        const int channel = blockIdx.x * kDispatchWarps + warp;
         int token_begin, token_end;
         channel_task_range(num_tokens, num_channels, channel, token_begin, token_end);
-        int tail = 0;
-        int known_head = 0;  // last head read from the peer: reading it again costs an NVLink round trip
-        for (int token = token_begin; token < token_end;) {
-            // Wait until a whole chunk fits (counting the worst case: every token selected).
-            if (lane == 0 && queue_tokens - (tail - known_head) < max_send_tokens) {
-                PeerWait wait(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_DISPATCH_SENDER, channel);
-                while (queue_tokens - (tail - (known_head = ld_volatile(q.head))) < max_send_tokens) {
-                    if (wait.failed(peer, tail)) {
-                        group_abort[peer] = 1;
-                        break;
-                    }
-                }
+        // Per destination, the next slot this channel writes (every lane holds all of them).
+        int next_slot[kNumRanks];
+        #pragma unroll
+        for (int d = 0; d < kNumRanks; ++d)
+            next_slot[d] = channel > 0 ? channel_prefix_matrix[d * num_channels + channel - 1] : 0;
+        if (lane < kNumRanks) {
+            const int first = channel > 0 ? channel_prefix_matrix[lane * num_channels + channel - 1] : 0;
+            if (lane == rank) {
+                if (recv_channel_prefix_matrix != nullptr)
+                    recv_channel_prefix_matrix[rank * num_channels + channel] = first;
+            } else {
+                DispatchRegions peer = regions;
+                peer.base = reinterpret_cast<char*>(buffer_ptrs[lane]);
+                st_relaxed_sys(peer.start(channel, rank, kNumRanks), -first - 1);
+                st_relaxed_sys(peer.end(channel, rank, kNumRanks),
+                               -channel_prefix_matrix[lane * num_channels + channel] - 1);
             }
-            __syncwarp();
-            const bool aborting = group_abort[peer] != 0;
-
-            for (int sent = 0; sent < max_send_tokens && token < token_end; ++token) {
-                const bool selected = is_token_in_rank[(int64_t_)token * kNumRanks + peer];
-                if (send_head != nullptr && lane == 0 && token % kWarpsPerRank == warp_in_group)
-                    send_head[(int64_t_)token * kNumRanks + peer] = selected ? tail : -1;
-                if (!selected)
-                    continue;
-                // Warps take the selected tokens round-robin. The side data is loaded before the
-                // row so that its latency hides behind the row copy instead of following it.
-                if (!aborting && tail % kWarpsPerRank == warp_in_group) {
-                    const int slot = tail % queue_tokens;
-                    int local_expert = -1;
-                    float weight = 0.0f, scale0 = 0.0f, scale1 = 0.0f;
-                    if (lane < num_topk) {
-                        const int64_t_ expert = ld_stream(topk_idx + (int64_t_)token * num_topk + lane);
-                        if (topk_weights != nullptr)
-                            weight = ld_stream(topk_weights + (int64_t_)token * num_topk + lane);
-                        const bool local = expert >= expert_begin && expert < expert_end;
-                        local_expert = local ? (int)(expert - expert_begin) : -1;
-                        weight = local ? weight : 0.0f;
-                    }
-                    const int64_t_ token_stride = kStridedScales ? scale_token_stride : num_scales;
-                    const int64_t_ scale_stride = kStridedScales ? scale_hidden_stride : 1;
-                    const float* token_scales = x_scales + (int64_t_)token * token_stride;
-                    if (lane < num_scales)
-                        scale0 = ld_stream(token_scales + lane * scale_stride);
-                    if (lane + 32 < num_scales)
-                        scale1 = ld_stream(token_scales + (lane + 32) * scale_stride);
-                    warp_copy<DISPATCH_UNROLL>(q.x + (int64_t_)slot * hidden_int4, x + (int64_t_)token * hidden_int4,
-                                               hidden_int4, lane);
-                    if (lane == 0)
-                        q.src_idx[slot] = token;
-                    if (lane < num_topk) {
-                        q.topk_idx[slot * num_topk + lane] = local_expert;
-                        if (topk_weights != nullptr)
-                            q.topk_weights[slot * num_topk + lane] = weight;
-                    }
-                    float* slot_scales = q.scales + (int64_t_)slot * num_scales;
-                    if (lane < num_scales)
-                        slot_scales[lane] = scale0;
-                    if (lane + 32 < num_scales)
-                        slot_scales[lane + 32] = scale1;
-                    for (int i = lane + 64; i < num_scales; i += 32)  // rows wider than 8192 FP8 values
-                        slot_scales[i] = token_scales[i * scale_stride];
-                }
-                ++tail, ++sent;
-            }
-
-            // All warps of the group have written their tokens of the chunk: publish the tail.
-            group_sync(barrier_id, kGroupThreads);
-            if (group_abort[peer] != 0)
-                break;
-            if (thread_in_group == 0)
-                st_release_sys(q.tail, tail);
         }
-    } else {
-        // The sender `peer`'s queue for this channel, in our own buffer.
-        DispatchQueues q(buffer_ptrs[rank], channel * kNumRanks + peer, num_queues, queue_tokens,
-                         hidden_int4, num_topk, num_scales, meta_off, x_off, src_idx_off,
-                         topk_idx_off, topk_weights_off, scales_off);
-        int begin = 0, end = 0;
-        if (thread_in_group == 0) {
+        const int experts_per_rank = num_experts / kNumRanks;
+        int unpublished = 0;
+
+        for (int batch = token_begin; batch < token_end; batch += 32) {
+            // Lane i reads the routing of token batch + i; ballots give every lane all of it.
+            const int lane_token = batch + lane;
+            unsigned routed[kNumRanks];
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d)
+                routed[d] = __ballot_sync(0xffffffffu, lane_token < token_end &&
+                                          is_token_in_rank[(int64_t_)lane_token * kNumRanks + d]);
+            if (send_head != nullptr && lane_token < token_end) {
+                const unsigned below = (1u << lane) - 1u;
+                #pragma unroll
+                for (int d = 0; d < kNumRanks; ++d)
+                    send_head[(int64_t_)lane_token * kNumRanks + d] =
+                        (routed[d] >> lane) & 1u ? next_slot[d] + __popc(routed[d] & below) : -1;
+            }
+            // This rank's own copies are the receivers' work.
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d) {
+                if (d == rank) {
+                    next_slot[d] += __popc(routed[d]);
+                    routed[d] = 0;
+                }
+            }
+
+            const int batch_end = min(batch + 32, token_end);
+            for (int token = batch; token < batch_end; ++token) {
+                const int bit = token - batch;
+                TokenSide side;
+                side.load<kStridedScales>(token, topk_idx, topk_weights, num_topk, x_scales, num_scales,
+                                          scale_token_stride, scale_hidden_stride, lane);
+                int4* rows[kNumRanks];
+                #pragma unroll
+                for (int d = 0; d < kNumRanks; ++d) {
+                    rows[d] = nullptr;
+                    if ((routed[d] >> bit) & 1u) {
+                        DispatchRegions peer = regions;
+                        peer.base = reinterpret_cast<char*>(buffer_ptrs[d]);
+                        rows[d] = peer.x(peer.slot(region_index(rank, d, kNumRanks), next_slot[d]));
+                    }
+                }
+                warp_fan_out<kUnroll, kNumRanks>(rows, x + (int64_t_)token * hidden_int4, hidden_int4, lane);
+
+                #pragma unroll
+                for (int d = 0; d < kNumRanks; ++d) {
+                    if (!((routed[d] >> bit) & 1u))
+                        continue;
+                    DispatchRegions peer = regions;
+                    peer.base = reinterpret_cast<char*>(buffer_ptrs[d]);
+                    const int64_t_ slot = peer.slot(region_index(rank, d, kNumRanks), next_slot[d]);
+                    if (lane == 0 && send_head != nullptr)  // a cached dispatch's receivers take no indices
+                        *peer.src_idx(slot) = token;
+                    side.write(d, experts_per_rank, num_topk, topk_idx != nullptr ? peer.topk_idx(slot) : nullptr,
+                               topk_weights != nullptr ? peer.topk_weights(slot) : nullptr, num_scales,
+                               peer.scales(slot), lane);
+                    ++next_slot[d];
+                }
+
+                if (++unpublished == send_chunk || token + 1 == token_end) {
+                    // The whole warp's writes of these tokens come before the tails that cover them.
+                    unpublished = 0;
+                    __syncwarp();
+                    #pragma unroll
+                    for (int d = 0; d < kNumRanks; ++d) {
+                        if (d != rank && lane == d) {
+                            DispatchRegions peer = regions;
+                            peer.base = reinterpret_cast<char*>(buffer_ptrs[d]);
+                            st_release_sys(peer.tail(channel, rank, kNumRanks), next_slot[d]);
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // Receiver warps: queue q = (channel q / R, rank (rank + q) % R): first this rank's own tokens
+    // of the channel (ready at once), then the queues of the other ranks.
+    regions.base = reinterpret_cast<char*>(buffer_ptrs[rank]);
+    const int experts_per_rank = num_experts / kNumRanks;
+    const int own_row = block_row(rank, rank);
+    const int num_receiver_warps = (gridDim.x - num_senders) * kDispatchWarps;
+    for (int q = (blockIdx.x - num_senders) * kDispatchWarps + warp; q < num_channels * kNumRanks;
+         q += num_receiver_warps) {
+        const int channel = q / kNumRanks;
+        const int source = (rank + q) % kNumRanks;
+        if (source == rank) {
+            int token_begin, token_end;
+            channel_task_range(num_tokens, num_channels, channel, token_begin, token_end);
+            int64_t_ row = own_row + (channel > 0 ? channel_prefix_matrix[rank * num_channels + channel - 1] : 0);
+            for (int batch = token_begin; batch < token_end; batch += 32) {
+                const int lane_token = batch + lane;
+                unsigned mine = __ballot_sync(0xffffffffu, lane_token < token_end &&
+                                              is_token_in_rank[(int64_t_)lane_token * kNumRanks + rank]);
+                for (; mine != 0; mine &= mine - 1, ++row) {
+                    const int token = batch + __ffs(mine) - 1;
+                    TokenSide side;
+                    side.load<kStridedScales>(token, topk_idx, topk_weights, num_topk, x_scales, num_scales,
+                                              scale_token_stride, scale_hidden_stride, lane);
+                    warp_copy<kUnroll>(recv_x + row * hidden_int4, x + (int64_t_)token * hidden_int4, hidden_int4, lane);
+                    if (lane == 0 && recv_src_idx != nullptr)
+                        recv_src_idx[row] = token;
+                    side.write(rank, experts_per_rank, num_topk,
+                               recv_topk_idx != nullptr ? recv_topk_idx + row * num_topk : nullptr,
+                               recv_topk_weights != nullptr ? recv_topk_weights + row * num_topk : nullptr,
+                               num_scales, recv_x_scales + row * num_scales, lane);
+                }
+            }
+            continue;
+        }
+        int begin = 0, end = 0, failed = 0;
+        if (lane == 0) {
             PeerWait wait(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_DISPATCH_RECEIVER, channel);
             int start_code = 0, end_code = 0;
-            while ((start_code = ld_volatile(q.start)) == 0 || (end_code = ld_volatile(q.end)) == 0) {
-                if (wait.failed(peer, -1)) {
-                    group_abort[peer] = 1;
+            while ((start_code = ld_volatile(regions.start(channel, source, kNumRanks))) == 0 ||
+                   (end_code = ld_volatile(regions.end(channel, source, kNumRanks))) == 0) {
+                if (wait.failed(source, -1)) {
+                    failed = 1;
                     break;
                 }
             }
             begin = -start_code - 1;
             end = -end_code - 1;
-            group_tail[peer] = begin;
-            if (recv_channel_prefix_matrix != nullptr && group_abort[peer] == 0)
-                recv_channel_prefix_matrix[peer * num_channels + channel] = begin;
         }
-        __shared__ int group_end[kNumRanks];
-        if (thread_in_group == 0)
-            group_end[peer] = end;
-        group_sync(barrier_id, kGroupThreads);
-        if (group_abort[peer] != 0)
+        if (__shfl_sync(0xffffffffu, failed, 0))
             return;
-        begin = group_tail[peer];
-        end = group_end[peer];
-        group_sync(barrier_id, kGroupThreads);
+        begin = __shfl_sync(0xffffffffu, begin, 0);
+        end = __shfl_sync(0xffffffffu, end, 0);
+        if (lane == 0 && recv_channel_prefix_matrix != nullptr)
+            recv_channel_prefix_matrix[source * num_channels + channel] = begin;
 
-        const int rank_offset = peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + rank] : 0;
-        int64_t_ out = rank_offset + begin;  // row of recv_x for the next token
-        int remaining = end - begin;
-        int head = 0;
-        while (remaining > 0) {
-            if (thread_in_group == 0) {
+        const int region = region_index(source, rank, kNumRanks);
+        const int64_t_ out = block_row(source, rank);  // row of recv_x for slot 0 of the region
+        const int* tail_word = regions.tail(channel, source, kNumRanks);
+        for (int done = begin; done < end;) {
+            int tail = 0;
+            if (lane == 0) {
                 PeerWait wait(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_DISPATCH_RECEIVER,
                               channel);
-                int tail;
-                while ((tail = ld_acquire_sys(q.tail)) == head) {
-                    if (wait.failed(peer, remaining)) {
-                        group_abort[peer] = 1;
+                while ((tail = ld_acquire_sys(tail_word)) <= done) {
+                    if (wait.failed(source, end - done)) {
+                        failed = 1;
                         break;
                     }
                 }
-                group_tail[peer] = tail;
             }
-            group_sync(barrier_id, kGroupThreads);
-            if (group_abort[peer] != 0)
-                break;
-            const int count = group_tail[peer] - head;
-
-            // One warp per token: side data loads first, then the row, then the side data stores.
-            for (int i = warp_in_group; i < count; i += kWarpsPerRank) {
-                const int slot = (head + i) % queue_tokens;
-                const int64_t_ row = out + i;
-                int src = 0, expert = -1;
-                float weight = 0.0f, scale0 = 0.0f, scale1 = 0.0f;
-                if (lane == 0 && recv_src_idx != nullptr)
-                    src = ld_stream(q.src_idx + slot);
-                if (lane < num_topk && recv_topk_idx != nullptr) {
-                    expert = ld_stream(q.topk_idx + slot * num_topk + lane);
+            if (__shfl_sync(0xffffffffu, failed, 0))
+                return;
+            tail = __shfl_sync(0xffffffffu, tail, 0);
+            // Slots [done, tail) are rows out + done .. out + tail of recv_x, contiguous on both sides.
+            const int count = tail - done;
+            const int64_t_ first = regions.slot(region, done);
+            warp_copy<kUnroll>(recv_x + (out + done) * hidden_int4, regions.x(first), count * hidden_int4, lane);
+            if (recv_src_idx != nullptr)
+                for (int i = lane; i < count; i += 32)
+                    recv_src_idx[out + done + i] = ld_stream(regions.src_idx(first) + i);
+            if (recv_topk_idx != nullptr) {
+                const int* ids = regions.topk_idx(first);
+                const float* weights = regions.topk_weights(first);
+                for (int i = lane; i < count * num_topk; i += 32) {
+                    recv_topk_idx[(out + done) * num_topk + i] = ld_stream(ids + i);
                     if (recv_topk_weights != nullptr)
-                        weight = ld_stream(q.topk_weights + slot * num_topk + lane);
+                        recv_topk_weights[(out + done) * num_topk + i] = ld_stream(weights + i);
                 }
-                const float* slot_scales = q.scales + (int64_t_)slot * num_scales;
-                if (lane < num_scales)
-                    scale0 = ld_stream(slot_scales + lane);
-                if (lane + 32 < num_scales)
-                    scale1 = ld_stream(slot_scales + lane + 32);
-                warp_copy<DISPATCH_UNROLL>(recv_x + row * hidden_int4, q.x + (int64_t_)slot * hidden_int4,
-                                           hidden_int4, lane);
-                if (lane == 0 && recv_src_idx != nullptr)
-                    recv_src_idx[row] = src;
-                if (lane < num_topk && recv_topk_idx != nullptr) {
-                    recv_topk_idx[row * num_topk + lane] = expert;
-                    if (recv_topk_weights != nullptr)
-                        recv_topk_weights[row * num_topk + lane] = weight;
-                }
-                float* row_scales = recv_x_scales + row * num_scales;
-                if (lane < num_scales)
-                    row_scales[lane] = scale0;
-                if (lane + 32 < num_scales)
-                    row_scales[lane + 32] = scale1;
-                for (int j = lane + 64; j < num_scales; j += 32)
-                    row_scales[j] = ld_stream(slot_scales + j);
             }
-
-            head += count;
-            out += count;
-            remaining -= count;
-            // Every warp is done reading these slots: hand them back to the sender.
-            group_sync(barrier_id, kGroupThreads);
-            if (thread_in_group == 0)
-                st_relaxed_sys(q.head, head);
+            const float* scales = regions.scales(first);
+            for (int i = lane; i < count * num_scales; i += 32)
+                recv_x_scales[(out + done) * num_scales + i] = ld_stream(scales + i);
+            done = tail;
         }
     }
 }

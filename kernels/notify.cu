@@ -61,13 +61,16 @@ __device__ __forceinline__ int settings_verdict(void* const* buffer_ptrs, int nu
 }
 
 // Before a cached dispatch or a combine: compare the call's settings across ranks, then reset the
-// queues (`zero_off`, `zero_count` ints) between two barriers (nobody may still use the old queues,
-// nobody may start before the reset). Block 0, all of it. A disagreement is left in this rank's
-// verdict word for the transfer kernel and in the error record for the host. `dispatch_verdict`
-// (null when its host checked it) is the verdict of the dispatch whose handle the call uses: a
-// refused one (reported then) makes this call move nothing too, on every rank alike.
+// transfer metadata (`zero_off`, `zero_count` ints) between two barriers (nobody may still use the
+// old metadata, nobody may start before the reset). Block 0, all of it. A disagreement is left in
+// this rank's verdict word for the transfer kernel and in the error record for the host. So is a
+// handle that routes more tokens from one rank to another than a region of this call holds
+// (`region_tokens`): every rank reads the same rank prefix matrix, so every rank refuses alike.
+// `dispatch_verdict` (null when its host checked it) is the verdict of the dispatch whose handle
+// the call uses: a refused one (reported then) makes this call move nothing too, on every rank alike.
 __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int num_ranks, int rank,
                                                 const int* settings, int64_t_ zero_off, int zero_count,
+                                                const int* rank_prefix_matrix, int region_tokens,
                                                 const int* dispatch_verdict, int64_t_ timeout_ns,
                                                 int* error_record, int kernel) {
     CallCounters counters(buffer_ptrs, rank);
@@ -77,11 +80,19 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
     if (!rank_barrier(buffer_ptrs, num_ranks, rank, epoch, timeout_ns, error_record, kernel))
         return;
     if (threadIdx.x == 0) {
-        const int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
-        const int handle_verdict = dispatch_verdict != nullptr ? *dispatch_verdict : 0;
-        *verdict_word(buffer_ptrs, rank) = verdict != 0 ? verdict : handle_verdict;
-        if (verdict != 0)
+        int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
+        if (verdict != 0) {
             report_error(error_record, ERROR_MISMATCH, kernel, rank, -1, verdict - 1, verdict);
+        } else {
+            const int largest = largest_rank_count(rank_prefix_matrix, num_ranks);
+            if (largest > region_tokens) {
+                verdict = VERDICT_BUFFER_TOO_SMALL;
+                report_error(error_record, ERROR_BUFFER_TOO_SMALL, kernel, rank, -1, -1, largest);
+            } else if (dispatch_verdict != nullptr) {
+                verdict = *dispatch_verdict;
+            }
+        }
+        *verdict_word(buffer_ptrs, rank) = verdict;
     }
     zero_ints(buffer_ptrs[rank], zero_off, zero_count);
     if (rank_barrier(buffer_ptrs, num_ranks, rank, epoch + 1, timeout_ns, error_record, kernel))
@@ -100,8 +111,8 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
 // Block 0 scatters this rank's rows into every peer's area, then after a barrier sums the tables
 // into the rank prefix matrix and the receive counts (`recv_counter`, `recv_expert_counter`:
 // host-mapped memory for a host that sizes the outputs from them, or device memory of the handle
-// for a dispatch the host does not wait for), and zeroes the dispatch queue metadata (`zero_off`, `zero_count` ints)
-// before a second barrier, so that no sender writes into a queue that is not yet reset. No barrier
+// for a dispatch the host does not wait for), and zeroes the dispatch metadata (`zero_off`, `zero_count`
+// ints) before a second barrier, so that no sender publishes into metadata that is not yet reset. No barrier
 // is needed before the scatter: the area alternates, and a peer can only come back to this one
 // after this rank has passed the second barrier of the next dispatch, long after reading it.
 // A host that allocated the outputs before knowing the counts (and launched the dispatch right
@@ -110,7 +121,9 @@ __device__ __forceinline__ void check_and_reset(void* const* buffer_ptrs, int nu
 // move nothing, so that the hosts can redo the call with exact sizes. A refused call publishes
 // zero counts and a zero rank prefix matrix (a combine with its handle then moves nothing), and
 // with `report_refusal` also leaves the verdict in the error record: a host that does not wait
-// for the counts (num_worst_tokens, CUDA graphs) learns of it there at its next check.
+// for the counts (num_worst_tokens, CUDA graphs) learns of it there at its next check. So is a
+// call in which one rank sends another more tokens than a transfer region holds (`region_tokens`):
+// VERDICT_BUFFER_TOO_SMALL, decided alike on every rank from the same table.
 // The settings ranks compare (`row_bytes` .. `recv_chunk`, with num_experts) are arguments, not
 // host memory, so that a captured call replays with its own.
 // Blocks 1..R count, per destination rank, the tokens of each channel (the sender-side channel
@@ -121,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
         int* recv_counter, int* mismatch_flag, int* recv_expert_counter, int report_refusal,
         int row_bytes, int topk_code, int num_scales, int num_sms, int send_chunk, int recv_chunk,
         const int64_t_* topk_idx, int num_topk, int num_tokens, int num_experts, int num_channels, int expert_alignment,
-        void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ zero_off, int zero_count,
+        void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ zero_off, int zero_count, int region_tokens,
         int64_t_ timeout_ns, int* error_record) {
     const int thread = threadIdx.x, num_threads = blockDim.x;
     const int experts_per_rank = num_experts / num_ranks;
@@ -184,6 +197,9 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
             // The word is written even when it is 0, to clear a disagreement left by an earlier
             // cached call.
             int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
+            for (int i = 0; i < num_ranks * num_ranks && verdict == 0; ++i)
+                if (rank_counts[i] > region_tokens)
+                    verdict = VERDICT_BUFFER_TOO_SMALL;
             for (int dst = 0; dst < num_ranks && verdict == 0; ++dst) {
                 int received = 0;
                 for (int src = 0; src < num_ranks; ++src)
@@ -247,17 +263,18 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_DISPATCH_THREADS) notify_dis
     }
 }
 
-// Before a cached dispatch: the layout is known; check the settings and reset the queues. The
+// Before a cached dispatch: the layout is known; check the settings and reset the metadata. The
 // settings a cached dispatch and a combine compare across ranks: which operation (`op`), row
 // bytes, scales per token (dispatch) or element type and top-k (combine) in `row_detail`,
 // num_sms, and the two chunk sizes.
 extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_DISPATCH_THREADS) cached_notify_dispatch_kernel(
         void* const* buffer_ptrs, int num_ranks, int rank,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
-        int64_t_ zero_off, int zero_count, const int* dispatch_verdict, int64_t_ timeout_ns, int* error_record) {
+        int64_t_ zero_off, int zero_count, const int* rank_prefix_matrix, int region_tokens,
+        const int* dispatch_verdict, int64_t_ timeout_ns, int* error_record) {
     const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
-    check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, dispatch_verdict, timeout_ns,
-                    error_record, KERNEL_CACHED_NOTIFY_DISPATCH);
+    check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, rank_prefix_matrix, region_tokens,
+                    dispatch_verdict, timeout_ns, error_record, KERNEL_CACHED_NOTIFY_DISPATCH);
 }
 
 extern "C" __global__ void __launch_bounds__(BARRIER_THREADS) barrier_kernel(
@@ -267,44 +284,13 @@ extern "C" __global__ void __launch_bounds__(BARRIER_THREADS) barrier_kernel(
         counters.advance(1, 0);
 }
 
-// Before a combine. Block 0 checks the settings and resets the combine queues. Blocks 1..C derive
-// `combine_head` from the dispatch's `send_head` for their channel, one warp per rank:
-//   combine_head[t][r] = send_head[t][r]        where token t was sent to r (its queue slot), else
-//                      = -(next slot) - 1        next slot = that of the next token of the channel
-//                                                sent to r, or 2^30 when none follows.
-// A combine receiver that meets a token not sent to r can then still tell the sender of r how
-// far the queue has been consumed.
+// Before a combine: as before a cached dispatch (its own stage in error records).
 extern "C" __global__ void __launch_bounds__(CACHED_NOTIFY_COMBINE_THREADS) cached_notify_combine_kernel(
         void* const* buffer_ptrs, int num_ranks, int rank,
         int op, int row_bytes, int row_detail, int num_sms, int send_chunk, int recv_chunk,
-        int64_t_ zero_off, int zero_count, const int* send_head, int* combine_head, int num_tokens,
-        int num_channels, const int* dispatch_verdict, int64_t_ timeout_ns, int* error_record) {
-    if (blockIdx.x == 0) {
-        const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
-        check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, dispatch_verdict,
-                        timeout_ns, error_record, KERNEL_CACHED_NOTIFY_COMBINE);
-        return;
-    }
-    const int channel = blockIdx.x - 1;
-    const int lane = threadIdx.x % 32, peer = threadIdx.x / 32;
-    if (peer >= num_ranks)
-        return;
-    int begin, end;
-    channel_task_range(num_tokens, num_channels, channel, begin, end);
-    int next_slot = 1 << 30;
-    // Walk the channel backwards, 32 tokens at a time: lane L holds token (chunk_end - 1 - L),
-    // so the tokens after lane L's are the lanes below it.
-    for (int chunk_end = end; chunk_end > begin; chunk_end -= 32) {
-        const int token = chunk_end - 1 - lane;
-        const bool valid = token >= begin;
-        const int slot = valid ? send_head[(int64_t_)token * num_ranks + peer] : -1;
-        const unsigned sent = __ballot_sync(0xffffffffu, slot >= 0);
-        const unsigned sent_after = sent & ((1u << lane) - 1u);
-        const int nearest = __shfl_sync(0xffffffffu, slot, sent_after ? 31 - __clz(sent_after) : 0);
-        if (valid)
-            combine_head[(int64_t_)token * num_ranks + peer] =
-                slot >= 0 ? slot : -(sent_after ? nearest : next_slot) - 1;
-        if (sent)
-            next_slot = __shfl_sync(0xffffffffu, slot, 31 - __clz(sent));
-    }
+        int64_t_ zero_off, int zero_count, const int* rank_prefix_matrix, int region_tokens,
+        const int* dispatch_verdict, int64_t_ timeout_ns, int* error_record) {
+    const int settings[SIGNATURE_INTS - 1] = {op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
+    check_and_reset(buffer_ptrs, num_ranks, rank, settings, zero_off, zero_count, rank_prefix_matrix, region_tokens,
+                    dispatch_verdict, timeout_ns, error_record, KERNEL_CACHED_NOTIFY_COMBINE);
 }

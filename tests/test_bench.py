@@ -446,3 +446,40 @@ def test_the_captured_step_is_layout_then_a_worst_case_dispatch_then_combine():
     graphs.step(Recording(), a, 64, "d", "c")()
     assert log == [("layout", 64), ("dispatch", 256, "d"), ("combine", "recv_x", "handle", "recv_w", "c")]
     assert set(graphs.STEP_OPS) <= set(calls.OPS)
+
+
+# --- SM sweep --------------------------------------------------------------------------------
+
+def test_sm_plot_implies_the_default_sm_sweep():
+    assert bench.parse_args(["--sm-plot", "sms.png"]).sm_sweep == [4, 8, 16, 24, 32]
+    assert bench.parse_args(["--sm-sweep", "8,24"]).sm_sweep == [8, 24]
+    assert bench.parse_args([]).sm_sweep is None
+
+
+@pytest.mark.parametrize("counts", ["7", "0,8"])
+def test_sm_sweep_counts_must_be_even_and_at_least_two(counts, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sm-sweep", counts])
+
+
+def _sm_sweep_rank(scale):
+    stats = lambda us: report.op_stats([us * scale * 1e-6] * 3, 1e9, 5e8)  # noqa: E731
+    return {"sm_sweep": {"points": [{"num_sms": n, "cached dispatch BF16": stats(2000 / n),
+                                     "combine BF16": stats(3000 / n)} for n in (8, 24)]}}
+
+
+def test_the_sm_sweep_takes_the_slowest_rank_at_each_sm_count():
+    summary = report.summarize_sm_sweep([_sm_sweep_rank(1.0), _sm_sweep_rank(1.5)])
+    assert summary["sms"] == [8, 24]
+    assert summary["series"]["cached dispatch BF16"] == pytest.approx([375.0, 125.0])
+    assert summary["series"]["combine BF16"] == pytest.approx([562.5, 187.5])
+    assert [row["op"] for row in summary["rows"]][:2] == ["cached dispatch BF16 @ 8 SMs", "combine BF16 @ 8 SMs"]
+
+
+def test_the_sm_sweep_plot_is_written_with_deepep_v1_beside(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sms.png"
+    summary = report.summarize_sm_sweep([_sm_sweep_rank(1.0)])
+    assert set(summary["deepep_v1"]) >= {"cached dispatch BF16", "combine BF16"}
+    assert report.plot_sm_sweep(str(path), summary, {"num_ranks": 2}) is None
+    assert path.stat().st_size > 0

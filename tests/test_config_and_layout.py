@@ -1,12 +1,14 @@
 """Configs, recommended settings, buffer size hints and the NVLink buffer layout (CPU only)."""
 
+import functools
 import json
 
 import pytest
 
 import deepep_cupy as ep
 from deepep_cupy import layout
-from deepep_cupy.config import CONFIG_ENV
+from deepep_cupy.config import CONFIG_ENV, sender_blocks
+from deepep_cupy.constants import BLOCK_THREADS
 
 
 def test_config_rejects_odd_num_sms():
@@ -22,13 +24,10 @@ def test_config_rejects_non_positive_values(field):
         ep.Config(*values)
 
 
-def test_config_rejects_send_chunk_larger_than_queue():
-    with pytest.raises(ValueError, match="must not exceed"):
-        ep.Config(24, 64, 32)
-
-
-def test_config_channels_are_half_the_sms():
-    assert ep.Config(24, 6, 256).num_channels == 12
+def test_config_has_a_channel_per_sender_warp():
+    warps = BLOCK_THREADS["dispatch_kernel"] // 32
+    assert ep.Config(24, 6, 256).num_channels == sender_blocks(24) * warps
+    assert 1 <= sender_blocks(2) < 2 and sender_blocks(24) < 24
 
 
 @pytest.mark.parametrize("num_ranks", range(2, 9))
@@ -66,18 +65,34 @@ def test_unreadable_tuned_config_file_is_a_clear_error(tmp_path, monkeypatch):
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_size_hint_covers_bf16_and_fp8_dispatch_and_combine(num_ranks):
     config = ep.Config(24, 16, 256)
-    hidden = 7168
-    hint = ep.get_nvl_buffer_size_hint(hidden * 2, num_ranks, config, num_topk=8)
-    bf16 = layout.dispatch_layout(num_ranks, 12, 256, hidden * 2, 8, 0)
-    fp8 = layout.dispatch_layout(num_ranks, 12, 256, hidden, 8, hidden // 128)
-    combine = layout.combine_layout(num_ranks, 12, 256, hidden * 2, 8)
+    hidden, C = 7168, config.num_channels
+    hint = ep.get_nvl_buffer_size_hint(hidden * 2, num_ranks, config, num_topk=8, num_max_tokens_per_rank=4096)
+    bf16 = layout.dispatch_layout(num_ranks, C, 4096, hidden * 2, 8, 0)
+    fp8 = layout.dispatch_layout(num_ranks, C, 4096, hidden, 8, hidden // 128)
+    combine = layout.combine_layout(num_ranks, C, 4096, hidden * 2, 8)
     assert hint >= max(bf16.total_bytes, fp8.total_bytes, combine.total_bytes)
 
 
-def test_size_hint_grows_with_the_queues():
-    small = ep.get_nvl_buffer_size_hint(7168 * 2, 2, ep.Config(24, 16, 256))
-    large = ep.get_nvl_buffer_size_hint(7168 * 2, 2, ep.Config(24, 16, 512))
-    assert large > small
+def test_size_hint_grows_with_the_tokens_per_rank():
+    small = ep.get_nvl_buffer_size_hint(7168 * 2, 2, ep.Config(24, 16, 256), num_max_tokens_per_rank=1024)
+    large = ep.get_nvl_buffer_size_hint(7168 * 2, 2, ep.Config(24, 16, 256), num_max_tokens_per_rank=2048)
+    assert large - small >= 1024 * 7168 * 2
+
+
+def test_eight_ranks_of_8192_bf16_tokens_of_hidden_7168_fit_in_2_gib():
+    assert ep.get_nvl_buffer_size_hint(7168 * 2, 8, num_topk=8, num_max_tokens_per_rank=8192) <= 2 << 30
+
+
+def test_the_largest_fitting_regions_fit_and_one_more_slot_would_not():
+    make = functools.partial(layout.dispatch_layout, 4, 96, row_bytes=7168, num_topk=8, num_scales=56)
+    for num_bytes in (10 << 20, 123456789, 1 << 30):
+        plan = layout.largest_fitting(make, num_bytes)
+        assert plan.total_bytes <= num_bytes < make(plan.region_tokens + 1).total_bytes
+
+
+def test_no_regions_fit_a_buffer_smaller_than_one_slot():
+    make = functools.partial(layout.combine_layout, 2, 96, row_bytes=14336, num_topk=8)
+    assert layout.largest_fitting(make, layout.DATA_OFFSET + 1024) is None
 
 
 def _regions(plan, names):
@@ -90,11 +105,11 @@ def test_dispatch_regions_are_aligned_ordered_and_after_the_header():
     assert offsets[0] >= layout.DATA_OFFSET
     assert all(o % layout.ALIGNMENT == 0 for o in offsets)
     assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
-    queues, slots = 24 * 8, 24 * 8 * 256
-    assert offsets[1] - offsets[0] >= 4 * 4 * queues          # start/end/head/tail per queue
+    queues, slots = 24 * 8, 7 * 256                               # one region per other rank
+    assert offsets[1] - offsets[0] >= 3 * 4 * queues          # start/end/tail per channel and source
     assert offsets[2] - offsets[1] >= slots * 7168             # the rows
     assert plan.total_bytes >= offsets[5] + slots * 56 * 4     # the scales fit
-    assert plan.zero_count == 4 * queues
+    assert plan.zero_count == 3 * queues and plan.region_tokens == 256
 
 
 def test_combine_regions_are_aligned_ordered_and_after_the_header():
@@ -102,9 +117,9 @@ def test_combine_regions_are_aligned_ordered_and_after_the_header():
     offsets = _regions(plan, ["meta_off", "x_off", "topk_weights_off"])
     assert offsets[0] >= layout.DATA_OFFSET
     assert all(o % layout.ALIGNMENT == 0 for o in offsets)
-    assert offsets[1] - offsets[0] >= 2 * 4 * 12 * 4
-    assert offsets[2] - offsets[1] >= 12 * 4 * 128 * 14336
-    assert plan.zero_count == 2 * 12 * 4
+    assert offsets[1] - offsets[0] >= 4 * 12 * 4
+    assert offsets[2] - offsets[1] >= 3 * 128 * 14336
+    assert plan.zero_count == 12 * 4 and plan.region_tokens == 128
 
 
 def test_notify_areas_hold_the_largest_tables_and_do_not_overlap():

@@ -92,15 +92,16 @@ def test_a_cached_dispatch_moves_no_topk_and_writes_no_handle(fake):
     assert p["channel_prefix_matrix"] == handle[1].ctypes.data
 
 
-def test_combine_resets_its_queues_then_reduces_with_the_handles_scratch(fake):
+def test_combine_checks_the_handles_routing_then_reduces_through_its_send_head(fake):
     buf, launches, _ = fake
     w = workload()
     recv_x, _, recv_w, _, handle, _ = dispatch(buf, w)
     combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
     assert launches.names()[-2:] == ["cached_notify_combine_kernel", "combine_kernel<bf16_t, 2>"]
     notify, main = launches.last("cached_notify_combine_kernel"), launches.last("combine_kernel<bf16_t, 2>")
-    assert notify["combine_head"] == main["combine_head"] != 0
-    assert notify["send_head"] == handle[5].ctypes.data
+    assert notify["rank_prefix_matrix"] == main["rank_prefix_matrix"] == handle[0].ctypes.data
+    assert main["send_head"] == handle[5].ctypes.data
+    assert 0 < notify["region_tokens"] == main["region_tokens"]
     assert combined.shape == (N, H) and combined.dtype == np.uint16 and combined_w.shape == (N, K)
 
 
@@ -324,8 +325,8 @@ def test_cached_dispatch_needs_the_handles_token_count_and_channels(fake):
     handle = dispatch(buf, w)[4]
     with pytest.raises(ValueError, match="x: the handle routes 64 tokens, got 32"):
         buf.dispatch(workload(num_tokens=32)["x"], handle=handle, config=CONFIG)
-    with pytest.raises(ValueError, match="config: the handle was made with num_sms=8, got num_sms=12"):
-        buf.dispatch(w["x"], handle=handle, config=ep.Config(12, 4, 32))
+    with pytest.raises(ValueError, match="config: the handle was made with another num_sms .*num_sms=24"):
+        buf.dispatch(w["x"], handle=handle, config=ep.Config(24, 4, 32))
 
 
 def test_combine_needs_one_row_per_received_token(fake):

@@ -120,9 +120,8 @@ def test_every_case_is_within_the_library_limits(num_gpus):
         # buffer the soak makes for the case, and that stays under the cap.
         num_scales = 0 if not dtype.startswith("float8") else 1 if dtype.endswith("_1d") else H // 128
         topk = K if case["with_topk"] else 0
-        dispatch = layout.dispatch_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens,
-                                          row_bytes, topk, num_scales)
-        combine = layout.combine_layout(R, config.num_channels, config.num_max_nvl_chunked_recv_tokens, row_bytes,
+        dispatch = layout.dispatch_layout(R, config.num_channels, max(counts), row_bytes, topk, num_scales)
+        combine = layout.combine_layout(R, config.num_channels, max(counts), row_bytes,
                                         K if case["with_weights"] else 0)
         needed = rc.nvl_bytes_needed(case)
         assert max(dispatch.total_bytes, combine.total_bytes) <= needed <= rc.NVL_BYTES_CAP, case

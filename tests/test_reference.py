@@ -384,44 +384,49 @@ def test_send_head_is_minus_one_exactly_where_token_is_not_sent(four_ranks):
         assert ((res["send_head"] == -1) == ~res["is_token_in_rank"]).all()
 
 
-def test_send_head_counts_earlier_sent_tokens_of_the_same_channel(four_ranks):
+def test_send_head_counts_the_earlier_tokens_sent_to_the_same_rank(four_ranks):
     _, _, _, results = four_ranks
     for res in results:
         in_rank = res["is_token_in_rank"]
-        n = in_rank.shape[0]
-        for t in range(n):
-            c = channel_of(t, n, 5)
-            begin = ref.channel_task_range(n, 5, c)[0]
+        for t in range(in_rank.shape[0]):
             for k in range(4):
                 if in_rank[t, k]:
-                    assert res["send_head"][t, k] == in_rank[begin:t, k].sum()
+                    assert res["send_head"][t, k] == in_rank[:t, k].sum()
 
 
-def test_send_head_restarts_at_zero_in_each_channel():
+def test_send_head_runs_on_across_channels():
     xs, idxs, _ = make_inputs(26, [100, 100], num_experts=2, num_topk=1, drop_fraction=0.0)
     idxs[0][:] = 1  # every token of rank 0 goes to rank 1
     res = ref.dispatch(xs, idxs, 2, 4)[0]
-    for c in range(4):
-        begin, end = ref.channel_task_range(100, 4, c)
-        assert (res["send_head"][begin:end, 1] == np.arange(end - begin)).all()
+    assert (res["send_head"][:, 1] == np.arange(100)).all()
     assert (res["send_head"][:, 0] == -1).all()
 
 
-def test_send_head_and_prefix_matrices_locate_each_copy(four_ranks):
-    """rank_prefix + recv_channel_prefix + send_head = row of the copy on the receiver (combine's lookup)."""
+def test_send_head_and_the_rank_prefix_matrix_locate_each_copy(four_ranks):
+    """rank_prefix + send_head = row of the copy on the receiver (where combine finds it)."""
     _, _, _, results = four_ranks
     for m, sender in enumerate(results):
         n = sender["is_token_in_rank"].shape[0]
         for t in range(n):
-            c = channel_of(t, n, 5)
             for r in range(4):
                 if not sender["is_token_in_rank"][t, r]:
                     continue
                 recv = results[r]
                 block = 0 if m == 0 else recv["rank_prefix_matrix"][m - 1, r]
-                row = block + recv["recv_channel_prefix_matrix"][m, c] + sender["send_head"][t, r]
+                row = block + sender["send_head"][t, r]
                 assert recv["recv_src_idx"][row] == t
                 assert source_ranks(results, r)[row] == m
+
+
+def test_recv_channel_prefix_is_the_send_head_of_each_channels_first_token(four_ranks):
+    _, _, _, results = four_ranks
+    for m, sender in enumerate(results):
+        in_rank = sender["is_token_in_rank"]
+        n = in_rank.shape[0]
+        for r in range(4):
+            for c in range(5):
+                begin = ref.channel_task_range(n, 5, c)[0]
+                assert results[r]["recv_channel_prefix_matrix"][m, c] == in_rank[:begin, r].sum()
 
 
 def test_handle_of_returns_the_six_handle_fields_in_order(four_ranks):

@@ -13,11 +13,13 @@ from host_fakes import FakeMapped
 import deepep_cupy as ep
 from deepep_cupy import slots
 from deepep_cupy.constants import (
+    ERROR_BUFFER_TOO_SMALL,
     ERROR_DISPATCH_REFUSED,
     ERROR_MISMATCH,
     ERROR_PEER_ABORTED,
     ERROR_TIMEOUT,
     KERNEL_STAGES,
+    VERDICT_BUFFER_TOO_SMALL,
     VERDICT_OVER_CAPACITY,
 )
 from deepep_cupy.slots import HostSlots
@@ -91,6 +93,21 @@ def test_each_error_code_has_its_own_exception():
     assert "timed out after" not in str(errors[ERROR_PEER_ABORTED])  # it did not wait out a timeout itself
 
 
+@pytest.mark.parametrize("stage, operation", [("cached_notify_dispatch", "cached dispatch"),
+                                              ("cached_notify_combine", "combine")])
+def test_a_handle_too_large_for_the_buffer_is_reported_once_naming_num_nvl_bytes(stage, operation):
+    host_slots = slots_with_record(ERROR_BUFFER_TOO_SMALL, STAGE_IDS[stage], 0, -1, -1, 300)
+    with pytest.raises(ValueError, match=f"num_nvl_bytes: the last {operation} was refused on every rank: its "
+                                         "handle has a rank send 300 tokens to another"):
+        host_slots.raise_if_failed()
+    host_slots.raise_if_failed()  # the Buffer stays usable
+
+
+def test_a_fresh_dispatch_too_large_for_the_buffer_raises_naming_num_nvl_bytes():
+    error = slots.verdict_error(VERDICT_BUFFER_TOO_SMALL, 0, 16, ())
+    assert isinstance(error, ValueError) and "get_nvl_buffer_size_hint" in str(error)
+
+
 def test_a_dispatch_whose_host_waits_clears_the_count_and_the_verdict():
     host_slots = slots_with_record()
     host_slots.values[slots.RECV_COUNT], host_slots.values[slots.VERDICT] = 12, 3
@@ -102,6 +119,7 @@ def test_a_dispatch_whose_host_waits_clears_the_count_and_the_verdict():
     (VERDICT_OVER_CAPACITY, ValueError, "a rank received more tokens than num_worst_tokens"),
     (-2, ValueError, r"rank 1 passed expert ids outside \[-1, num_experts\)"),
     (2, ep.RankMismatchError, "the settings differ between rank 0 and rank 1"),
+    (VERDICT_BUFFER_TOO_SMALL, ValueError, "num_nvl_bytes: .*more tokens than a transfer region"),
 ])
 def test_a_refused_dispatch_is_reported_once_by_its_verdict(verdict, error, message):
     host_slots = slots_with_record()

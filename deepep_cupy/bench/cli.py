@@ -17,10 +17,11 @@ from .calls import DEFAULT_CALLS_TOKENS
 from .ceiling import run_copy_ceiling
 from .library import bench_library_rank
 from .nccl import run_nccl_baseline
-from .report import aggregate, plot_calls, plot_sweep, render_report, results_to_json
+from .report import aggregate, plot_calls, plot_sm_sweep, plot_sweep, render_report, results_to_json
 
 DEFAULT_TOKENS_SWEEP = (512, 1024, 2048, 4096, 8192)
 DEFAULT_TUNE_SMS = (8, 16, 24, 32, 48)
+DEFAULT_SM_SWEEP = (4, 8, 16, 24, 32)
 DEFAULT_TUNE_SEND = (4, 6, 8, 12, 16, 24, 32)
 DEFAULT_TUNE_RECV = (128, 256, 512)
 
@@ -99,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per rank for the GB/s-vs-tokens sweep "
                         f"(default with --plot: {','.join(map(str, DEFAULT_TOKENS_SWEEP))})")
     g.add_argument("--sweep-iters", type=int, default=30, help="timed iterations per sweep point")
+    g.add_argument("--sm-sweep", type=_int_list, default=None, metavar="LIST",
+                   help="SM counts at which to time cached dispatch (BF16, FP8) and combine with the "
+                        "recommended chunk sizes, e.g. 4,8,16,24,32 (default with --sm-plot: "
+                        f"{','.join(map(str, DEFAULT_SM_SWEEP))})")
+    g.add_argument("--sm-plot", metavar="PATH", default=None, help="PNG of time vs SMs (the --sm-sweep)")
     g.add_argument("--tune", action="store_true", help="grid search over SMs and chunk sizes")
     g.add_argument("--tune-sms", type=_int_list, default=list(DEFAULT_TUNE_SMS))
     g.add_argument("--tune-send", type=_int_list, default=list(DEFAULT_TUNE_SEND))
@@ -145,6 +151,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--save-config needs --tune")
     if args.plot and args.tokens_sweep is None:
         args.tokens_sweep = list(DEFAULT_TOKENS_SWEEP)
+    if args.sm_plot and args.sm_sweep is None:
+        args.sm_sweep = list(DEFAULT_SM_SWEEP)
+    if any(n < 2 or n % 2 for n in args.sm_sweep or ()):
+        parser.error("--sm-sweep: SM counts must be even and at least 2")
     return args
 
 
@@ -173,7 +183,7 @@ def detect_launcher(args: argparse.Namespace, environ: Optional[Dict[str, str]] 
 def _settings(args: argparse.Namespace, mode: str, num_ranks: int, devices: Sequence[int],
               first: Dict[str, Any]) -> Dict[str, Any]:
     import cupy
-    s = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "calls_plot", "save_config")}
+    s = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "calls_plot", "sm_plot", "save_config")}
     s.update(mode="in-process" if mode == "local" else "mpirun", num_ranks=num_ranks, devices=list(devices),
              device_name=first["device_name"], dispatch_config=first["dispatch_config"],
              combine_config=first["combine_config"], nvl_bytes=first["nvl_bytes"],
@@ -194,13 +204,14 @@ def _finish(args: argparse.Namespace, mode: str, num_ranks: int, devices: Sequen
     agg = aggregate(rank_results, nccl_ranks, nccl_info, args)
     settings = _settings(args, mode, num_ranks, devices, rank_results[0])
     doc = results_to_json(settings, agg["checks"], agg["ops"], agg["nccl"], copy, agg["sweep"], agg["tune"],
-                          agg["calls"])
+                          agg["calls"], agg["sm_sweep"])
     print(render_report(doc), flush=True)
     if args.json:
         write_json(args.json, doc)
         print(f"wrote {args.json}")
     for path, what, plot, absent in ((args.plot, "sweep", plot_sweep, "no sweep results"),
-                                     (args.calls_plot, "calls", plot_calls, "--no-calls")):
+                                     (args.calls_plot, "calls", plot_calls, "--no-calls"),
+                                     (args.sm_plot, "sm_sweep", plot_sm_sweep, "no SM sweep results")):
         if path:
             why = plot(path, doc[what], settings) if agg[what] else absent
             print(f"{what} plot skipped: {why}" if why else f"wrote {path}")

@@ -82,15 +82,23 @@ def make_configs(ep: Any, num_ranks: int, args: argparse.Namespace) -> Tuple[Any
 
 
 def tune_configs(ep: Any, num_ranks: int, args: argparse.Namespace) -> List[Any]:
-    if not args.tune:
-        return []
-    return [ep.Config(*t) for t in tune_grid(args.tune_sms, args.tune_send, args.tune_recv)]
+    """Every config of ``--tune`` and ``--sm-sweep`` (each needs room in the Buffer)."""
+    configs = [ep.Config(*t) for t in tune_grid(args.tune_sms, args.tune_send, args.tune_recv)] if args.tune else []
+    return configs + [sm_sweep_config(ep, num_ranks, n) for n in getattr(args, "sm_sweep", None) or ()]
+
+
+def sm_sweep_config(ep: Any, num_ranks: int, num_sms: int) -> Any:
+    """The recommended config with ``num_sms`` SMs."""
+    rec = ep.get_dispatch_config(num_ranks)
+    return ep.Config(num_sms, rec.num_max_nvl_chunked_send_tokens, rec.num_max_nvl_chunked_recv_tokens)
 
 
 def nvl_buffer_bytes(ep: Any, args: argparse.Namespace, num_ranks: int, configs: Sequence[Any]) -> int:
-    """The largest ``get_nvl_buffer_size_hint`` over every config this run uses (BF16 rows are the widest)."""
-    return max(int(ep.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, c, num_topk=args.num_topk))
-               for c in configs)
+    """The largest ``get_nvl_buffer_size_hint`` over every config this run uses (BF16 rows are the
+    widest), for the most tokens a rank dispatches in it."""
+    tokens = max([args.num_tokens, *(args.tokens_sweep or []), *(getattr(args, "calls_tokens", None) or [])])
+    return max(int(ep.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, c, num_topk=args.num_topk,
+                                               num_max_tokens_per_rank=tokens)) for c in configs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +215,7 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
                    "fp8": _dispatch_np(out_fp8, True) if out_fp8 is not None else None,
                    "cached_recv_x": _to_numpy(cached_x), "combined_x": _to_numpy(combined_x),
                    "combined_topk_weights": _to_numpy(combined_w)}
-            num_channels = dcfg.num_sms // 2
+            num_channels = dcfg.num_channels
             inputs = group.allgather(host)
             if getattr(group, "in_process", False):   # compute once, share the objects
                 ref = group.allgather(reference_outputs(reference, inputs, E, num_channels, True) if lead else None)[0]
@@ -249,6 +257,10 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
         if args.tokens_sweep:
             result["sweep"] = _library_sweep(buf, group, args, reference, dcfg, ccfg, stream, flush)
 
+        # --- SM sweep ------------------------------------------------------------------------
+        if getattr(args, "sm_sweep", None):
+            result["sm_sweep"] = _library_sm_sweep(ep, buf, group, args, x, x_fp8, layout_kw, stream, flush)
+
         # --- tuning --------------------------------------------------------------------------
         if args.tune:
             result["tune"] = _library_tune(ep, buf, group, args, x, layout_kw, stream, flush, lead)
@@ -278,6 +290,28 @@ def _library_sweep(buf, group, args, reference, dcfg, ccfg, stream, flush) -> Di
                      min(args.warmup, 10), args.sweep_iters, stream, flush)
         points.append({"num_tokens": n, "dispatch BF16": op_stats(td, nb, cb),
                        "combine BF16": op_stats(tc, nb, cb)})
+    return {"points": points}
+
+
+def _library_sm_sweep(ep, buf, group, args, x, x_fp8, layout_kw, stream, flush) -> Dict[str, Any]:
+    """Cached dispatch BF16 and FP8 and combine BF16 at each ``--sm-sweep`` SM count (the handle of
+    a fresh dispatch with that many SMs); per count the rank's op_stats."""
+    H = args.hidden
+    points = []
+    for num_sms in args.sm_sweep:
+        config = sm_sweep_config(ep, group.size, num_sms)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, config=config, **layout_kw)
+        total, cross = recv_token_counts(_to_numpy(handle[0]), group.rank)
+        ops = {"cached dispatch BF16": (lambda: buf.dispatch(x, handle=handle, config=config), "bf16"),
+               "combine BF16": (lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=config), "bf16")}
+        if x_fp8 is not None:
+            ops["cached dispatch FP8"] = (lambda: buf.dispatch(x_fp8, handle=handle, config=config), "fp8")
+        point = {"num_sms": num_sms}
+        for name, (fn, dtype) in ops.items():
+            group.barrier()
+            times = time_op(fn, args.tune_warmup, args.tune_iters, stream, flush)
+            point[name] = op_stats(times, dispatch_bytes(total, H, dtype), dispatch_bytes(cross, H, dtype))
+        points.append(point)
     return {"points": points}
 
 

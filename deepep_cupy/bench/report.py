@@ -99,10 +99,12 @@ def format_settings(s: Dict[str, Any]) -> str:
 def results_to_json(settings: Dict[str, Any], checks: Optional[Dict[str, Any]] = None,
                     ops: Sequence[Dict[str, Any]] = (), nccl: Optional[Dict[str, Any]] = None,
                     copy: Optional[Dict[str, Any]] = None, sweep: Optional[Dict[str, Any]] = None,
-                    tune: Optional[Dict[str, Any]] = None, calls: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                    tune: Optional[Dict[str, Any]] = None, calls: Optional[Dict[str, Any]] = None,
+                    sm_sweep: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Every figure and the settings as one JSON-ready dict (NaN becomes ``null``)."""
     return _jsonable({"format": "deepep_cupy.bench/1", "settings": settings, "checks": checks or {},
-                      "ops": list(ops), "nccl": nccl, "copy": copy, "sweep": sweep, "tune": tune, "calls": calls})
+                      "ops": list(ops), "nccl": nccl, "copy": copy, "sweep": sweep, "tune": tune, "calls": calls,
+                      "sm_sweep": sm_sweep})
 
 
 def tune_grid(sms: Sequence[int], send: Sequence[int], recv: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -187,7 +189,63 @@ def aggregate(rank_results: Sequence[Dict[str, Any]], nccl_ranks: Optional[Seque
         tune = {"entries": entries, "best": best_configs(entries)}
     out["tune"] = tune
     out["calls"] = summarize_calls([r["calls"] for r in rank_results]) if "calls" in rank_results[0] else None
+    out["sm_sweep"] = summarize_sm_sweep(rank_results) if "sm_sweep" in rank_results[0] else None
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# SM sweep
+
+#: DeepEP V1 (92fe2de) on 2 x H200 at the reference workload, same hour as deepep_cupy 04e7fd6:
+#: time per call in us by SM count (issue "Dispatch and combine near the NVLink limit").
+DEEPEP_V1_BY_SMS = {"cached dispatch BF16": {8: 874, 16: 460, 24: 327},
+                    "cached dispatch FP8": {8: 656, 16: 347, 24: 246},
+                    "combine BF16": {8: 990, 16: 547, 24: 404}}
+
+
+def summarize_sm_sweep(rank_results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Every rank's SM-sweep points -> ``{sms, rows, series: {op: [mean us]}, deepep_v1}``."""
+    points = rank_results[0]["sm_sweep"]["points"]
+    out: Dict[str, Any] = {"sms": [p["num_sms"] for p in points], "rows": [], "series": {},
+                           "deepep_v1": DEEPEP_V1_BY_SMS}
+    for k, point in enumerate(points):
+        for op in (name for name in point if name != "num_sms"):
+            per_rank = [r["sm_sweep"]["points"][k][op] for r in rank_results]
+            row = summarize_op(f"{op} @ {point['num_sms']} SMs", per_rank)
+            out["rows"].append(row)
+            out["series"].setdefault(op, []).append(row["time_mean_us"])
+    return out
+
+
+def plot_sm_sweep(path: str, sm_sweep: Dict[str, Any], settings: Dict[str, Any]) -> Optional[str]:
+    """PNG of time per call vs SMs, with DeepEP V1's figures. Returns ``None`` on success, else why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f"matplotlib is not importable ({exc})"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, (op, times) in enumerate(sm_sweep["series"].items()):
+        color = f"C{k}"
+        ax.plot(sm_sweep["sms"], times, marker="o", color=color, label=f"deepep_cupy {op}")
+        v1 = sm_sweep.get("deepep_v1", {}).get(op)
+        if v1:
+            ax.plot(sorted(v1), [v1[n] for n in sorted(v1)], marker="x", linestyle="--", color=color,
+                    label=f"DeepEP V1 {op}")
+    ax.set_xticks(sm_sweep["sms"])
+    ax.set_xlabel("SMs (num_sms)")
+    ax.set_ylabel("us per call (mean, max over ranks)")
+    ax.set_yscale("log")
+    ax.set_title(f"{settings.get('num_ranks')} x {settings.get('device_name')}, "
+                 f"{settings.get('num_tokens')} tokens/rank, hidden {settings.get('hidden')}, "
+                 f"top-{settings.get('num_topk')} of {settings.get('num_experts')}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
 
 
 TUNE_COLUMNS = (("op", "op", "{}"), ("num_sms", "SMs", "{}"), ("num_max_nvl_chunked_send_tokens", "send", "{}"),
@@ -229,6 +287,8 @@ def render_report(doc: Dict[str, Any]) -> str:
     sweep = doc.get("sweep")
     if sweep:
         parts.append(format_table(sweep["rows"], title="tokens sweep"))
+    if doc.get("sm_sweep"):
+        parts.append(format_table(doc["sm_sweep"]["rows"], title="SM sweep (recommended chunk sizes)"))
     tune = doc.get("tune")
     if tune:
         for op in ("dispatch", "combine"):

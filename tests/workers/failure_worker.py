@@ -17,9 +17,10 @@ import traceback
 
 import numpy as np
 
-CASES = ["argument_checks", "invalid_expert_ids", "rank_mismatch", "cached_rank_mismatch", "peer_never_joins",
-         "many_iterations", "create_destroy_cycles", "recovery_after_a_peer_never_joins", "recovery_after_a_late_peer",
-         "two_buffers_used_alternately", "dispatch_while_an_async_combine_is_in_flight"]
+CASES = ["argument_checks", "more_tokens_than_the_buffer_holds", "invalid_expert_ids", "rank_mismatch",
+         "cached_rank_mismatch", "peer_never_joins", "many_iterations", "create_destroy_cycles",
+         "recovery_after_a_peer_never_joins", "recovery_after_a_late_peer", "two_buffers_used_alternately",
+         "dispatch_while_an_async_combine_is_in_flight"]
 #: The cases that take any rank group, not only an mpi4py communicator (local_failure_worker.py runs them).
 GROUP_CASES = ["recovery_after_a_peer_never_joins", "recovery_after_a_late_peer", "two_buffers_used_alternately",
                "dispatch_while_an_async_combine_is_in_flight"]
@@ -141,7 +142,6 @@ def case_argument_checks(comm, ep, cupy):
             "experts": expect(ValueError, "num_experts", dispatch(num_tokens_per_expert=per_expert[:-1].copy())),
             "scales": expect(ValueError, "x[1]", dispatch((x.view(cupy.uint8)[:, :H].copy(),
                                                           cupy.ones((N + 1, H // 128), cupy.float32)))),
-            "too_small": expect(ValueError, "num_nvl_bytes", dispatch(config=ep.Config(48, 16, 4096))),
         }
         if cupy.cuda.runtime.getDeviceCount() > 1:
             with cupy.cuda.Device((cupy.cuda.Device().id + 1) % cupy.cuda.runtime.getDeviceCount()):
@@ -157,6 +157,31 @@ def case_argument_checks(comm, ep, cupy):
                                                                                  config=config))
         dispatch_and_check(buf, rng, config)  # still usable after every refusal
     return {"checked": sorted(messages)}
+
+
+def case_more_tokens_than_the_buffer_holds(comm, ep, cupy):
+    """A Buffer sized for N tokens per rank: a dispatch of more, and a BF16 combine of the rows of an
+    FP8 dispatch that fitted (its rows are half as wide), are refused on every rank, naming
+    num_nvl_bytes; then a dispatch + combine of N tokens is exact."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    config = ep.Config(24, 16, 256)
+    rng = np.random.default_rng(4)
+    size = ep.get_nvl_buffer_size_hint(H * 2, R, config, num_topk=K, num_max_tokens_per_rank=N)
+    many = N * 9 // 5  # more than N reach the other rank, fewer than twice N
+    with ep.Buffer(comm, size, timeout_s=20) as buf:
+        xs, topks, weights = inputs(rng, R, num_tokens=many)
+        x, topk, w = (cupy.asarray(a[rank]) for a in (xs, topks, weights))
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        dispatch_message = expect(ValueError, "num_nvl_bytes", lambda: buf.dispatch(
+            x, **layout, topk_idx=topk, topk_weights=w, config=config))
+        fp8 = (x.view(cupy.uint8)[:, :H].copy(), cupy.ones((many, H // 128), cupy.float32))
+        recv, _, _, _, handle, _ = buf.dispatch(fp8, **layout, topk_idx=topk, topk_weights=w, config=config)
+        buf.combine(cupy.zeros((recv[0].shape[0], H), cupy.uint16), handle, config=config)
+        cupy.cuda.get_current_stream().synchronize()
+        combine_message = expect(ValueError, "num_nvl_bytes", buf.check_kernel_errors)
+        dispatch_and_check(buf, rng, config)  # still usable after both refusals
+    return {"dispatch": dispatch_message, "combine": combine_message}
 
 
 def case_invalid_expert_ids(comm, ep, cupy):

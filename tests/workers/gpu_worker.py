@@ -136,7 +136,7 @@ def _run_scenario(buf, sc):
                                sc["send_chunk"] or ep.get_combine_config(R).num_max_nvl_chunked_send_tokens,
                                sc["recv_chunk"] or ep.get_combine_config(R).num_max_nvl_chunked_recv_tokens)
     E = sc["num_experts"]
-    results = ref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], E, sc["num_sms"] // 2,
+    results = ref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], E, config.num_channels,
                            topk_weights=[i["weights"] for i in inputs] if sc["with_weights"] else None,
                            x_scales=[i["scales"] for i in inputs] if mine["scales"] is not None else None,
                            expert_alignment=sc["expert_alignment"])

@@ -11,7 +11,7 @@ within the limits the library enforces:
 * top-k 1..9 over up to 8192 experts (a multiple of the rank count, at most 4096 per rank),
   routing uniform, skewed, with -1 entries, or avoiding the last rank;
 * ``expert_alignment`` 1..128, ``num_sms`` 2..what fits when ranks share a GPU, chunk sizes
-  1..1024 (send <= receive, the NVLink buffer at most :data:`NVL_BYTES_CAP`);
+  1..1024 (send <= receive; the NVLink buffer sized for the case's tokens);
 * CuPy or PyTorch, sync or async, with or without top-k and weights, with or without cached
   dispatch and combine, and how the first fresh dispatch sizes its outputs;
 * DeepEP's layouts and calls: FP8 scales column-major, combine with 0..2 biases, a fresh
@@ -60,7 +60,7 @@ DEFAULT_SM_COUNT = 132
 MOVED_BYTES_CAP = 24 << 20
 #: Tokens (all ranks) x experts: bounds random_routing's Gumbel keys and their sort.
 ROUTING_KEYS_CAP = 400_000
-#: NVLink buffer per rank: recv chunks shrink until a case fits.
+#: NVLink buffer per rank, at most (MOVED_BYTES_CAP keeps every case well under it).
 NVL_BYTES_CAP = 1 << 30
 #: A "retried" first dispatch is allocated ahead for 64 rows (see gpu_worker.run_scenario).
 RETRY_GUESS_ROWS = 64
@@ -111,10 +111,12 @@ def config_of(case) -> Config:
 
 
 def nvl_bytes_needed(case) -> int:
-    """NVLink bytes per rank the case needs: ``get_nvl_buffer_size_hint`` for its config, top-k and
-    rows (FP8 rows counted at BF16 width, as the hint asks, so that their scales are included)."""
+    """NVLink bytes per rank the case needs: ``get_nvl_buffer_size_hint`` for its config, top-k,
+    rows (FP8 rows counted at BF16 width, as the hint asks, so that their scales are included) and
+    the most tokens a rank dispatches."""
     row_bytes = case["hidden"] * max(2, ITEMSIZE[case["dtype"]])
-    return get_nvl_buffer_size_hint(row_bytes, case["num_ranks"], config_of(case), num_topk=case["num_topk"])
+    return get_nvl_buffer_size_hint(row_bytes, case["num_ranks"], config_of(case), num_topk=case["num_topk"],
+                                    num_max_tokens_per_rank=max(1, *token_counts(case)))
 
 
 def ranks_per_gpu(num_ranks: int, num_gpus: int) -> int:
@@ -157,13 +159,6 @@ def _draw_num_sms(d: _Draws, num_ranks: int, num_gpus: int, sm_count: int) -> in
     # Ranks sharing a GPU must fit on it together (comm.check_sm_budget).
     cap = largest_num_sms(ranks_per_gpu(num_ranks, num_gpus), sm_count)
     return 2 * d.log_int(1, max(1, cap // 2))
-
-
-def _fit_queues(case) -> None:
-    """Halve the receive queue (and the send chunk with it) until the NVLink buffer fits the cap."""
-    while nvl_bytes_needed(case) > NVL_BYTES_CAP and case["recv_chunk"] > 1:
-        case["recv_chunk"] //= 2
-        case["send_chunk"] = min(case["send_chunk"], case["recv_chunk"])
 
 
 def _can_force_retry(routing: str, counts: tuple) -> bool:
@@ -210,7 +205,6 @@ def random_case(seed: int, num_gpus: int = DEFAULT_GPUS, sm_count: int = DEFAULT
                 with_weights=with_weights, expert_alignment=expert_alignment, routing=routing, cached=cached,
                 combine=combine, mode=mode, framework=framework, send_chunk=send_chunk, recv_chunk=recv_chunk,
                 allocation=allocation, scales_layout=scales_layout, bias=bias, worst=worst)
-    _fit_queues(case)
     return case
 
 
