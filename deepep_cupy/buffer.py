@@ -171,6 +171,7 @@ class Buffer(DispatchPath):
         self._order: Optional[StreamOrder] = None
         self._capacity_guess = ReceiveCapacityGuess()
         self._plans: Dict[tuple, plans.Plan] = {}
+        self._expand_calls: Dict[tuple, KernelCall] = {}
         self._default_configs: Dict[tuple, Config] = {}
         self._checked_sms: set = set()
         self._on_device = _DeviceScope(device_id)
@@ -432,7 +433,7 @@ class Buffer(DispatchPath):
                  num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, expand: bool = False):
         """Send each token once to every rank that owns one of its experts.
 
         Args:
@@ -463,6 +464,15 @@ class Buffer(DispatchPath):
             previous_event: make the communication wait for this event instead of the caller's stream.
             async_finish: return an event instead of making the caller's stream wait.
             allocate_on_comm_stream: allocate outputs on the communication stream.
+            expand: (fresh dispatch with ``topk_idx``, without ``num_worst_tokens``) return the
+                rows grouped per local expert, the layout a grouped GEMM reads: group ``e`` holds a
+                copy of received row ``i`` for every top-k entry of ``i`` naming ``e`` (in the
+                order of ``i``, then of the entry), then zero rows up to a multiple of
+                ``expert_alignment``; the groups follow each other in expert order, their sizes
+                are the returned expert counts. ``handle.expert_offsets`` (a list of local experts
+                + 1 ints) says where each group starts and ``handle.expanded_rows`` (int32, one
+                per expanded row) which received row it copies (-1 for padding); ``combine`` still
+                takes one row per received token (``handle.num_recv_tokens``).
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
@@ -478,10 +488,13 @@ class Buffer(DispatchPath):
         if handle is not None:
             if num_worst_tokens:
                 raise ValueError("num_worst_tokens: a cached dispatch receives the handle's row count; pass 0")
+            if expand:
+                raise ValueError("expand: a cached dispatch returns the rows in receive order; expand them with "
+                                 "handle.expanded_rows of the fresh dispatch that expanded")
             return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream)
         return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
-                                    async_finish, allocate_on_comm_stream)
+                                    async_finish, allocate_on_comm_stream, expand)
 
     def _check_handle(self, handle, config: Config) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):

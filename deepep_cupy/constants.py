@@ -78,6 +78,7 @@ BLOCK_THREADS: Dict[str, int] = {
     # blocks times these threads / 32 (deepep_cupy.config.Config.num_channels).
     "dispatch_kernel": 768,
     "combine_kernel": 768,
+    "expand_kernel": 512,
 }
 
 
@@ -89,6 +90,7 @@ def cuda_defines() -> Dict[str, int]:
     """Every constant the kernels use, by its C macro name."""
     defines = {
         "DEEPEP_MAX_RANKS": MAX_RANKS,
+        "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
         "SIGNATURE_INTS": SIGNATURE_INTS,
         "ERROR_TIMEOUT": ERROR_TIMEOUT,
         "ERROR_MISMATCH": ERROR_MISMATCH,

@@ -60,22 +60,28 @@ class DispatchPath:
 
     def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                        allocate_on_comm_stream):
+                        allocate_on_comm_stream, expand=False):
         call = self._read_fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, config)
+        if expand:
+            if num_worst_tokens:
+                raise ValueError("expand: the expanded rows are sized from the receive counts, which a dispatch "
+                                 "with num_worst_tokens does not wait for; pass one or the other")
+            if call.topk_array is None:
+                raise ValueError("expand: rows are grouped by their top-k experts; pass topk_idx")
         if num_worst_tokens:
             return self._worst_case_dispatch(call, num_worst_tokens, previous_event, async_finish,
                                              allocate_on_comm_stream)
         rows_ahead = self._capacity_guess.rows(call.num_tokens) if self.allocate_ahead else None
         with self._on_device:
             out = self._exchange_and_transfer(call, rows_ahead, previous_event, async_finish,
-                                              allocate_on_comm_stream)
+                                              allocate_on_comm_stream, expand)
             if out is None:
                 # A rank received more than its guess: every rank's transfer moved nothing. Again,
                 # with the host waiting for the counts (all ranks come here together).
                 self.last_dispatch_allocation = "retried"
                 out = self._exchange_and_transfer(call, None, previous_event, async_finish,
-                                                  allocate_on_comm_stream)
+                                                  allocate_on_comm_stream, expand)
             else:
                 self.last_dispatch_allocation = "exact" if rows_ahead is None else "ahead"
         self._capacity_guess.observe(call.num_tokens, out[4].num_recv_tokens)
@@ -180,12 +186,13 @@ class DispatchPath:
                           send_chunk=config.num_max_nvl_chunked_send_tokens, **fixed)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows_ahead: Optional[int], previous_event,
-                               async_finish: bool, allocate_on_comm_stream: bool):
+                               async_finish: bool, allocate_on_comm_stream: bool, expand: bool = False):
         """The count exchange and the transfer of one fresh dispatch whose host waits for the counts.
 
         With ``rows_ahead`` the outputs get that many rows and the transfer is launched before the
         host has the counts; returns None when some rank receives more than its rows (nothing was
-        moved). Without, the host waits for the counts and allocates exactly.
+        moved). Without, the host waits for the counts and allocates exactly. With ``expand`` the
+        rows come back grouped per local expert (:meth:`_expand`).
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec = plan.spec
@@ -229,6 +236,10 @@ class DispatchPath:
                 trim = lib.trim
                 outputs = [None if a is None else trim(a, num_recv) for a in outputs]
             handle.num_recv_tokens = num_recv
+            if expand:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    outputs, expanded = self._expand(run_on, lib, plan.spec, outputs, per_expert_list, handle)
+                allocated = (*allocated, *expanded)
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
@@ -236,6 +247,35 @@ class DispatchPath:
             # Kernels may be queued already: destroy() and the next call must come after them.
             self._order.abandon(run_on)
             raise
+
+    def _expand(self, stream: int, lib, spec: plans.DispatchSpec, outputs, per_expert_list, handle: DispatchHandle):
+        """Launch expand_kernel behind the transfer: ``recv_x`` (and its scales) regrouped per local
+        expert, padded to the alignment; the handle gets ``expanded_rows`` and ``expert_offsets``.
+        Returns ``(outputs with the expanded rows, the arrays allocated)``."""
+        recv_x, recv_scales, recv_topk, recv_weights = outputs
+        num_local_experts = spec.num_experts // self.num_ranks
+        key = ("expand", spec.rows.row_bytes, spec.num_topk, spec.rows.num_scales, num_local_experts,
+               spec.expert_alignment)
+        kernel = self._expand_calls.get(key)
+        if kernel is None:
+            kernel = self._expand_calls[key] = self._bind(
+                "expand_kernel", grid=max(1, num_local_experts), hidden_int4=spec.rows.row_bytes // 16,
+                num_topk=spec.num_topk, num_scales=spec.rows.num_scales, num_local_experts=num_local_experts,
+                expert_alignment=spec.expert_alignment)
+        total = sum(per_expert_list)
+        expanded_x = lib.empty((total, spec.rows.hidden), spec.rows.dtype_name, self.device_id)
+        expanded_scales = None if recv_scales is None else lib.empty((total,) + spec.rows.scales_tail, "float32",
+                                                                     self.device_id)
+        expanded_rows = lib.empty((total,), "int32", self.device_id)
+        if num_local_experts:
+            kernel(stream, expanded_x=lib.pointer(expanded_x),
+                   expanded_scales=0 if expanded_scales is None else lib.pointer(expanded_scales),
+                   expanded_rows=lib.pointer(expanded_rows), recv_x=lib.pointer(recv_x),
+                   recv_scales=0 if recv_scales is None else lib.pointer(recv_scales),
+                   recv_topk_idx=lib.pointer(recv_topk), num_recv=handle.num_recv_tokens)
+        handle.expanded_rows = expanded_rows
+        handle.expert_offsets = [0, *np.cumsum(per_expert_list).tolist()]
+        return [expanded_x, expanded_scales, recv_topk, recv_weights], (expanded_x, expanded_scales, expanded_rows)
 
     def _dispatch_outputs(self, lib, plan: Plan, rows: int) -> list:
         """``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]`` with ``rows`` rows (None for

@@ -96,6 +96,9 @@ class DispatchHandle:
         self.in_rank_ptr = in_rank_ptr
         self.verdict_ptr = self.recv_count_ptr = self.recv_expert_counts_ptr = 0
         self.recv_count = self.recv_expert_counts = None
+        #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for
+        #: padding) and where each local expert's group starts (local experts + 1 ints).
+        self.expanded_rows = self.expert_offsets = None
         self._src_idx = None
         self._items = None
 

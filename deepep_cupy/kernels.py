@@ -37,7 +37,10 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "dispatch.cu": tuple(f"dispatch_kernel<{r}>" for r in RANK_COUNTS)
     + tuple(f"dispatch_kernel<{r}, true>" for r in RANK_COUNTS),
     "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
+    "expand.cu": ("expand_kernel",),
 }
+#: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
+OPTIONAL_KERNELS = ("expand_kernel",)
 
 #: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
@@ -142,14 +145,15 @@ def _load_now(function_ptr: int) -> None:
 def warm_up(num_ranks: int, every_instance: bool = False) -> None:
     """Compile (or load from CuPy's cache) what a ``num_ranks`` group uses on its hot path:
     the untemplated kernels, dispatch and the BF16 combine; the other instances (strided FP8
-    scales, other combine dtypes) compile on first use, unless ``every_instance``.
+    scales, other combine dtypes) and the optional kernels compile on first use, unless
+    ``every_instance``.
 
     Ranks that share a GPU need ``every_instance``: loading a module waits for the kernels running
     on the device, among them a co-located peer's that waits for this rank (see :func:`_load_now`).
     """
     for expressions in SOURCES.values():
         for expression in expressions:
-            if "<" not in expression:
+            if "<" not in expression and (every_instance or expression not in OPTIONAL_KERNELS):
                 get_kernel(expression)
     get_kernel(name_expression("dispatch_kernel", (num_ranks,)))
     get_kernel(name_expression("combine_kernel", (COMBINE_DTYPES["bfloat16"], num_ranks)))
@@ -201,6 +205,9 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "recv_channel_prefix_matrix:ptr send_head:ptr num_tokens:i32 num_channels:i32 hidden_int4:i32 num_topk:i32 "
         "buffer_ptrs:ptr rank:i32 meta_off:i64 x_off:i64 topk_weights_off:i64 region_tokens:i32 num_senders:i32 "
         "send_chunk:i32 timeout_ns:i64 error_record:ptr"),
+    "expand_kernel": _signature(
+        "expanded_x:ptr expanded_scales:ptr expanded_rows:ptr recv_x:ptr recv_scales:ptr recv_topk_idx:ptr "
+        "num_recv:i32 num_topk:i32 hidden_int4:i32 num_scales:i32 num_local_experts:i32 expert_alignment:i32"),
 }
 
 def block_threads(kernel: str) -> int:

@@ -291,6 +291,32 @@ def dispatch(xs, topk_idxs, num_experts, num_channels, *, topk_weights=None, x_s
     return results
 
 
+def expand(rows, recv_topk_idx, num_local_experts: int, expert_alignment: int = 1):
+    """One rank's received rows regrouped per local expert (``dispatch(..., expand=True)``).
+
+    Group ``e`` holds, for every top-k entry ``(i, k)`` naming local expert ``e`` (in the order of
+    ``i`` then ``k``), a copy of ``rows[i]``, then zero rows up to a multiple of
+    ``expert_alignment``; the groups follow each other in expert order.
+
+    Returns:
+        ``(expanded rows, expanded_rows int32 (the received row each copies, -1 for padding),
+        expert_offsets list of num_local_experts + 1 ints)``.
+    """
+    rows = np.asarray(rows)
+    topk = np.asarray(recv_topk_idx)
+    parts, sources, offsets = [], [], [0]
+    for e in range(num_local_experts):
+        hits = np.nonzero(topk == e)[0]  # row-major: i, then k
+        padded = -(-len(hits) // expert_alignment) * expert_alignment
+        padding = np.zeros((padded - len(hits), *rows.shape[1:]), dtype=rows.dtype)
+        parts += [rows[hits], padding]
+        sources += [hits.astype(np.int32), np.full(padded - len(hits), -1, np.int32)]
+        offsets.append(offsets[-1] + padded)
+    if not parts:
+        return np.zeros((0, *rows.shape[1:]), rows.dtype), np.zeros(0, np.int32), offsets
+    return np.concatenate(parts), np.concatenate(sources), offsets
+
+
 def handle_of(result: dict) -> tuple:
     """DeepEP's handle for one rank: ``(rank_prefix_matrix, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``."""

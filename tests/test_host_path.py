@@ -384,3 +384,45 @@ def test_destroy_after_a_failed_dispatch_waits_for_the_kernels_it_launched(monke
     assert all(entry[0] in ("event sync", "stream sync") for entry in timeline), timeline
     with pytest.raises(ep.DeepEPError, match="destroyed"):
         dispatch(buf, w)
+
+
+# --- expand ----------------------------------------------------------------------------------
+
+def test_an_expanding_dispatch_regroups_the_received_rows_per_local_expert(fake):
+    buf, launches, _ = fake
+    recv_x, recv_topk, _, per_expert, handle, _ = dispatch(buf, workload(), expand=True)
+    assert launches.names()[-3:] == ["notify_dispatch_kernel", "dispatch_kernel<2>", "expand_kernel"]
+    expand = launches.last("expand_kernel")
+    total = sum(range(E // R))
+    assert recv_x.shape == (total, H) and handle.expanded_rows.shape == (total,)
+    assert handle.expert_offsets == [0, *np.cumsum(range(E // R)).tolist()]
+    assert recv_topk.shape == (100, K) and handle.num_recv_tokens == 100  # top-k stays per received token
+    assert expand["expanded_x"] == recv_x.ctypes.data and expand["recv_topk_idx"] == recv_topk.ctypes.data
+    assert expand["num_recv"] == 100 and expand["num_local_experts"] == E // R
+
+
+def test_an_expanding_fp8_dispatch_regroups_the_scales_too(fake):
+    buf, launches, _ = fake
+    fp8 = (on_device(np.zeros((N, H), np.uint8)), on_device(np.ones((N, H // 128), np.float32)))
+    (rows, scales), *_ = dispatch(buf, workload(), x=fp8, expand=True)
+    assert rows.shape == (sum(range(E // R)), H) and scales.shape == (rows.shape[0], H // 128)
+    assert launches.last("expand_kernel")["expanded_scales"] == scales.ctypes.data
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_worst_tokens=300), "expand: .*num_worst_tokens"),
+    (dict(topk_idx=None, topk_weights=None), "expand: .*pass topk_idx"),
+])
+def test_expand_needs_top_k_and_the_host_counts(fake, changes, message):
+    buf, launches, _ = fake
+    with pytest.raises(ValueError, match=message):
+        dispatch(buf, workload(), expand=True, **changes)
+    assert "expand_kernel" not in launches.names()
+
+
+def test_a_cached_dispatch_does_not_expand(fake):
+    buf, _, _ = fake
+    w = workload()
+    handle = dispatch(buf, w)[4]
+    with pytest.raises(ValueError, match="expand: a cached dispatch"):
+        buf.dispatch(w["x"], handle=handle, config=CONFIG, expand=True)

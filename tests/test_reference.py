@@ -681,3 +681,31 @@ def test_fp8_scaled_random_gives_finite_nonzero_bytes_and_positive_scales():
 def test_fp8_scaled_random_rejects_hidden_not_a_multiple_of_128():
     with pytest.raises(ValueError):
         ref.fp8_e4m3_scaled_random(np.random.default_rng(53), 4, 100)
+
+
+# ----------------------------------------------------------------------------------------------
+# expand: received rows per local expert
+# ----------------------------------------------------------------------------------------------
+
+def test_expand_copies_a_row_for_every_entry_naming_the_expert_in_row_then_slot_order():
+    rows = np.arange(4 * 2, dtype=np.uint16).reshape(4, 2)
+    topk = np.array([[1, 0], [0, -1], [-1, -1], [1, 1]])
+    expanded, sources, offsets = ref.expand(rows, topk, 3)
+    assert sources.tolist() == [0, 1, 0, 3, 3] and offsets == [0, 2, 5, 5]
+    assert (expanded == rows[[0, 1, 0, 3, 3]]).all()
+
+
+def test_expand_pads_each_group_with_zero_rows_to_the_alignment():
+    rows = np.ones((3, 4), np.float32)
+    expanded, sources, offsets = ref.expand(rows, np.array([[0], [2], [0]]), 3, expert_alignment=4)
+    assert offsets == [0, 4, 4, 8]
+    assert sources.tolist() == [0, 2, -1, -1, 1, -1, -1, -1]
+    assert (expanded[sources < 0] == 0).all() and (expanded[sources >= 0] == 1).all()
+
+
+def test_expand_group_sizes_are_the_dispatchs_expert_counts(four_ranks):
+    _, _, _, results = four_ranks
+    for res in results:
+        counts = res["num_recv_tokens_per_expert_list"]
+        _, _, offsets = ref.expand(res["recv_x"], res["recv_topk_idx"], len(counts))
+        assert np.diff(offsets).tolist() == counts

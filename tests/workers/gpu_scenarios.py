@@ -7,13 +7,14 @@ with ``deepep_cupy.reference`` bit-exactly.
 BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24, dtype="bfloat16",
             with_topk=True, with_weights=True, expert_alignment=1, routing="uniform", cached=True,
             combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1,
-            allocation="any", scales_layout="row", bias=0, worst=False)
+            allocation="any", scales_layout="row", bias=0, worst=False, expand=False)
 # allocation: how the scenario's first fresh dispatch must size its outputs ("any": whatever the
 # previous scenario left; "exact": Buffer.allocate_ahead off; "ahead": allocated ahead with room for
 # every rank's tokens; "retried": allocated ahead too small).
 # DeepEP's inputs and calls: scales_layout "column" passes FP8 scales column-major
 # (scales.T.contiguous().T); bias: how many bias arrays combine adds (0..2); worst: one more fresh
-# dispatch with num_worst_tokens (fixed-size outputs), combined from its full-size rows.
+# dispatch with num_worst_tokens (fixed-size outputs), combined from its full-size rows; expand: one
+# more fresh dispatch with expand=True (rows grouped per local expert).
 
 
 def _scenario(name, **changes):
@@ -51,6 +52,9 @@ SCENARIOS = [
     _scenario("outputs_allocated_ahead_too_small", allocation="retried", num_tokens=(512, 300), seed=23),
     _scenario("outputs_allocated_ahead_too_small_fp8", allocation="retried", dtype="float8_e4m3fn",
               hidden=7168, num_topk=8, num_experts=64, seed=24),
+    _scenario("expand_rows_per_expert", expand=True, expert_alignment=16, seed=29),
+    _scenario("expand_fp8_torch", expand=True, framework="torch", dtype="float8_e4m3fn", num_topk=8,
+              num_experts=64, seed=30),
     _scenario("reference_workload_bf16", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, seed=20),
     _scenario("reference_workload_fp8", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256,
               dtype="float8_e4m3fn", seed=21),

@@ -103,6 +103,24 @@ def to_numpy(a):
     return cupy.asnumpy(a)
 
 
+def check_expanded(out, want, num_local_experts, alignment):
+    """A dispatch with expand=True against reference.expand of the reference's received rows."""
+    from deepep_cupy import reference as ref
+
+    rows, recv_topk, _, per_expert_list, handle, _ = out
+    want_rows, want_sources, want_offsets = ref.expand(want["recv_x"], want["recv_topk_idx"], num_local_experts,
+                                                       alignment)
+    if want["recv_x_scales"] is not None:
+        rows, scales = rows
+        want_scales = ref.expand(want["recv_x_scales"], want["recv_topk_idx"], num_local_experts, alignment)[0]
+        expect_equal("expanding dispatch: expanded scales", to_numpy(scales), want_scales)
+    expect_equal("expanding dispatch: expanded rows", to_numpy(rows), want_rows)
+    expect_equal("expanding dispatch: handle.expanded_rows", to_numpy(handle.expanded_rows), want_sources)
+    expect_equal("expanding dispatch: recv_topk_idx", to_numpy(recv_topk), want["recv_topk_idx"])
+    if handle.expert_offsets != want_offsets or per_expert_list != want["num_recv_tokens_per_expert_list"]:
+        raise Mismatch(f"expanding dispatch: expert offsets {handle.expert_offsets}, expected {want_offsets}")
+
+
 def run_scenario(buf, sc):
     import contextlib
 
@@ -257,6 +275,8 @@ def _run_scenario(buf, sc):
     finally:
         buf.allocate_ahead = True
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
+    if sc.get("expand"):
+        check_expanded(fresh_dispatch(expand=True), want, E // R, sc["expert_alignment"])
     if sc["worst"]:
         worst_x, worst_topk, worst_weights, worst_handle = check_worst_case(fresh_dispatch, want, per_expert_list,
                                                                             to_numpy, sc)

@@ -15,7 +15,7 @@ within the limits the library enforces:
 * CuPy or PyTorch, sync or async, with or without top-k and weights, with or without cached
   dispatch and combine, and how the first fresh dispatch sizes its outputs;
 * DeepEP's layouts and calls: FP8 scales column-major, combine with 0..2 biases, a fresh
-  dispatch with ``num_worst_tokens``.
+  dispatch with ``num_worst_tokens``, and one with ``expand=True``.
 
 Sizes are log-uniform (most cases small, a tail of large ones) and capped so that the NumPy
 reference stays cheap: :data:`MOVED_BYTES_CAP` for the rows all ranks receive, :data:`ROUTING_KEYS_CAP` for
@@ -200,11 +200,12 @@ def random_case(seed: int, num_gpus: int = DEFAULT_GPUS, sm_count: int = DEFAULT
     scales_layout = "column" if dtype == "float8_e4m3fn" and d.chance(0.5) else "row"
     bias = d.choice((0, 0, 1, 2)) if combine else 0
     worst = d.chance(0.2)
+    expand = with_topk and d.chance(0.2)
     case = dict(name=f"random_{seed}", seed=int(seed), num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden,
                 num_topk=num_topk, num_experts=num_experts, num_sms=num_sms, dtype=dtype, with_topk=with_topk,
                 with_weights=with_weights, expert_alignment=expert_alignment, routing=routing, cached=cached,
                 combine=combine, mode=mode, framework=framework, send_chunk=send_chunk, recv_chunk=recv_chunk,
-                allocation=allocation, scales_layout=scales_layout, bias=bias, worst=worst)
+                allocation=allocation, scales_layout=scales_layout, bias=bias, worst=worst, expand=expand)
     return case
 
 
@@ -226,4 +227,5 @@ def describe_case(case) -> str:
             f"{topk} of {case['num_experts']} experts ({case['routing']}), alignment {case['expert_alignment']}, "
             f"num_sms {case['num_sms']}, chunks {case['send_chunk']}/{case['recv_chunk']}, {case['mode']}, "
             f"{case['framework']}, {'+'.join(steps)}, first dispatch {case['allocation']}, "
-            f"scales {case['scales_layout']}, {case['bias']} biases{', num_worst_tokens' if case['worst'] else ''}")
+            f"scales {case['scales_layout']}, {case['bias']} biases{', num_worst_tokens' if case['worst'] else ''}"
+            f"{', expand' if case.get('expand') else ''}")
