@@ -192,7 +192,7 @@ class Buffer(DispatchPath):
         """
         if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 \
                 or new_num_sms % 2:
-            raise ValueError(f"num_sms: expected a positive even int (send/receive block pairs), got {new_num_sms!r}")
+            raise ValueError(f"num_sms: expected a positive even int, got {new_num_sms!r}")
         Buffer.num_sms = new_num_sms
         Buffer._num_sms_chosen = True
 

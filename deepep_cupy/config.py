@@ -53,7 +53,7 @@ class Config:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Config.{name}: expected a positive int, got {value!r}")
         if self.num_sms % 2:
-            raise ValueError(f"Config.num_sms: expected an even number (send/receive block pairs), got {self.num_sms}")
+            raise ValueError(f"Config.num_sms: expected an even number, got {self.num_sms}")
 
     def __hash__(self) -> int:
         # Hashed on every call (plans are cached by it): computed once.

@@ -33,7 +33,7 @@ comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()
 cupy.cuda.Device(rank).use()
 H, K, E, n = 7168, 8, 256, args.tokens
-cfg = ep.Config(24, 32, 512)
+cfg = ep.Config(24, 4, 256)
 buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, cfg), timeout_s=20)
 
 totals = collections.Counter()

@@ -23,7 +23,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", default="128,4096")
 parser.add_argument("--libs", default="cupy,torch")
 parser.add_argument("--iters", type=int, default=40)
-parser.add_argument("--config", default="24:32:512")
+parser.add_argument("--config", default="24:4:256")
 args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
