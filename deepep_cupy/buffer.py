@@ -337,7 +337,8 @@ class Buffer(DispatchPath):
             config = self._default_configs.get(chosen)
             if config is None:
                 default = Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config
-                config = self._default_configs[chosen] = default(self.num_ranks)
+                with self._on_device:  # the recommended SM count is that of the Buffer's GPU
+                    config = self._default_configs[chosen] = default(self.num_ranks)
         elif not isinstance(config, Config):
             raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
         if config.num_sms not in self._checked_sms:

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from . import layout
+from . import hardware, layout
 from .constants import BLOCK_THREADS, FP8_SCALE_BLOCK, MAX_RANKS, MAX_TOPK
 
 #: Tokens per rank :func:`get_nvl_buffer_size_hint` makes room for unless told otherwise.
@@ -136,13 +136,18 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
     return max(d.total_bytes, c.total_bytes)
 
 
-# Recommended settings per rank count, measured on 2 x H200 (docs/PERF_NOTES.md): 24 SMs give the
-# links their 8 senders and the copies their 16 receivers; publishing every 4 tokens beats 8 and 16.
-# The queue depth is DeepEP's and unused here (see Config).
-#: SMs of the recommended configs.
-DEFAULT_NUM_SMS = 24
-_DISPATCH_CONFIGS = {r: Config(DEFAULT_NUM_SMS, 4, 256) for r in range(2, MAX_RANKS + 1)}
-_COMBINE_CONFIGS = dict(_DISPATCH_CONFIGS)
+# The recommended configs, measured on 2 x H200 (docs/PERF_NOTES.md): publishing every 4 tokens
+# beats 8 and 16; the SM count follows the GPU's NVLinks (deepep_cupy.hardware).
+RECOMMENDED_SEND_CHUNK = 4
+#: DeepEP's queue depth, unused here (see Config).
+RECOMMENDED_RECV_CHUNK = 256
+#: SMs of the recommended configs on a GPU with 18 NVLinks (2 x H200, 8 x H100/H200): 24.
+DEFAULT_NUM_SMS = hardware.num_sms_for_links(hardware.ASSUMED_LINKS)
+
+
+def recommended_config(device_id: Optional[int] = None) -> Config:
+    """The recommended config on GPU ``device_id`` (default: CuPy's current device)."""
+    return Config(hardware.recommended_num_sms(device_id), RECOMMENDED_SEND_CHUNK, RECOMMENDED_RECV_CHUNK)
 
 
 def _check_num_ranks(num_ranks: int) -> None:
@@ -287,12 +292,13 @@ def _tuned(kind: str, num_ranks: int) -> Optional[Config]:
 
 
 def get_dispatch_config(num_ranks: int) -> Config:
-    """The recommended dispatch config for ``num_ranks`` ranks (a tuned one if ``DEEPEP_CUPY_CONFIG`` names one)."""
+    """The recommended dispatch config for ``num_ranks`` ranks on the current GPU (its SM count from
+    the GPU's NVLinks, :mod:`deepep_cupy.hardware`), or a tuned one if ``DEEPEP_CUPY_CONFIG`` names one."""
     _check_num_ranks(num_ranks)
-    return _tuned("dispatch", num_ranks) or _DISPATCH_CONFIGS[num_ranks]
+    return _tuned("dispatch", num_ranks) or recommended_config()
 
 
 def get_combine_config(num_ranks: int) -> Config:
     """The recommended combine config for ``num_ranks`` ranks (a tuned one if ``DEEPEP_CUPY_CONFIG`` names one)."""
     _check_num_ranks(num_ranks)
-    return _tuned("combine", num_ranks) or _COMBINE_CONFIGS[num_ranks]
+    return _tuned("combine", num_ranks) or recommended_config()
