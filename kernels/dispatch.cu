@@ -52,7 +52,7 @@ struct DispatchRegions {
     __device__ __forceinline__ int* tail(int channel, int source, int num_ranks) const {
         return start(channel, source, num_ranks) + 2 * num_channels * num_ranks;
     }
-    // First slot of region `region`, counted in slots from the start of all regions.
+    // Slot j of region `region`, counted from the first slot of the first region.
     __device__ __forceinline__ int64_t_ slot(int region, int j) const {
         return (int64_t_)region * region_tokens + j;
     }
