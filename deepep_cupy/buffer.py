@@ -1,7 +1,7 @@
 """Buffer: the user API of intranode expert-parallel dispatch and combine.
 
 The methods read as the protocol (docs/DESIGN.md): order the call after the caller's stream,
-exchange counts or reset the queues, allocate the outputs, move the tokens, hand the caller its
+exchange counts or check and reset, allocate the outputs, move the tokens, hand the caller its
 results. The work under them lives in small modules: argument checks and their cached specs
 (``plans``), array libraries (``tensors``), kernel launches with bound arguments (``launch``),
 the host-mapped slots and their errors (``slots``), stream ordering (``streams``), the handle

@@ -112,30 +112,30 @@ class CombineLayout:
 def dispatch_layout(num_ranks: int, num_channels: int, region_tokens: int, row_bytes: int,
                     num_topk: int, num_scales: int) -> DispatchLayout:
     """Offsets of a dispatch's regions (see the module docstring)."""
-    queues = num_channels * num_ranks
+    channel_words = num_channels * num_ranks
     slots = (num_ranks - 1) * region_tokens
     carve = _Carver(DATA_OFFSET)
-    meta_off = carve.take(INT_BYTES * 3 * queues)
+    meta_off = carve.take(INT_BYTES * 3 * channel_words)
     x_off = carve.take(slots * row_bytes)
     src_idx_off = carve.take(INT_BYTES * slots)
     topk_idx_off = carve.take(INT_BYTES * slots * num_topk)
     topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
     scales_off = carve.take(INT_BYTES * slots * num_scales)
     return DispatchLayout(meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off,
-                          scales_off, region_tokens, carve.offset, 3 * queues)
+                          scales_off, region_tokens, carve.offset, 3 * channel_words)
 
 
 @functools.lru_cache(maxsize=256)
 def combine_layout(num_ranks: int, num_channels: int, region_tokens: int, row_bytes: int,
                    num_topk: int) -> CombineLayout:
     """Offsets of a combine's regions (see the module docstring)."""
-    queues = num_channels * num_ranks
+    channel_words = num_channels * num_ranks
     slots = (num_ranks - 1) * region_tokens
     carve = _Carver(DATA_OFFSET)
-    meta_off = carve.take(INT_BYTES * queues)
+    meta_off = carve.take(INT_BYTES * channel_words)
     x_off = carve.take(slots * row_bytes)
     topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
-    return CombineLayout(meta_off, x_off, topk_weights_off, region_tokens, carve.offset, queues)
+    return CombineLayout(meta_off, x_off, topk_weights_off, region_tokens, carve.offset, channel_words)
 
 
 #: The most slots a region gets, however large the Buffer (kernels index slots with int32).

@@ -1,5 +1,5 @@
 // The small kernels around the bulk transfers: the cross-rank barrier, the exchange of receive
-// counts before a dispatch, and the queue resets before a cached dispatch or a combine.
+// counts before a dispatch, and the settings checks and resets before a cached dispatch or a combine.
 #include "common.cuh"
 
 // Zero `count` ints at byte offset `offset` of `base`, with all threads of the block.
