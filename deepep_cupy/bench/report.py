@@ -203,6 +203,30 @@ DEEPEP_V1_BY_SMS = {"cached dispatch BF16": {8: 874, 16: 460, 24: 327},
                     "combine BF16": {8: 990, 16: 547, 24: 404}}
 
 
+def _pyplot():
+    """matplotlib.pyplot on a file backend, or why it cannot be used (a string)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f"matplotlib is not importable ({exc})"
+    return plt
+
+
+def _save(plt, fig, path: str, dpi: int) -> None:
+    """Write ``fig`` to ``path`` and free it (the plots' ``None``: written)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def workload_title(settings: Dict[str, Any]) -> str:
+    """``2 x NVIDIA H200, hidden 7168, top-8 of 256``: the machine and the workload of a run."""
+    return (f"{settings.get('num_ranks')} x {settings.get('device_name')}, hidden {settings.get('hidden')}, "
+            f"top-{settings.get('num_topk')} of {settings.get('num_experts')}")
+
+
 def summarize_sm_sweep(rank_results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Every rank's SM-sweep points -> ``{sms, rows, series: {op: [mean us]}, deepep_v1}``."""
     points = rank_results[0]["sm_sweep"]["points"]
@@ -219,12 +243,9 @@ def summarize_sm_sweep(rank_results: Sequence[Dict[str, Any]]) -> Dict[str, Any]
 
 def plot_sm_sweep(path: str, sm_sweep: Dict[str, Any], settings: Dict[str, Any]) -> Optional[str]:
     """PNG of time per call vs SMs, with DeepEP V1's figures. Returns ``None`` on success, else why not."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:
-        return f"matplotlib is not importable ({exc})"
+    plt = _pyplot()
+    if isinstance(plt, str):
+        return plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, (op, times) in enumerate(sm_sweep["series"].items()):
         color = f"C{k}"
@@ -237,15 +258,10 @@ def plot_sm_sweep(path: str, sm_sweep: Dict[str, Any], settings: Dict[str, Any])
     ax.set_xlabel("SMs (num_sms)")
     ax.set_ylabel("us per call (mean, max over ranks)")
     ax.set_yscale("log")
-    ax.set_title(f"{settings.get('num_ranks')} x {settings.get('device_name')}, "
-                 f"{settings.get('num_tokens')} tokens/rank, hidden {settings.get('hidden')}, "
-                 f"top-{settings.get('num_topk')} of {settings.get('num_experts')}", fontsize=9)
+    ax.set_title(f"{workload_title(settings)}, {settings.get('num_tokens')} tokens/rank", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return _save(plt, fig, path, 120)
 
 
 TUNE_COLUMNS = (("op", "op", "{}"), ("num_sms", "SMs", "{}"), ("num_max_nvl_chunked_send_tokens", "send", "{}"),
@@ -307,12 +323,9 @@ def render_report(doc: Dict[str, Any]) -> str:
 
 def plot_sweep(path: str, sweep: Dict[str, Any], settings: Dict[str, Any]) -> Optional[str]:
     """PNG of GB/s vs tokens per rank. Returns ``None`` on success, else why it was skipped."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:
-        return f"matplotlib is not importable ({exc})"
+    plt = _pyplot()
+    if isinstance(plt, str):
+        return plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, values in sweep["series"].items():
         pts = [(t, v) for t, v in zip(sweep["tokens"], values) if v is not None]
@@ -323,14 +336,10 @@ def plot_sweep(path: str, sweep: Dict[str, Any], settings: Dict[str, Any]) -> Op
     ax.set_xticklabels([str(t) for t in sweep["tokens"]])
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("GB/s per rank (DeepEP accounting, min over ranks)")
-    ax.set_title(f"{settings.get('num_ranks')} x {settings.get('device_name')}, hidden {settings.get('hidden')}, "
-                 f"top-{settings.get('num_topk')} of {settings.get('num_experts')}", fontsize=10)
+    ax.set_title(workload_title(settings), fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return _save(plt, fig, path, 120)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,12 +391,9 @@ def render_calls(calls: Dict[str, Any]) -> str:
 def plot_calls(path: str, calls: Dict[str, Any], settings: Dict[str, Any]) -> Optional[str]:
     """PNG: loop time against tokens per rank, one panel per op, a line per library, DeepEP V1 as
     crosses. Returns None on success, else why it was skipped."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:
-        return f"matplotlib is not importable ({exc})"
+    plt = _pyplot()
+    if isinstance(plt, str):
+        return plt
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     for ax, op in zip(axes.flat, CALL_OPS):
         for lib in dict.fromkeys(r["lib"] for r in calls["rows"]):
@@ -404,10 +410,5 @@ def plot_calls(path: str, calls: Dict[str, Any], settings: Dict[str, Any]) -> Op
         ax.set_ylabel("loop time per call, us")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{settings.get('num_ranks')} x {settings.get('device_name')} ({settings.get('mode')}), hidden "
-                 f"{settings.get('hidden')}, top-{settings.get('num_topk')} of {settings.get('num_experts')}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+    fig.suptitle(f"{workload_title(settings)} ({settings.get('mode')})", fontsize=10)
+    return _save(plt, fig, path, 110)
