@@ -43,10 +43,6 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
     if (!transfer_may_start(buffer_ptrs, rank, error_record, KERNEL_COMBINE_SENDER))
         return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    // The first row of x (on `receiver`) of the block that came from `source` in the dispatch.
-    auto block_row = [&](int source, int receiver) {
-        return source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + receiver] : 0;
-    };
     auto tail_word = [&](char* base, int channel, int source) {
         return reinterpret_cast<int*>(base + meta_off) + channel * kNumRanks + source;
     };
@@ -64,11 +60,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         for (int w = blockIdx.x * kCombineWarps + warp; w < num_items; w += num_sender_warps) {
             const int channel = w / (kNumRanks - 1);
             const int owner = (rank + 1 + w % (kNumRanks - 1)) % kNumRanks;
-            const int from_owner = rank_prefix_matrix[owner * kNumRanks + rank] - block_row(owner, rank);
+            const int from_owner = rank_prefix_matrix[owner * kNumRanks + rank] -
+                                   block_row(rank_prefix_matrix, kNumRanks, owner, rank);
             const int begin = recv_channel_prefix_matrix[owner * num_channels + channel];
             const int end = channel + 1 < num_channels ? recv_channel_prefix_matrix[owner * num_channels + channel + 1]
                                                        : from_owner;
-            const int64_t_ row = block_row(owner, rank);  // row of x for slot 0
+            const int64_t_ row = block_row(rank_prefix_matrix, kNumRanks, owner, rank);  // row of x for slot 0
             char* base = reinterpret_cast<char*>(buffer_ptrs[owner]);
             const int region = region_index(rank, owner, kNumRanks);
             for (int done = begin; done < end;) {
@@ -94,7 +91,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
     // Row pieces in flight per lane, within the register budget.
     constexpr int kUnroll = kNumRanks <= 2 ? 4 : (kNumRanks <= 4 ? 2 : 1);
     char* base = reinterpret_cast<char*>(buffer_ptrs[rank]);
-    const int own_row = block_row(rank, rank);
+    const int own_row = block_row(rank_prefix_matrix, kNumRanks, rank, rank);
     const int num_reducer_warps = (gridDim.x - num_senders) * kCombineWarps;
     // Reducer warps take the tokens in the order their copies arrive: the k-th token of every
     // channel before the (k + 1)-th of any (item k * C + c), each waiting for its channel's tails.

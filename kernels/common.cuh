@@ -269,6 +269,11 @@ __device__ __forceinline__ int region_index(int source, int owner, int num_ranks
     return (source - owner - 1 + num_ranks) % num_ranks;
 }
 
+// The first row, in the receive order of `receiver`, of the block it receives from `source`.
+__device__ __forceinline__ int block_row(const int* rank_prefix_matrix, int num_ranks, int source, int receiver) {
+    return source > 0 ? rank_prefix_matrix[(source - 1) * num_ranks + receiver] : 0;
+}
+
 // The most tokens one rank sends another in a dispatch whose rank prefix matrix is given (the
 // same matrix on every rank, so every rank finds the same). A combine sends the same rows back.
 __device__ __forceinline__ int largest_rank_count(const int* rank_prefix_matrix, int num_ranks) {

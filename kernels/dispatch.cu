@@ -43,6 +43,12 @@ struct DispatchRegions {
     int num_channels, region_tokens, hidden_int4, num_topk, num_scales;
     int64_t_ meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off;
 
+    // The same regions in the buffer at `other_base` (a peer's).
+    __device__ __forceinline__ DispatchRegions in(void* other_base) const {
+        DispatchRegions other = *this;
+        other.base = reinterpret_cast<char*>(other_base);
+        return other;
+    }
     __device__ __forceinline__ int* start(int channel, int source, int num_ranks) const {
         return reinterpret_cast<int*>(base + meta_off) + channel * num_ranks + source;
     }
@@ -103,7 +109,8 @@ struct TokenSide {
 
     // Lane k's entry as rank `owner` sees it: its local expert id (-1 when another rank's).
     __device__ __forceinline__ int local_expert(int owner, int experts_per_rank) const {
-        const bool local = expert >= (int64_t_)owner * experts_per_rank && expert < (int64_t_)(owner + 1) * experts_per_rank;
+        const bool local = expert >= (int64_t_)owner * experts_per_rank &&
+                           expert < (int64_t_)(owner + 1) * experts_per_rank;
         return local ? (int)(expert - (int64_t_)owner * experts_per_rank) : -1;
     }
 
@@ -141,10 +148,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
     const int num_channels = num_senders * kDispatchWarps;
     DispatchRegions regions{nullptr, num_channels, region_tokens, hidden_int4, num_topk, num_scales,
                             meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off};
-    // The first row of recv_x (on `receiver`) of the block that comes from `source`.
-    auto block_row = [&](int source, int receiver) {
-        return source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + receiver] : 0;
-    };
 
     if (blockIdx.x < num_senders) {
         const int channel = blockIdx.x * kDispatchWarps + warp;
@@ -161,8 +164,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                 if (recv_channel_prefix_matrix != nullptr)
                     recv_channel_prefix_matrix[rank * num_channels + channel] = first;
             } else {
-                DispatchRegions peer = regions;
-                peer.base = reinterpret_cast<char*>(buffer_ptrs[lane]);
+                const DispatchRegions peer = regions.in(buffer_ptrs[lane]);
                 st_relaxed_sys(peer.start(channel, rank, kNumRanks), -first - 1);
                 st_relaxed_sys(peer.end(channel, rank, kNumRanks),
                                -channel_prefix_matrix[lane * num_channels + channel] - 1);
@@ -206,8 +208,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                 for (int d = 0; d < kNumRanks; ++d) {
                     rows[d] = nullptr;
                     if ((routed[d] >> bit) & 1u) {
-                        DispatchRegions peer = regions;
-                        peer.base = reinterpret_cast<char*>(buffer_ptrs[d]);
+                        const DispatchRegions peer = regions.in(buffer_ptrs[d]);
                         rows[d] = peer.x(peer.slot(region_index(rank, d, kNumRanks), next_slot[d]));
                     }
                 }
@@ -217,8 +218,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                 for (int d = 0; d < kNumRanks; ++d) {
                     if (!((routed[d] >> bit) & 1u))
                         continue;
-                    DispatchRegions peer = regions;
-                    peer.base = reinterpret_cast<char*>(buffer_ptrs[d]);
+                    const DispatchRegions peer = regions.in(buffer_ptrs[d]);
                     const int64_t_ slot = peer.slot(region_index(rank, d, kNumRanks), next_slot[d]);
                     if (lane == 0 && send_head != nullptr)  // a cached dispatch's receivers take no indices
                         *peer.src_idx(slot) = token;
@@ -235,8 +235,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                     #pragma unroll
                     for (int d = 0; d < kNumRanks; ++d) {
                         if (d != rank && lane == d) {
-                            DispatchRegions peer = regions;
-                            peer.base = reinterpret_cast<char*>(buffer_ptrs[d]);
+                            const DispatchRegions peer = regions.in(buffer_ptrs[d]);
                             st_release_sys(peer.tail(channel, rank, kNumRanks), next_slot[d]);
                         }
                     }
@@ -248,9 +247,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
 
     // Receiver warps: queue q = (channel q / R, rank (rank + q) % R): first this rank's own tokens
     // of the channel (ready at once), then the queues of the other ranks.
-    regions.base = reinterpret_cast<char*>(buffer_ptrs[rank]);
+    regions = regions.in(buffer_ptrs[rank]);
     const int experts_per_rank = num_experts / kNumRanks;
-    const int own_row = block_row(rank, rank);
+    const int own_row = block_row(rank_prefix_matrix, kNumRanks, rank, rank);
     const int num_receiver_warps = (gridDim.x - num_senders) * kDispatchWarps;
     for (int q = (blockIdx.x - num_senders) * kDispatchWarps + warp; q < num_channels * kNumRanks;
          q += num_receiver_warps) {
@@ -269,7 +268,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                     TokenSide side;
                     side.load<kStridedScales>(token, topk_idx, topk_weights, num_topk, x_scales, num_scales,
                                               scale_token_stride, scale_hidden_stride, lane);
-                    warp_copy<kUnroll>(recv_x + row * hidden_int4, x + (int64_t_)token * hidden_int4, hidden_int4, lane);
+                    warp_copy<kUnroll>(recv_x + row * hidden_int4, x + (int64_t_)token * hidden_int4, hidden_int4,
+                                       lane);
                     if (lane == 0 && recv_src_idx != nullptr)
                         recv_src_idx[row] = token;
                     side.write(rank, experts_per_rank, num_topk,
@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
             recv_channel_prefix_matrix[source * num_channels + channel] = begin;
 
         const int region = region_index(source, rank, kNumRanks);
-        const int64_t_ out = block_row(source, rank);  // row of recv_x for slot 0 of the region
+        // The row of recv_x for slot 0 of the region.
+        const int64_t_ out = block_row(rank_prefix_matrix, kNumRanks, source, rank);
         const int* tail_word = regions.tail(channel, source, kNumRanks);
         for (int done = begin; done < end;) {
             int tail = 0;
