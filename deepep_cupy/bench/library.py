@@ -81,8 +81,8 @@ def make_configs(ep: Any, num_ranks: int, args: argparse.Namespace) -> Tuple[Any
     return out[0], out[1]
 
 
-def tune_configs(ep: Any, num_ranks: int, args: argparse.Namespace) -> List[Any]:
-    """Every config of ``--tune`` and ``--sm-sweep`` (each needs room in the Buffer)."""
+def swept_configs(ep: Any, num_ranks: int, args: argparse.Namespace) -> List[Any]:
+    """Every config ``--tune`` and ``--sm-sweep`` run with (the Buffer must have room for each)."""
     configs = [ep.Config(*t) for t in tune_grid(args.tune_sms, args.tune_send, args.tune_recv)] if args.tune else []
     return configs + [sm_sweep_config(ep, num_ranks, n) for n in getattr(args, "sm_sweep", None) or ()]
 
@@ -182,8 +182,7 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
     lead = rank == 0
     E, H = args.num_experts, args.hidden
     dcfg, ccfg = make_configs(ep, num_ranks, args)
-    tcfgs = tune_configs(ep, num_ranks, args)
-    nvl_bytes = nvl_buffer_bytes(ep, args, num_ranks, [dcfg, ccfg] + tcfgs)
+    nvl_bytes = nvl_buffer_bytes(ep, args, num_ranks, [dcfg, ccfg] + swept_configs(ep, num_ranks, args))
     want_fp8 = args.dtype in ("fp8", "both")
     want_bf16 = args.dtype in ("bf16", "both")
     result: Dict[str, Any] = {"rank": rank, "device": dev, "device_name": device_name(dev),
