@@ -275,7 +275,7 @@ def _run_scenario(buf, sc):
     finally:
         buf.allocate_ahead = True
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
-    if sc.get("expand"):
+    if sc["expand"]:
         check_expanded(fresh_dispatch(expand=True), want, E // R, sc["expert_alignment"])
     if sc["worst"]:
         worst_x, worst_topk, worst_weights, worst_handle = check_worst_case(fresh_dispatch, want, per_expert_list,

@@ -228,4 +228,4 @@ def describe_case(case) -> str:
             f"num_sms {case['num_sms']}, chunks {case['send_chunk']}/{case['recv_chunk']}, {case['mode']}, "
             f"{case['framework']}, {'+'.join(steps)}, first dispatch {case['allocation']}, "
             f"scales {case['scales_layout']}, {case['bias']} biases{', num_worst_tokens' if case['worst'] else ''}"
-            f"{', expand' if case.get('expand') else ''}")
+            f"{', expand' if case['expand'] else ''}")
