@@ -560,8 +560,7 @@ class Buffer(DispatchPath):
                 with self._allocating(lib, allocate_on_comm_stream):
                     combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
                     combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
-                plan.notify(run_on, rank_prefix_matrix=handle.rank_prefix_ptr, dispatch_verdict=handle.verdict_ptr)
-                plan.main(run_on, combined_x=lib.pointer(combined),
+                plan.main(run_on, dispatch_verdict=handle.verdict_ptr, combined_x=lib.pointer(combined),
                           combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
                           x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
                           rank_prefix_matrix=handle.rank_prefix_ptr,
@@ -580,17 +579,15 @@ class Buffer(DispatchPath):
     def _combine_plan(self, x, topk_weights, config, biases):
         spec = plans.check_combine(self._context, x, topk_weights, config, biases)
         lay = spec.layout
-        notify = self._bind("cached_notify_combine_kernel", grid=1, op=plans.OP_COMBINE,
-                            row_bytes=spec.row_bytes, row_detail=spec.row_detail, num_sms=config.num_sms,
-                            send_chunk=config.num_max_nvl_chunked_send_tokens,
-                            recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
-                            zero_count=lay.zero_count, region_tokens=lay.region_tokens)
         main = self._bind("combine_kernel", (spec.element, self.num_ranks), grid=config.num_sms,
                           num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
                           meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
                           region_tokens=lay.region_tokens, num_senders=sender_blocks(config.num_sms),
-                          send_chunk=config.num_max_nvl_chunked_send_tokens)
-        return plans.Plan(spec, notify, main, 1 + (spec.num_topk > 0))
+                          send_chunk=config.num_max_nvl_chunked_send_tokens, check_op=plans.OP_COMBINE,
+                          row_bytes=spec.row_bytes, row_detail=spec.row_detail, num_sms=config.num_sms,
+                          recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
+                          zero_count=lay.zero_count)
+        return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0))
 
     # -----------------------------------------------------------------------------------------
 

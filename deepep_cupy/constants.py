@@ -45,6 +45,9 @@ VERDICT_INT = 16
 #: captured in a CUDA graph replays with fresh numbers; written only by the rank itself.
 BARRIERS_INT = 28
 NOTIFY_CALLS_INT = 29
+#: Int index, in every rank's NVLink buffer, of the arrival word with which the blocks of a
+#: transfer kernel wait for its settings check (kernels/call_check.cuh, ``grid_sync``).
+GRID_SYNC_INT = 30
 #: Bytes before the first notify area (the header of signals, verdict and counters), and of each
 #: of the two notify areas (sized for MAX_RANKS ranks and MAX_LOCAL_EXPERTS experts per rank).
 NOTIFY_AREA_OFFSET = 128
@@ -62,8 +65,8 @@ ABORT_INT = 24
 
 #: Stage names as error records and exceptions name them, by the id the kernels report.
 KERNEL_STAGES: Dict[int, str] = {
-    1: "barrier", 2: "notify_dispatch", 3: "cached_notify_dispatch", 4: "dispatch sender",
-    5: "dispatch receiver", 6: "cached_notify_combine", 7: "combine sender", 8: "combine receiver",
+    1: "barrier", 2: "notify_dispatch", 3: "cached dispatch check", 4: "dispatch sender",
+    5: "dispatch receiver", 6: "combine check", 7: "combine sender", 8: "combine receiver",
 }
 
 #: Threads per block of every kernel (the launch uses it; the kernels use it in their launch
@@ -71,9 +74,7 @@ KERNEL_STAGES: Dict[int, str] = {
 BLOCK_THREADS: Dict[str, int] = {
     "dispatch_layout_kernel": 1024,
     "notify_dispatch_kernel": 1024,
-    "cached_notify_dispatch_kernel": 256,
     "barrier_kernel": 32,
-    "cached_notify_combine_kernel": 256,
     # Every sender warp of a dispatch is one channel: the handle's channel count is the sender
     # blocks times these threads / 32 (deepep_cupy.config.Config.num_channels).
     "dispatch_kernel": 768,
@@ -101,6 +102,7 @@ def cuda_defines() -> Dict[str, int]:
         "ABORT_INT": ABORT_INT,
         "BARRIERS_INT": BARRIERS_INT,
         "NOTIFY_CALLS_INT": NOTIFY_CALLS_INT,
+        "GRID_SYNC_INT": GRID_SYNC_INT,
         "NOTIFY_AREA_OFFSET": NOTIFY_AREA_OFFSET,
         "NOTIFY_AREA_BYTES": NOTIFY_AREA_BYTES,
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,

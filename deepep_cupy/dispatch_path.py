@@ -109,10 +109,9 @@ class DispatchPath:
                 if recv_topk is not None:
                     # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
                     launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows * spec.num_topk * 8, run_on)
-                self._launch_notify(run_on, call, handle, rows, recv_counter=handle.recv_count_ptr,
-                                    mismatch_flag=handle.verdict_ptr,
-                                    recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1)
-                self._launch_transfer(run_on, call, outputs, handle)
+                self._launch_transfer(run_on, call, outputs, handle, dict(
+                    recv_capacity=rows, recv_counter=handle.recv_count_ptr, mismatch_flag=handle.verdict_ptr,
+                    recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1))
                 allocated = (block, *outputs)
                 event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
@@ -123,13 +122,12 @@ class DispatchPath:
         self.last_dispatch_allocation = "fixed"
         return dispatch_result(outputs, [], handle, event)
 
-    def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int,
-                       **published) -> None:
-        """notify_dispatch of a fresh dispatch, publishing its counts and verdict where ``published`` says."""
+    def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int) -> None:
+        """notify_dispatch of a fresh dispatch whose host waits for the counts (in the slots)."""
         call.plan.notify(stream, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
                          is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
                          channel_prefix_matrix=handle.channel_prefix_ptr, recv_capacity=recv_capacity,
-                         topk_idx=call.topk, num_tokens=call.num_tokens, **published)
+                         topk_idx=call.topk, num_tokens=call.num_tokens, **self._host_counts)
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                     config) -> DispatchCall:
@@ -170,11 +168,24 @@ class DispatchPath:
                             num_channels=config.num_channels, expert_alignment=spec.expert_alignment,
                             zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens)
         main = self._bind_transfer(spec)
+        main_with_exchange = self._bind_transfer(spec, exchange=1, row_bytes=row_bytes, topk_code=topk_code,
+                                                 num_sms=num_sms, recv_chunk=recv_chunk,
+                                                 expert_alignment=spec.expert_alignment, zero_off=lay.meta_off,
+                                                 zero_count=lay.zero_count)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
-        return Plan(spec, notify, main, row_args, plans.received_arrays(spec))
+        return Plan(spec, notify, main, row_args, plans.received_arrays(spec), main_with_exchange)
 
     def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
+        """dispatch_kernel for ``spec``, with neither a settings check nor a count exchange of its own
+        unless ``fixed`` binds one (``check_op``: a cached dispatch; ``exchange``: a fresh one's
+        counts, whose per-call values each launch then gives)."""
         lay, config = spec.layout, spec.config
+        checks = dict(check_op=0, row_bytes=0, row_detail=0, num_sms=0, recv_chunk=0, zero_off=0, zero_count=0,
+                      dispatch_verdict=None, exchange=0, topk_code=0, expert_alignment=0)
+        if not fixed.get("exchange"):
+            checks.update(num_tokens_per_rank=None, num_tokens_per_expert=None, recv_capacity=0, recv_counter=None,
+                          mismatch_flag=None, recv_expert_counter=None, report_refusal=0)
+        checks.update(fixed)
         template_args = (self.num_ranks, "true") if spec.rows.scales_strided else (self.num_ranks,)
         return self._bind("dispatch_kernel", template_args, grid=config.num_sms,
                           hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
@@ -183,7 +194,7 @@ class DispatchPath:
                           x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
                           topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
                           region_tokens=lay.region_tokens, num_senders=sender_blocks(config.num_sms),
-                          send_chunk=config.num_max_nvl_chunked_send_tokens, **fixed)
+                          send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows_ahead: Optional[int], previous_event,
                                async_finish: bool, allocate_on_comm_stream: bool, expand: bool = False):
@@ -206,9 +217,10 @@ class DispatchPath:
             with self._allocating(lib, allocate_on_comm_stream):
                 block = lib.empty((layout.total_ints(rows_ahead or 0),), "int32", dev)
             handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
+            # The count exchange is a kernel of its own, launched before the outputs are allocated:
+            # the host waits for it, so it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
-            self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead,
-                                **self._host_counts)
+            self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead)
             if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
                 self._order.record_notify_done(run_on)
             outputs = None
@@ -283,19 +295,28 @@ class DispatchPath:
         empty, dev = lib.empty, self.device_id
         return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
 
-    def _launch_transfer(self, stream: int, call: DispatchCall, outputs: tuple, handle: DispatchHandle) -> None:
+    def _launch_transfer(self, stream: int, call: DispatchCall, outputs: tuple, handle: DispatchHandle,
+                         exchange: Optional[dict] = None) -> None:
+        """The transfer of a fresh dispatch, after notify_dispatch; with ``exchange`` (the capacity and
+        where to publish the counts, as for notify_dispatch) it makes the count exchange itself first,
+        in the same launch (a dispatch whose host does not wait for the counts: ``num_worst_tokens``)."""
         recv_x, recv_scales, recv_topk, recv_weights = outputs
         lib = call.lib
-        call.plan.main(stream, recv_x=lib.pointer(recv_x),
-                       recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales),
-                       recv_src_idx=handle.recv_src_idx_ptr,
-                       recv_topk_idx=0 if recv_topk is None else lib.pointer(recv_topk),
-                       recv_topk_weights=0 if recv_weights is None else lib.pointer(recv_weights),
-                       recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, send_head=handle.send_head_ptr,
-                       x=call.x, x_scales=call.x_scales, topk_idx=call.topk, topk_weights=call.weights,
-                       is_token_in_rank=call.in_rank, channel_prefix_matrix=handle.channel_prefix_ptr,
-                       rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=call.num_tokens,
-                       scale_token_stride=call.scale_strides[0], scale_hidden_stride=call.scale_strides[1])
+        if exchange is None:
+            kernel, counts = call.plan.main, {}
+        else:
+            kernel = call.plan.main_with_exchange
+            counts = dict(exchange, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert)
+        kernel(stream, **counts, recv_x=lib.pointer(recv_x),
+               recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales),
+               recv_src_idx=handle.recv_src_idx_ptr,
+               recv_topk_idx=0 if recv_topk is None else lib.pointer(recv_topk),
+               recv_topk_weights=0 if recv_weights is None else lib.pointer(recv_weights),
+               recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, send_head=handle.send_head_ptr,
+               x=call.x, x_scales=call.x_scales, topk_idx=call.topk, topk_weights=call.weights,
+               is_token_in_rank=call.in_rank, channel_prefix_matrix=handle.channel_prefix_ptr,
+               rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=call.num_tokens,
+               scale_token_stride=call.scale_strides[0], scale_hidden_stride=call.scale_strides[1])
 
     def _verdict_error(self, verdict: int, call: DispatchCall) -> Exception:
         spec = call.plan.spec
@@ -321,10 +342,9 @@ class DispatchPath:
         with self._on_device:
             caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
             try:
-                plan.notify(run_on, rank_prefix_matrix=handle.rank_prefix_ptr, dispatch_verdict=handle.verdict_ptr)
                 with self._allocating(lib, allocate_on_comm_stream):
                     recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
-                plan.main(run_on, recv_x=lib.pointer(recv_x),
+                plan.main(run_on, dispatch_verdict=handle.verdict_ptr, recv_x=lib.pointer(recv_x),
                           recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
                           is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
                           rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
@@ -342,12 +362,12 @@ class DispatchPath:
     def _cached_plan(self, x, config):
         spec = plans.check_cached_dispatch(self._context, x, config)
         lay = spec.layout
-        notify = self._bind("cached_notify_dispatch_kernel", grid=1, op=plans.OP_CACHED_DISPATCH,
-                            row_bytes=spec.rows.row_bytes, row_detail=spec.rows.num_scales, num_sms=config.num_sms,
-                            send_chunk=config.num_max_nvl_chunked_send_tokens,
-                            recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
-                            zero_count=lay.zero_count, region_tokens=lay.region_tokens)
-        # A cached dispatch neither moves top-k nor writes the handle's receive side.
-        main = self._bind_transfer(spec, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
-                                   recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)
-        return Plan(spec, notify, main, 1 + (spec.rows.scales is not None), plans.received_arrays(spec))
+        # A cached dispatch checks its settings in the transfer kernel; it neither moves top-k nor
+        # writes the handle's receive side.
+        main = self._bind_transfer(spec, check_op=plans.OP_CACHED_DISPATCH, row_bytes=spec.rows.row_bytes,
+                                   row_detail=spec.rows.num_scales, num_sms=config.num_sms,
+                                   recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
+                                   zero_count=lay.zero_count, recv_src_idx=None, recv_topk_idx=None,
+                                   recv_topk_weights=None, recv_channel_prefix_matrix=None, send_head=None,
+                                   topk_idx=None, topk_weights=None)
+        return Plan(spec, None, main, 1 + (spec.rows.scales is not None), plans.received_arrays(spec))

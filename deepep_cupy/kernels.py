@@ -32,8 +32,7 @@ COMBINE_DTYPES = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
 #: Template instances compiled from each source file.
 SOURCES: Dict[str, Tuple[str, ...]] = {
     "layout.cu": ("dispatch_layout_kernel",),
-    "notify.cu": ("notify_dispatch_kernel", "cached_notify_dispatch_kernel",
-                  "cached_notify_combine_kernel", "barrier_kernel"),
+    "notify.cu": ("notify_dispatch_kernel", "barrier_kernel"),
     "dispatch.cu": tuple(f"dispatch_kernel<{r}>" for r in RANK_COUNTS)
     + tuple(f"dispatch_kernel<{r}, true>" for r in RANK_COUNTS),
     "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
@@ -172,9 +171,13 @@ def _signature(text: str) -> Tuple[Tuple[str, str], ...]:
 
 #: Each kernel's parameters in order, as ``name:kind`` (kind: ptr, i32, i64, f32); they mirror
 #: the ``__global__`` declarations in kernels/*.cu.
-_CALL_SETTINGS = "op:i32 row_bytes:i32 row_detail:i32 num_sms:i32 send_chunk:i32 recv_chunk:i32"
-_CACHED_CHECKS = (" zero_off:i64 zero_count:i32 rank_prefix_matrix:ptr region_tokens:i32 dispatch_verdict:ptr "
-                  "timeout_ns:i64 error_record:ptr")
+# What a transfer kernel takes for its settings check (kernels/call_check.cuh), after send_chunk.
+_CALL_CHECK = ("check_op:i32 row_bytes:i32 row_detail:i32 num_sms:i32 recv_chunk:i32 zero_off:i64 zero_count:i32 "
+               "dispatch_verdict:ptr ")
+# What the dispatch kernel takes for a count exchange of its own (kernels/count_exchange.cuh).
+_COUNT_EXCHANGE = ("exchange:i32 num_tokens_per_rank:ptr num_tokens_per_expert:ptr recv_capacity:i32 recv_counter:ptr "
+                   "mismatch_flag:ptr recv_expert_counter:ptr report_refusal:i32 topk_code:i32 expert_alignment:i32 ")
+_DEADLINE = "timeout_ns:i64 error_record:ptr"
 SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "dispatch_layout_kernel": _signature(
         "topk_idx:ptr num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
@@ -186,12 +189,8 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "send_chunk:i32 recv_chunk:i32 topk_idx:ptr num_topk:i32 num_tokens:i32 num_experts:i32 "
         "num_channels:i32 expert_alignment:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 "
         "zero_off:i64 zero_count:i32 region_tokens:i32 timeout_ns:i64 error_record:ptr"),
-    "cached_notify_dispatch_kernel": _signature(
-        "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _CALL_SETTINGS + _CACHED_CHECKS),
     "barrier_kernel": _signature(
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 timeout_ns:i64 error_record:ptr"),
-    "cached_notify_combine_kernel": _signature(
-        "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _CALL_SETTINGS + _CACHED_CHECKS),
     "dispatch_kernel": _signature(
         "recv_x:ptr recv_x_scales:ptr recv_src_idx:ptr recv_topk_idx:ptr recv_topk_weights:ptr "
         "recv_channel_prefix_matrix:ptr send_head:ptr x:ptr x_scales:ptr topk_idx:ptr topk_weights:ptr "
@@ -199,12 +198,12 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "hidden_int4:i32 num_topk:i32 num_experts:i32 num_scales:i32 scale_token_stride:i32 "
         "scale_hidden_stride:i32 buffer_ptrs:ptr rank:i32 "
         "meta_off:i64 x_off:i64 src_idx_off:i64 topk_idx_off:i64 topk_weights_off:i64 scales_off:i64 "
-        "region_tokens:i32 num_senders:i32 send_chunk:i32 timeout_ns:i64 error_record:ptr"),
+        "region_tokens:i32 num_senders:i32 send_chunk:i32 " + _CALL_CHECK + _COUNT_EXCHANGE + _DEADLINE),
     "combine_kernel": _signature(
         "combined_x:ptr combined_topk_weights:ptr x:ptr topk_weights:ptr bias_0:ptr bias_1:ptr rank_prefix_matrix:ptr "
         "recv_channel_prefix_matrix:ptr send_head:ptr num_tokens:i32 num_channels:i32 hidden_int4:i32 num_topk:i32 "
         "buffer_ptrs:ptr rank:i32 meta_off:i64 x_off:i64 topk_weights_off:i64 region_tokens:i32 num_senders:i32 "
-        "send_chunk:i32 timeout_ns:i64 error_record:ptr"),
+        "send_chunk:i32 " + _CALL_CHECK + _DEADLINE),
     "expand_kernel": _signature(
         "expanded_x:ptr expanded_scales:ptr expanded_rows:ptr recv_x:ptr recv_scales:ptr recv_topk_idx:ptr "
         "num_recv:i32 num_topk:i32 hidden_int4:i32 num_scales:i32 num_local_experts:i32 expert_alignment:i32"),

@@ -10,6 +10,8 @@ is valid in a peer's buffer too. All regions start on 128-byte boundaries.
                                             out), written by that rank into every buffer; 0 until then
                         int 28, 29          this rank's call counters: barriers passed, notify areas used
                                             (advanced by the kernels, see constants.BARRIERS_INT)
+                        int 30              arrival word of a transfer kernel's blocks waiting for its
+                                            settings check (constants.GRID_SYNC_INT; resets itself)
     notify area 0, 1    int signature[R][8], rank_counts[R][R], expert_counts[R][E/R], recv_capacity[R]
                         (sized for 8 ranks and MAX_LOCAL_EXPERTS; dispatches alternate between the
                         two, so a rank can post the next counts while a slower peer still reads the
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from .constants import (
     ABORT_INT,
     BARRIERS_INT,
+    GRID_SYNC_INT,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
     NOTIFY_AREA_BYTES,
@@ -58,7 +61,7 @@ INT_BYTES = 4
 #: The words of the header, by int index (the verdict's and the abort mark's are defined in
 #: constants.py, which the kernels share).
 HEADER_WORDS = {"signals": tuple(range(MAX_RANKS)), "verdict": (VERDICT_INT,), "abort mark": (ABORT_INT,),
-                "call counters": (BARRIERS_INT, NOTIFY_CALLS_INT)}
+                "call counters": (BARRIERS_INT, NOTIFY_CALLS_INT), "grid arrivals": (GRID_SYNC_INT,)}
 
 
 def _align(n: int) -> int:

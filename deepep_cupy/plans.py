@@ -28,7 +28,8 @@ DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
 FP8_DTYPE = "float8_e4m3fn"
 #: C element type of each dtype combine reduces (the tag types are defined in kernels/common.cuh).
 COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
-#: Which operation a cached dispatch / combine announces in the settings ranks compare.
+#: Which operation a cached dispatch / combine announces in the settings ranks compare (its transfer
+#: kernel's ``check_op``; 0: no check there, a fresh dispatch's notify kernel made it).
 OP_CACHED_DISPATCH, OP_COMBINE = 1, 2
 
 
@@ -289,12 +290,15 @@ def split_x(x) -> Tuple[Any, Any]:
 
 
 class Plan(NamedTuple):
-    """A checked spec with its kernels bound: ``notify`` (count exchange or queue reset, if any)
-    and ``main``; ``row_args``: how many of the call's arrays must have the first one's rows;
-    ``outputs``: ``(extents after the rows, dtype name)`` of each array the call returns per
-    received row (None for one it does not return)."""
+    """A checked spec with its kernels bound: ``notify`` (a fresh dispatch's count exchange; None
+    for the other operations) and ``main``; ``row_args``: how many of the call's arrays must have
+    the first one's rows; ``outputs``: ``(extents after the rows, dtype name)`` of each array the
+    call returns per received row (None for one it does not return); ``main_with_exchange``: a
+    fresh dispatch's ``main`` making the count exchange itself (one launch instead of two, for a
+    dispatch whose host does not wait for the counts)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
     row_args: int = 1
     outputs: Tuple[Optional[Tuple[Tuple[int, ...], str]], ...] = ()
+    main_with_exchange: Optional[Any] = None  # a launch.KernelCall

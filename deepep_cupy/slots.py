@@ -264,8 +264,8 @@ class HostSlots:
 
     def _published_count(self) -> int:
         """The receive count notify_dispatch published (-1 until then). A count is no result when a
-        kernel has already recorded a failure (the count is published between notify's two
-        barriers, and the second can still fail): that failure is raised instead."""
+        kernel has already recorded a failure (a rank gave up on the Buffer, or the transfer
+        launched behind the count exchange failed): that failure is raised instead."""
         value = int(self.values[RECV_COUNT])
         if value >= 0 and self.values[ERROR_RECORD] > 0:
             self._raise_record()

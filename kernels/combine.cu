@@ -1,6 +1,6 @@
 // combine: the reverse of dispatch. Every rank sends back its copy of each token it received,
 // and the token's original owner sums the copies (in float32, ranks in ascending order).
-#include "common.cuh"
+#include "call_check.cuh"
 
 // Regions. The owner's NVLink buffer holds one region per other rank s (region_index(s, owner)),
 // of `region_tokens` slots: slot j holds s's copy of the j-th token the owner sent s in the
@@ -39,8 +39,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         const int* rank_prefix_matrix, const int* recv_channel_prefix_matrix,
         const int* send_head, int num_tokens, int num_channels, int hidden_int4, int num_topk,
         void* const* buffer_ptrs, int rank, int64_t_ meta_off, int64_t_ x_off, int64_t_ topk_weights_off,
-        int region_tokens, int num_senders, int send_chunk, int64_t_ timeout_ns, int* error_record) {
-    if (!transfer_may_start(buffer_ptrs, rank, error_record, KERNEL_COMBINE_SENDER))
+        int region_tokens, int num_senders, int send_chunk, int check_op, int row_bytes, int row_detail, int num_sms,
+        int recv_chunk, int64_t_ zero_off, int zero_count, const int* dispatch_verdict, int64_t_ timeout_ns,
+        int* error_record) {
+    const int settings[SIGNATURE_INTS - 1] = {check_op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk, 0};
+    if (!start_transfer(true, buffer_ptrs, kNumRanks, rank, settings, zero_off, zero_count, rank_prefix_matrix,
+                        region_tokens, dispatch_verdict, timeout_ns, error_record, KERNEL_COMBINE_CHECK,
+                        KERNEL_COMBINE_SENDER))
         return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     auto tail_word = [&](char* base, int channel, int source) {

@@ -1,5 +1,5 @@
 // dispatch: every rank sends each of its tokens once to every rank that owns one of its experts.
-#include "common.cuh"
+#include "count_exchange.cuh"
 
 // Regions. A receiver's NVLink buffer holds one region per other rank s (region_index(s, receiver)),
 // of `region_tokens` slots. Slot j of the region of s holds the j-th token, in token order, that
@@ -135,14 +135,45 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int4* recv_x, float* recv_x_scales, int* recv_src_idx, int64_t_* recv_topk_idx,
         float* recv_topk_weights, int* recv_channel_prefix_matrix, int* send_head,
         const int4* x, const float* x_scales, const int64_t_* topk_idx, const float* topk_weights,
-        const bool* is_token_in_rank, const int* channel_prefix_matrix, const int* rank_prefix_matrix,
+        const bool* is_token_in_rank, int* channel_prefix_matrix, int* rank_prefix_matrix,
         int num_tokens, int hidden_int4, int num_topk, int num_experts, int num_scales,
         int scale_token_stride, int scale_hidden_stride, void* const* buffer_ptrs, int rank,
         int64_t_ meta_off, int64_t_ x_off, int64_t_ src_idx_off, int64_t_ topk_idx_off,
         int64_t_ topk_weights_off, int64_t_ scales_off,
-        int region_tokens, int num_senders, int send_chunk, int64_t_ timeout_ns, int* error_record) {
-    if (!transfer_may_start(buffer_ptrs, rank, error_record, KERNEL_DISPATCH_SENDER))
-        return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
+        int region_tokens, int num_senders, int send_chunk, int check_op, int row_bytes, int row_detail,
+        int num_sms, int recv_chunk, int64_t_ zero_off, int zero_count, const int* dispatch_verdict,
+        int exchange, const int* num_tokens_per_rank, const int* num_tokens_per_expert, int recv_capacity,
+        int* recv_counter, int* mismatch_flag, int* recv_expert_counter, int report_refusal, int topk_code,
+        int expert_alignment, int64_t_ timeout_ns, int* error_record) {
+    if (exchange) {
+        // A fresh dispatch in one launch: block 0 makes the count exchange while the others count
+        // each channel's tokens per destination, then every block waits for both.
+        const CountExchange counts{num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, rank_prefix_matrix,
+                                   channel_prefix_matrix, recv_capacity, recv_counter, mismatch_flag,
+                                   recv_expert_counter, report_refusal, topk_idx, num_topk, num_tokens, num_experts,
+                                   num_senders * kDispatchWarps, expert_alignment, zero_off, zero_count,
+                                   region_tokens};
+        if (blockIdx.x == 0) {
+            const int signature[SIGNATURE_INTS - 1] = {row_bytes, topk_code, num_scales, num_experts, num_sms,
+                                                       send_chunk, recv_chunk};
+            exchange_counts(counts, signature, buffer_ptrs, kNumRanks, rank, timeout_ns, error_record);
+        } else {
+            for (int dst = blockIdx.x - 1; dst < kNumRanks; dst += gridDim.x - 1)
+                count_channel_tokens(counts, kNumRanks, dst);
+        }
+        if (!grid_sync(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_NOTIFY_DISPATCH) ||
+            !transfer_may_start(buffer_ptrs, rank, error_record, KERNEL_DISPATCH_SENDER))
+            return;
+    } else {
+        // A cached dispatch (check_op != 0) checks its settings here; otherwise notify_dispatch
+        // made the count exchange.
+        const int settings[SIGNATURE_INTS - 1] = {check_op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk,
+                                                  0};
+        if (!start_transfer(check_op != 0, buffer_ptrs, kNumRanks, rank, settings, zero_off, zero_count,
+                            rank_prefix_matrix, region_tokens, dispatch_verdict, timeout_ns, error_record,
+                            KERNEL_CACHED_DISPATCH_CHECK, KERNEL_DISPATCH_SENDER))
+            return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
+    }
     constexpr int kUnroll = kNumRanks <= 4 ? DISPATCH_UNROLL : DISPATCH_UNROLL / 2;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int num_channels = num_senders * kDispatchWarps;
@@ -158,8 +189,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         #pragma unroll
         for (int d = 0; d < kNumRanks; ++d)
             next_slot[d] = channel > 0 ? channel_prefix_matrix[d * num_channels + channel - 1] : 0;
+        // The last tail this channel stored for each destination (in shared memory: registers are
+        // short here). A tail is stored only when it grows, so that the receiver sees the last
+        // store (check_call relies on it).
+        __shared__ int published[kDispatchWarps][kNumRanks];
         if (lane < kNumRanks) {
             const int first = channel > 0 ? channel_prefix_matrix[lane * num_channels + channel - 1] : 0;
+            published[warp][lane] = first;
             if (lane == rank) {
                 if (recv_channel_prefix_matrix != nullptr)
                     recv_channel_prefix_matrix[rank * num_channels + channel] = first;
@@ -234,9 +270,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                     __syncwarp();
                     #pragma unroll
                     for (int d = 0; d < kNumRanks; ++d) {
-                        if (d != rank && lane == d) {
+                        if (d != rank && lane == d && next_slot[d] != published[warp][d]) {
                             const DispatchRegions peer = regions.in(buffer_ptrs[d]);
                             st_release_sys(peer.tail(channel, rank, kNumRanks), next_slot[d]);
+                            published[warp][d] = next_slot[d];
                         }
                     }
                 }

@@ -113,7 +113,7 @@ class Launches:
         self.log.append((call.name, params))
         if self.timeline is not None:
             self.timeline.append(("launch", call.name, stream_ptr))
-        if call.name == "notify_dispatch_kernel":
+        if call.name == "notify_dispatch_kernel" or params.get("exchange"):
             count = self.received.pop(0) if len(self.received) > 1 else self.received[0]
             values = self.slots.values
             values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(self.expert_counts)] = self.expert_counts
@@ -275,7 +275,7 @@ class _Router:
 
     def __call__(self, call, stream_ptr):
         for buf, launches in self.routes:
-            if any(call is p.main or call is p.notify for p in buf._plans.values()) or \
+            if any(call in (p.main, p.notify, p.main_with_exchange) for p in buf._plans.values()) or \
                     any(call is c for c in buf._expand_calls.values()):
                 return launches(call, stream_ptr)
         raise AssertionError(f"a launch of {call.name} from no fake Buffer's plan")

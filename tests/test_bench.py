@@ -418,6 +418,15 @@ def test_calls_options_parse_and_refuse_unknown_libraries(capsys):
         bench.parse_args(["--calls-libs", "jax"])
 
 
+def test_calls_run_in_rounds_whose_median_is_reported():
+    assert bench.parse_args([]).calls_rounds == 3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--calls-rounds", "0"])
+    rounds = [{"loop_us": 50.0, "host_us": 40.0}, {"loop_us": 90.0, "host_us": 80.0},
+              {"loop_us": 60.0, "host_us": 45.0}]
+    assert calls._median_figures(rounds) == {"loop_us": 60.0, "host_us": 45.0}
+
+
 def test_calls_are_in_the_json_document():
     doc = bench.results_to_json({}, calls=report.summarize_calls([_calls_rank(1.0)]))
     assert json.loads(json.dumps(doc))["calls"]["rows"]

@@ -142,10 +142,11 @@ def test_worst_case_dispatch_returns_fixed_rows_with_ids_minus_one_past_the_rece
     recv_x, recv_topk, recv_w, per_expert, handle, _ = dispatch(buf, w, num_worst_tokens=N * 2)
     assert recv_x.shape == (N * 2, H) and recv_topk.shape == recv_w.shape == (N * 2, K)
     assert per_expert == [] and handle.num_worst_tokens == handle.rows == N * 2
-    assert launches.names()[-3:] == ["fill", "notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[-2:] == ["fill", "dispatch_kernel<2>"]  # the transfer exchanges the counts itself
     fill = launches.last("fill")
     assert (fill["ptr"], fill["byte"], fill["num_bytes"]) == (recv_topk.ctypes.data, 0xFF, N * 2 * K * 8)
-    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == N * 2
+    transfer = launches.last("dispatch_kernel<2>")
+    assert transfer["exchange"] == 1 and transfer["recv_capacity"] == N * 2
     assert buf.last_dispatch_allocation == "fixed"
 
 
@@ -161,8 +162,8 @@ def test_worst_case_dispatch_publishes_its_counts_and_verdict_in_the_handle(fake
     assert handle.recv_count.shape == (1,) and handle.recv_expert_counts.shape == (E // 2,)
     assert handle.recv_count_ptr == handle.recv_count.ctypes.data == handle.verdict_ptr + 4
     assert handle.recv_expert_counts_ptr == handle.recv_expert_counts.ctypes.data
-    notify = launches.last("notify_dispatch_kernel")
-    assert (notify["recv_counter"], notify["mismatch_flag"], notify["recv_expert_counter"], notify["report_refusal"]) \
+    p = launches.last("dispatch_kernel<2>")
+    assert (p["recv_counter"], p["mismatch_flag"], p["recv_expert_counter"], p["report_refusal"]) \
         == (handle.recv_count_ptr, handle.verdict_ptr, handle.recv_expert_counts_ptr, 1)
 
 
@@ -170,9 +171,9 @@ def test_calls_with_a_worst_case_handle_move_nothing_when_its_dispatch_was_refus
     buf, launches, _ = fake
     recv_x, _, _, _, handle, _ = dispatch(buf, workload(), num_worst_tokens=N * 2)
     buf.dispatch(workload()["x"], handle=handle, config=CONFIG)
-    assert launches.last("cached_notify_dispatch_kernel")["dispatch_verdict"] == handle.verdict_ptr != 0
+    assert launches.last("dispatch_kernel<2>")["dispatch_verdict"] == handle.verdict_ptr != 0
     buf.combine(recv_x, handle, config=CONFIG)
-    assert launches.last("cached_notify_combine_kernel")["dispatch_verdict"] == handle.verdict_ptr
+    assert launches.last("combine_kernel<bf16_t, 2>")["dispatch_verdict"] == handle.verdict_ptr
 
 
 def test_a_refused_worst_case_dispatch_raises_at_the_next_call_and_leaves_the_buffer_usable(monkeypatch):

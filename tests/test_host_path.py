@@ -10,7 +10,7 @@ import pytest
 from host_fakes import CALLER_STREAM, COMM_STREAM, fake_buffer, on_device, recording_order
 
 import deepep_cupy as ep
-from deepep_cupy import plans
+from deepep_cupy import plans, slots
 from deepep_cupy import reference as ref
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
 from deepep_cupy.constants import ERROR_PEER_ABORTED, ERROR_TIMEOUT, KERNEL_STAGES, VERDICT_OVER_CAPACITY
@@ -62,7 +62,6 @@ def test_every_operation_sets_every_kernel_parameter(fake):
     buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
     buf.combine(recv_x, handle, config=CONFIG)
     assert set(launches.names()) == {"dispatch_layout_kernel", "notify_dispatch_kernel", "dispatch_kernel<2>",
-                                     "cached_notify_dispatch_kernel", "cached_notify_combine_kernel",
                                      "combine_kernel<bf16_t, 2>"}
 
 
@@ -81,13 +80,27 @@ def test_the_transfer_reads_the_callers_arrays_and_writes_the_returned_ones(fake
     assert p["buffer_ptrs"] == 0xB0F and p["num_tokens"] == N and p["hidden_int4"] == H * 2 // 16
 
 
-def test_a_cached_dispatch_moves_no_topk_and_writes_no_handle(fake):
+def test_a_dispatch_waiting_for_its_counts_exchanges_them_in_notify_dispatch_launched_first(fake):
+    buf, launches, _ = fake
+    w = workload()
+    for _ in range(2):  # exactly, then allocated ahead
+        before = len(launches.log)
+        dispatch(buf, w)
+        assert launches.names()[before:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+        notify, transfer = launches.last("notify_dispatch_kernel"), launches.last("dispatch_kernel<2>")
+        assert notify["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
+        assert transfer["exchange"] == transfer["check_op"] == 0
+
+
+def test_a_cached_dispatch_is_one_launch_that_checks_its_settings_and_moves_no_topk(fake):
     buf, launches, _ = fake
     w = workload()
     handle = dispatch(buf, w)[4]
+    before = len(launches.log)
     buf.dispatch(w["x"], handle=handle, config=CONFIG)
-    assert launches.names()[-2:] == ["cached_notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[before:] == ["dispatch_kernel<2>"]
     p = launches.last("dispatch_kernel<2>")
+    assert p["check_op"] == plans.OP_CACHED_DISPATCH and p["row_bytes"] == H * 2 and p["zero_count"] > 0
     assert p["topk_idx"] == p["recv_topk_idx"] == p["send_head"] == p["recv_channel_prefix_matrix"] == 0
     assert p["channel_prefix_matrix"] == handle[1].ctypes.data
 
@@ -96,17 +109,18 @@ def test_combine_checks_the_handles_routing_then_reduces_through_its_send_head(f
     buf, launches, _ = fake
     w = workload()
     recv_x, _, recv_w, _, handle, _ = dispatch(buf, w)
+    before = len(launches.log)
     combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
-    assert launches.names()[-2:] == ["cached_notify_combine_kernel", "combine_kernel<bf16_t, 2>"]
-    notify, main = launches.last("cached_notify_combine_kernel"), launches.last("combine_kernel<bf16_t, 2>")
-    assert notify["rank_prefix_matrix"] == main["rank_prefix_matrix"] == handle[0].ctypes.data
-    assert main["send_head"] == handle[5].ctypes.data
-    assert 0 < notify["region_tokens"] == main["region_tokens"]
+    assert launches.names()[before:] == ["combine_kernel<bf16_t, 2>"]
+    main = launches.last("combine_kernel<bf16_t, 2>")
+    assert main["check_op"] == plans.OP_COMBINE and main["zero_count"] > 0
+    assert main["rank_prefix_matrix"] == handle[0].ctypes.data and main["send_head"] == handle[5].ctypes.data
+    assert main["region_tokens"] > 0
     assert combined.shape == (N, H) and combined.dtype == np.uint16 and combined_w.shape == (N, K)
 
 
 def test_repeated_calls_launch_the_same_parameters_so_a_captured_call_replays_in_step(fake):
-    # Barrier numbers and notify areas advance on the device (kernels/notify.cu, CallCounters):
+    # Barrier numbers and notify areas advance on the device (kernels/call_check.cuh, CallCounters):
     # nothing the host would have to advance per call is baked into a launch.
     buf, launches, _ = fake
     w = workload()
@@ -114,8 +128,8 @@ def test_repeated_calls_launch_the_same_parameters_so_a_captured_call_replays_in
     for _ in range(2):
         buf.dispatch(w["x"], handle=handle, config=CONFIG)
         buf.combine(recv_x, handle, config=CONFIG)
-    cached = [p for name, p in launches.log if name == "cached_notify_dispatch_kernel"]
-    combine = [p for name, p in launches.log if name == "cached_notify_combine_kernel"]
+    cached = [p for name, p in launches.log if name == "dispatch_kernel<2>"][-2:]
+    combine = [p for name, p in launches.log if name == "combine_kernel<bf16_t, 2>"]
     assert cached[0] == cached[1] and combine[0] == combine[1]
     assert not {"epoch", "notify_off"} & set(cached[0])
 

@@ -38,13 +38,13 @@ def test_an_empty_record_raises_nothing():
 
 
 def test_a_settings_disagreement_raises_rank_mismatch_naming_the_rank_that_differs():
-    record = slots_with_record(2, STAGE_IDS["cached_notify_combine"], 0, -1, 1, 2)
+    record = slots_with_record(2, STAGE_IDS["combine check"], 0, -1, 1, 2)
     with pytest.raises(ep.RankMismatchError, match="last combine .* between rank 0 and rank 1"):
         record.raise_if_failed()
 
 
 def test_a_settings_disagreement_leaves_the_buffer_usable():
-    record = slots_with_record(2, STAGE_IDS["cached_notify_dispatch"], 1, -1, 1, 2)
+    record = slots_with_record(2, STAGE_IDS["cached dispatch check"], 1, -1, 1, 2)
     with pytest.raises(ep.RankMismatchError, match="cached dispatch"):
         record.raise_if_failed()
     record.raise_if_failed()  # reported once; nothing was moved, so the next call may go ahead
@@ -93,8 +93,8 @@ def test_each_error_code_has_its_own_exception():
     assert "timed out after" not in str(errors[ERROR_PEER_ABORTED])  # it did not wait out a timeout itself
 
 
-@pytest.mark.parametrize("stage, operation", [("cached_notify_dispatch", "cached dispatch"),
-                                              ("cached_notify_combine", "combine")])
+@pytest.mark.parametrize("stage, operation", [("cached dispatch check", "cached dispatch"),
+                                              ("combine check", "combine")])
 def test_a_handle_too_large_for_the_buffer_is_reported_once_naming_num_nvl_bytes(stage, operation):
     host_slots = slots_with_record(ERROR_BUFFER_TOO_SMALL, STAGE_IDS[stage], 0, -1, -1, 300)
     with pytest.raises(ValueError, match=f"num_nvl_bytes: the last {operation} was refused on every rank: its "

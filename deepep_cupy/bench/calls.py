@@ -12,7 +12,10 @@ combine BF16 with weights; and the step an inference server captures, layout + d
 * **host time**: the median wall time of the Python call; for a fresh dispatch also the part of it
   spent waiting for the receive counts (``Buffer.last_count_wait_s``).
 
-Each figure is the maximum over ranks (a collective is as slow as its slowest rank).
+The loops run in ``--calls-rounds`` rounds, each timing every library's ops in turn (A, B, A, B):
+a host's speed can change between minutes (on a shared machine it does, by up to 2x), and
+alternating gives both libraries the same conditions. Each figure is the median over the rounds,
+then the maximum over ranks (a collective is as slow as its slowest rank).
 :data:`DEEPEP_V1` holds DeepEP V1's figures on 2 x H200, measured with the same loop (issue
 "PyTorch callers at full speed"), shown next to ours.
 """
@@ -111,20 +114,35 @@ def bench_calls_rank(buf: Any, group: Any, args: Any, reference: Any, dispatch_c
     device = cupy.cuda.Device().id
     E = args.num_experts
     d, c = dispatch_config, combine_config
+    libs = available_libs(args.calls_libs)
+    waits = lambda: buf.last_count_wait_s  # noqa: E731
     points = []
     for num_tokens in args.calls_tokens:
         host = make_workload(reference, args, group.rank, num_tokens)
-        for lib in available_libs(args.calls_libs):
+        calls = {}
+        for lib in libs:
             with _lib_stream(lib, device):
-                stream = tensors.library(lib).current_stream(device)
                 a = _device_arrays(lib, host, device)
                 ops = _calls(buf, a, E, d, c)
                 ops.update(step_ops(buf, lib, a, E, d, c, device, getattr(group, "in_process", False)))
-                waits = lambda: buf.last_count_wait_s  # noqa: E731
-                figures = {op: time_loop(ops[op], stream, args.calls_warmup, args.calls_iters, group.barrier,
-                                         waits if op.startswith("dispatch") else None) for op in OPS}
-                points.append({"lib": lib, "num_tokens": num_tokens, "ops": figures})
+                calls[lib] = ops
+        rounds: Dict[str, Dict[str, List[Dict[str, float]]]] = {lib: {op: [] for op in OPS} for lib in libs}
+        for _ in range(args.calls_rounds):
+            for lib in libs:
+                with _lib_stream(lib, device):
+                    stream = tensors.library(lib).current_stream(device)
+                    for op in OPS:
+                        rounds[lib][op].append(time_loop(calls[lib][op], stream, args.calls_warmup, args.calls_iters,
+                                                         group.barrier, waits if op.startswith("dispatch") else None))
+        for lib in libs:
+            points.append({"lib": lib, "num_tokens": num_tokens,
+                           "ops": {op: _median_figures(rounds[lib][op]) for op in OPS}})
     return {"points": points}
+
+
+def _median_figures(rounds: List[Dict[str, float]]) -> Dict[str, float]:
+    """Each figure's median over the rounds."""
+    return {key: float(np.median([r[key] for r in rounds])) for key in rounds[0]}
 
 
 def _calls(buf: Any, a: Dict[str, Any], num_experts: int, dispatch_config: Any, combine_config: Any

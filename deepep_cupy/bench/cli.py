@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="array libraries of the loop/host-time table (torch is skipped when it does not import)")
     g.add_argument("--calls-iters", type=int, default=40, help="calls per loop")
     g.add_argument("--calls-warmup", type=int, default=10)
+    g.add_argument("--calls-rounds", type=int, default=3,
+                   help="rounds of loops, the libraries alternating; figures are medians over them")
     g.add_argument("--calls-plot", metavar="PATH", default=None,
                    help="PNG of loop time vs tokens per rank, per op and array library")
     g = p.add_argument_group("output")
@@ -135,7 +137,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("num_tokens", "hidden", "num_topk", "num_experts", "num_sms", "iters", "copy_mib",
-                 "copy_iters", "sweep_iters", "tune_iters", "calls_iters"):
+                 "copy_iters", "sweep_iters", "tune_iters", "calls_iters", "calls_rounds"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     for name in ("warmup", "tune_warmup", "calls_warmup"):

@@ -385,7 +385,8 @@ def render_calls(calls: Dict[str, Any]) -> str:
                               **{str(n): None if n not in cells else f"{cells[n]['wait_us']:.0f}" for n in tokens}})
         columns = [("lib", op, "{}")] + [(str(n), f"{n} tok", "{}") for n in tokens]
         parts.append(format_table(table, columns))
-    return ("loop time per call (median host time per call), us; max over ranks\n\n" + "\n\n".join(parts))
+    return ("loop time per call (median host time per call), us; median over rounds, max over ranks\n\n"
+            + "\n\n".join(parts))
 
 
 def plot_calls(path: str, calls: Dict[str, Any], settings: Dict[str, Any]) -> Optional[str]:
