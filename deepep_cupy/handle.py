@@ -95,7 +95,8 @@ class DispatchHandle:
         self.recv_src_idx_ptr = base + INT_BYTES * layout.recv_src_idx
         self.in_rank_ptr = in_rank_ptr
         self.verdict_ptr = self.recv_count_ptr = self.recv_expert_counts_ptr = 0
-        self.recv_count = self.recv_expert_counts = None
+        self._num_local_experts = 0
+        self._device_counts = None
         #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for
         #: padding) and where each local expert's group starts (local experts + 1 ints).
         self.expanded_rows = self.expert_offsets = None
@@ -112,8 +113,24 @@ class DispatchHandle:
         self.verdict_ptr = self.lib.pointer(self.block) + INT_BYTES * start
         self.recv_count_ptr = self.verdict_ptr + INT_BYTES
         self.recv_expert_counts_ptr = self.recv_count_ptr + INT_BYTES
-        self.recv_count = self._view(start + 1, (1,))
-        self.recv_expert_counts = self._view(start + DEVICE_COUNTS_HEADER, (num_local_experts,))
+        self._num_local_experts = num_local_experts
+
+    # The device counts' views are made when first looked at: a dispatch that never waits for the
+    # host must not pay for arrays its caller may not read.
+    @property
+    def recv_count(self) -> Any:
+        return None if self._counts_views() is None else self._device_counts[0]
+
+    @property
+    def recv_expert_counts(self) -> Any:
+        return None if self._counts_views() is None else self._device_counts[1]
+
+    def _counts_views(self):
+        if self._device_counts is None and self.num_worst_tokens:
+            start = self.layout.recv_src_idx + self.num_worst_tokens
+            self._device_counts = (self._view(start + 1, (1,)),
+                                   self._view(start + DEVICE_COUNTS_HEADER, (self._num_local_experts,)))
+        return self._device_counts
 
     @property
     def rows(self) -> int:
