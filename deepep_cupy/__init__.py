@@ -8,7 +8,7 @@ model every GPU result is checked against.
 """
 
 from .buffer import Buffer
-from .comm import Group, MPIGroup, ThreadGroup, TorchGroup, as_group, check_sm_budget, run_local_group
+from .comm import Group, MPIGroup, TorchGroup, as_group
 from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
 from .errors import (
     DeepEPError,
@@ -21,6 +21,8 @@ from .errors import (
 )
 from .events import EventOverlap
 from .handle import DispatchHandle
+from .local_group import ThreadGroup, run_local_group
+from .sm_budget import check_sm_budget
 
 __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "TorchGroup", "as_group",

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import compat, kernels, plans, slots
 from .capacity import ReceiveCapacityGuess
-from .comm import Group, as_group, check_sm_budget
+from .comm import Group, as_group
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config, sender_blocks
 from .constants import MAX_RANKS
 from .dispatch_path import DispatchPath
@@ -32,6 +32,7 @@ from .handle import DispatchHandle
 from .ipc import NvlBuffer
 from .launch import KernelCall, parameter_struct
 from .slots import ERROR_RECORD, HostSlots
+from .sm_budget import check_sm_budget
 from .streams import StreamOrder
 from .tensors import ABSENT, read
 

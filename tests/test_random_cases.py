@@ -17,9 +17,9 @@ from workers.gpu_scenarios import BASE
 from deepep_cupy import layout
 from deepep_cupy import reference as ref
 from deepep_cupy.capacity import ReceiveCapacityGuess
-from deepep_cupy.comm import check_sm_budget, largest_num_sms
 from deepep_cupy.config import Config
 from deepep_cupy.plans import check_num_experts
+from deepep_cupy.sm_budget import check_sm_budget, largest_num_sms
 
 SOAK = WORKERS / "random_soak.py"
 SEEDS = range(1000)

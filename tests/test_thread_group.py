@@ -9,16 +9,10 @@ import time
 import pytest
 
 import deepep_cupy as ep
-from deepep_cupy.comm import (
-    RANK_SWITCH_INTERVAL_S,
-    Group,
-    GroupAbortedError,
-    RankFailed,
-    ThreadGroup,
-    check_sm_budget,
-    run_local_group,
-)
-from deepep_cupy.errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from deepep_cupy.comm import Group
+from deepep_cupy.errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, RankFailed, RankMismatchError
+from deepep_cupy.local_group import RANK_SWITCH_INTERVAL_S, ThreadGroup, run_local_group
+from deepep_cupy.sm_budget import check_sm_budget
 
 
 def run(fn, n, **kwargs):
@@ -259,7 +253,7 @@ def test_ranks_on_device_and_devices():
 def test_default_devices_wrap_around_the_visible_gpus():
     # Device selection itself is skipped with use_devices=False, but the default assignment is
     # computed from the device count: give one to check r % count without a GPU.
-    from deepep_cupy.comm import _resolve_devices
+    from deepep_cupy.local_group import _resolve_devices
 
     assert _resolve_devices(None, None, True, 4) == [0, 1, 2, 3]
     assert _resolve_devices(6, None, True, 4) == [0, 1, 2, 3, 0, 1]
@@ -302,9 +296,9 @@ def test_sm_budget():
 
 
 def test_run_local_group_checks_the_sm_budget_before_starting(monkeypatch):
-    import deepep_cupy.comm as comm
+    import deepep_cupy.sm_budget as sm_budget
 
-    monkeypatch.setattr(comm, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(sm_budget, "sm_count_of", lambda device_id: 132)
     started = []
     with pytest.raises(ValueError, match="GPU 0: 8 ranks x num_sms=24"):
         run_local_group(started.append, 8, devices=[0] * 8, num_sms=24, use_devices=False)

@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ..comm import _sm_count
 from ..errors import DeepEPError
+from ..sm_budget import sm_count_of
 from .nccl import _raw_kernel
 from .timing import time_ops_multi
 from .workload import gbps
@@ -51,7 +51,7 @@ def copy_ceiling(devices: Tuple[int, int], nbytes: int, sms_list: Sequence[int],
             bufs[d] = (cupy.ones(nbytes, dtype=cupy.uint8), cupy.zeros(nbytes, dtype=cupy.uint8))
             kernels[d] = _raw_kernel("bench_copy.cu", "copy_int4")
             streams[d] = cupy.cuda.Stream(non_blocking=True)
-            nsm[d] = _sm_count(d)
+            nsm[d] = sm_count_of(d)
             cupy.cuda.Device(d).synchronize()  # the fills ran on the default stream
 
     def launcher(run_on, src, dst, blocks):
@@ -99,7 +99,7 @@ def run_copy_ceiling(args: argparse.Namespace, devices: Sequence[int]) -> Dict[s
         return {"skipped": "needs two visible GPUs"}
     try:
         a, b = distinct[0], distinct[1]
-        sm_all = _sm_count(a)
+        sm_all = sm_count_of(a)
         sms = sorted({min(args.num_sms, sm_all), sm_all})
         rows = copy_ceiling((a, b), args.copy_mib * 1024 * 1024, sms, args.copy_iters)
         return {"skipped": None, "bytes": args.copy_mib * 1024 * 1024, "rows": rows}

@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..comm import _sm_count
 from ..errors import NcclUnavailable
 from ..kernels import read_source
+from ..sm_budget import sm_count_of
 from .library import _import_library
 from .report import op_stats
 from .timing import make_l2_flush, time_ops_multi
@@ -233,7 +233,7 @@ def gather_rows(x: Any, rows: Any, out: Any) -> Any:
         return cupy.take(x, rows, axis=0, out=out)
     n = int(rows.shape[0])
     if n:
-        sms = _sm_count(cupy.cuda.Device().id)
+        sms = sm_count_of(cupy.cuda.Device().id)
         _raw_kernel("bench_gather.cu", "gather_rows_int4")(
             (min(n, sms * 8),), (256,),
             (np.uint64(x.data.ptr), np.uint64(out.data.ptr), rows.astype(cupy.int64, copy=False),

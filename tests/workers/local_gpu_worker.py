@@ -45,7 +45,7 @@ import gpu_worker  # run as a script: its folder is on sys.path
 import numpy as np
 from gpu_scenarios import SCENARIOS
 
-from deepep_cupy.comm import _sm_count, largest_num_sms
+from deepep_cupy.sm_budget import largest_num_sms, sm_count_of
 
 _print_lock = threading.Lock()
 
@@ -264,7 +264,7 @@ def main_threads(args, scenarios):
         raise SystemExit(f"--gpus {gpus}: {count} GPUs are visible")
     devices = [r % gpus for r in range(args.ranks)]
     ranks_per_gpu = max(devices.count(d) for d in set(devices))
-    sm_count = min(_sm_count(d) for d in set(devices))
+    sm_count = min(sm_count_of(d) for d in set(devices))
     scenarios = fit_scenarios(scenarios, ranks_per_gpu, sm_count, args.num_sms)
     emit("CONFIG", {"ranks": args.ranks, "devices": devices, "ranks_per_gpu": ranks_per_gpu, "sm_count": sm_count,
                     "num_sms": {sc["name"]: sc["num_sms"] for sc in scenarios}})

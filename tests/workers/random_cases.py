@@ -33,9 +33,9 @@ from typing import Sequence
 
 import numpy as np
 
-from deepep_cupy.comm import largest_num_sms
 from deepep_cupy.config import Config, get_nvl_buffer_size_hint
 from deepep_cupy.constants import FP8_SCALE_BLOCK, MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_RANKS
+from deepep_cupy.sm_budget import largest_num_sms
 
 RANK_COUNTS = tuple(range(2, MAX_RANKS + 1))
 MAX_TOKENS = 5000
@@ -156,7 +156,7 @@ def _draw_experts(d: _Draws, num_ranks: int, num_topk: int, routing: str, total_
 
 
 def _draw_num_sms(d: _Draws, num_ranks: int, num_gpus: int, sm_count: int) -> int:
-    # Ranks sharing a GPU must fit on it together (comm.check_sm_budget).
+    # Ranks sharing a GPU must fit on it together (sm_budget.check_sm_budget).
     cap = largest_num_sms(ranks_per_gpu(num_ranks, num_gpus), sm_count)
     return 2 * d.log_int(1, max(1, cap // 2))
 

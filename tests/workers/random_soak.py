@@ -266,13 +266,13 @@ def visible_gpus(args):
     """``(GPUs to use, the smallest SM count among them)``."""
     import cupy
 
-    from deepep_cupy.comm import _sm_count
+    from deepep_cupy.sm_budget import sm_count_of
 
     count = cupy.cuda.runtime.getDeviceCount()
     gpus = args.gpus or count
     if gpus > count:
         raise SystemExit(f"--gpus {gpus}: {count} GPUs are visible")
-    return gpus, min(_sm_count(d) for d in range(gpus))
+    return gpus, min(sm_count_of(d) for d in range(gpus))
 
 
 def main(argv):
