@@ -66,6 +66,27 @@ class _DeviceScope:
             self._runtime.setDevice(previous)
 
 
+class _OrderedCall:
+    """The span of one operation's GPU work, from :meth:`Buffer._begin`: entering gives
+    ``(caller's stream, stream to run on)``; leaving by an exception tells the stream order that
+    kernels may be queued already (``StreamOrder.abandon``), so that destroy() and the next call
+    come after them. One per Buffer, reused by each call (a Buffer's calls never nest)."""
+
+    __slots__ = ("_order", "caller", "run_on")
+
+    def __init__(self, order: StreamOrder):
+        self._order = order
+        self.caller = self.run_on = 0
+
+    def __enter__(self) -> Tuple[int, int]:
+        return self.caller, self.run_on
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if exc_type is not None:
+            self._order.abandon(self.run_on)
+        return False
+
+
 class Buffer(DispatchPath):
     """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
 
@@ -232,6 +253,7 @@ class Buffer(DispatchPath):
         """Take the slots and the stream order; bind the arguments every kernel shares (see _bind)."""
         self._slots = host_slots
         self._order = order
+        self._ordered_call = _OrderedCall(order)
         self._shared_args = dict(buffer_ptrs=peer_table_ptr, num_ranks=self.num_ranks, rank=self.rank,
                                  timeout_ns=int(self.timeout_s * 1e9),
                                  error_record=host_slots.device_ptr(ERROR_RECORD))
@@ -366,11 +388,13 @@ class Buffer(DispatchPath):
         return plan
 
     def _begin(self, lib, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool) -> Tuple[int, int]:
-        """Order the call after the caller's work; return ``(caller's stream, stream to run on)``
-        (see deepep_cupy/streams.py)."""
-        caller = lib.current_stream(self.device_id)
-        return caller, self._order.begin(caller, previous_event, async_finish or allocate_on_comm_stream, self.rank)
+               allocate_on_comm_stream: bool) -> _OrderedCall:
+        """Order the call after the caller's work (see deepep_cupy/streams.py); the call's GPU work
+        goes in ``with self._begin(...) as (caller's stream, stream to run on):``."""
+        call = self._ordered_call
+        call.caller = caller = lib.current_stream(self.device_id)
+        call.run_on = self._order.begin(caller, previous_event, async_finish or allocate_on_comm_stream, self.rank)
+        return call
 
     def _allocating(self, lib, on_comm_stream: bool):
         return lib.allocating_on(self._order.stream, self.device_id) if on_comm_stream else _NO_CONTEXT
@@ -403,23 +427,18 @@ class Buffer(DispatchPath):
         key = ("layout", topk_key, num_experts)
         plan = self._plans.get(key) or self._plan(key, self._layout_plan, topk_idx, num_experts)
         R, dev = self.num_ranks, self.device_id
-        with self._on_device:
-            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            try:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    per_rank = lib.empty((R,), "int32", dev)
-                    per_expert = lib.empty((num_experts,), "int32", dev)
-                    in_rank = lib.empty((num_tokens, R), "bool", dev)
-                plan.main(run_on, topk_idx=topk_ptr, num_tokens_per_rank=lib.pointer(per_rank),
-                          num_tokens_per_expert=lib.pointer(per_expert), is_token_in_rank=lib.pointer(in_rank),
-                          num_tokens=num_tokens)
-                outputs = (per_rank, per_expert, in_rank)
-                event = self._finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
-                                     allocate_on_comm_stream)
-            except BaseException:
-                # Kernels may be queued already: destroy() and the next call must come after them.
-                self._order.abandon(run_on)
-                raise
+        with self._on_device, \
+                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+            with self._allocating(lib, allocate_on_comm_stream):
+                per_rank = lib.empty((R,), "int32", dev)
+                per_expert = lib.empty((num_experts,), "int32", dev)
+                in_rank = lib.empty((num_tokens, R), "bool", dev)
+            plan.main(run_on, topk_idx=topk_ptr, num_tokens_per_rank=lib.pointer(per_rank),
+                      num_tokens_per_expert=lib.pointer(per_expert), is_token_in_rank=lib.pointer(in_rank),
+                      num_tokens=num_tokens)
+            outputs = (per_rank, per_expert, in_rank)
+            event = self._finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
+                                 allocate_on_comm_stream)
         return per_rank, None, per_expert, in_rank, event
 
     def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
@@ -555,26 +574,21 @@ class Buffer(DispatchPath):
             if rows != num_tokens and rows != ABSENT_ROWS:
                 raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
                                  f"got {rows}")
-        with self._on_device:
-            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            try:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
-                    combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
-                plan.main(run_on, dispatch_verdict=handle.verdict_ptr, combined_x=lib.pointer(combined),
-                          combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
-                          x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
-                          rank_prefix_matrix=handle.rank_prefix_ptr,
-                          recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr,
-                          send_head=handle.send_head_ptr, num_tokens=num_tokens)
-                outputs = (combined, combined_weights)
-                event = self._finish(caller, run_on, lib, async_finish,
-                                     (x, topk_weights, *biases, handle.block, *outputs), outputs,
-                                     allocate_on_comm_stream)
-            except BaseException:
-                # Kernels may be queued already: destroy() and the next call must come after them.
-                self._order.abandon(run_on)
-                raise
+        with self._on_device, \
+                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+            with self._allocating(lib, allocate_on_comm_stream):
+                combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
+                combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
+            plan.main(run_on, dispatch_verdict=handle.verdict_ptr, combined_x=lib.pointer(combined),
+                      combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
+                      x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
+                      rank_prefix_matrix=handle.rank_prefix_ptr,
+                      recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr,
+                      send_head=handle.send_head_ptr, num_tokens=num_tokens)
+            outputs = (combined, combined_weights)
+            event = self._finish(caller, run_on, lib, async_finish,
+                                 (x, topk_weights, *biases, handle.block, *outputs), outputs,
+                                 allocate_on_comm_stream)
         return combined, combined_weights, event
 
     def _combine_plan(self, x, topk_weights, config, biases):

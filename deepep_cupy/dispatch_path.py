@@ -97,28 +97,23 @@ class DispatchPath:
         spec = plan.spec
         num_local_experts = spec.num_experts // self.num_ranks
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        with self._on_device:
-            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            try:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    block = lib.empty((layout.total_ints(rows, num_local_experts),), "int32", dev)
-                    outputs = self._dispatch_outputs(lib, plan, rows)
-                handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
-                handle.publish_on_device(rows, num_local_experts)
-                recv_topk = outputs[2]
-                if recv_topk is not None:
-                    # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
-                    launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows * spec.num_topk * 8, run_on)
-                self._launch_transfer(run_on, call, outputs, handle, dict(
-                    recv_capacity=rows, recv_counter=handle.recv_count_ptr, mismatch_flag=handle.verdict_ptr,
-                    recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1))
-                allocated = (block, *outputs)
-                event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                     allocate_on_comm_stream)
-            except BaseException:
-                # Kernels may be queued already: destroy() and the next call must come after them.
-                self._order.abandon(run_on)
-                raise
+        with self._on_device, \
+                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+            with self._allocating(lib, allocate_on_comm_stream):
+                block = lib.empty((layout.total_ints(rows, num_local_experts),), "int32", dev)
+                outputs = self._dispatch_outputs(lib, plan, rows)
+            handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
+            handle.publish_on_device(rows, num_local_experts)
+            recv_topk = outputs[2]
+            if recv_topk is not None:
+                # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
+                launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows * spec.num_topk * 8, run_on)
+            self._launch_transfer(run_on, call, outputs, handle, dict(
+                recv_capacity=rows, recv_counter=handle.recv_count_ptr, mismatch_flag=handle.verdict_ptr,
+                recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1))
+            allocated = (block, *outputs)
+            event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                                 allocate_on_comm_stream)
         self.last_dispatch_allocation = "fixed"
         return dispatch_result(outputs, [], handle, event)
 
@@ -208,8 +203,7 @@ class DispatchPath:
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec = plan.spec
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-        try:
+        with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             if self._order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
@@ -230,10 +224,10 @@ class DispatchPath:
                 self._launch_transfer(run_on, call, outputs, handle)
             num_recv = self._slots.wait_for_count(self._order.notify_done)
             verdict = self._slots.verdict()
+            if verdict == VERDICT_OVER_CAPACITY:
+                self._order.abandon(run_on)  # the transfer launched ahead moved nothing
+                return None
             if verdict:
-                self._order.abandon(run_on)
-                if verdict == VERDICT_OVER_CAPACITY:
-                    return None
                 raise self._verdict_error(verdict, call)
             per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
             if outputs is None:
@@ -255,10 +249,6 @@ class DispatchPath:
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
-        except BaseException:
-            # Kernels may be queued already: destroy() and the next call must come after them.
-            self._order.abandon(run_on)
-            raise
 
     def _expand(self, stream: int, lib, spec: plans.DispatchSpec, outputs, per_expert_list, handle: DispatchHandle):
         """Launch expand_kernel behind the transfer: ``recv_x`` (and its scales) regrouped per local
@@ -339,24 +329,19 @@ class DispatchPath:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
         num_recv = handle.rows
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
-        with self._on_device:
-            caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-            try:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
-                plan.main(run_on, dispatch_verdict=handle.verdict_ptr, recv_x=lib.pointer(recv_x),
-                          recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
-                          is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
-                          rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
-                          scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])
-                outputs = (recv_x, recv_scales)
-                event = self._finish(caller, run_on, lib, async_finish,
-                                     (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
-                                     allocate_on_comm_stream)
-            except BaseException:
-                # Kernels may be queued already: destroy() and the next call must come after them.
-                self._order.abandon(run_on)
-                raise
+        with self._on_device, \
+                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+            with self._allocating(lib, allocate_on_comm_stream):
+                recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
+            plan.main(run_on, dispatch_verdict=handle.verdict_ptr, recv_x=lib.pointer(recv_x),
+                      recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
+                      is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
+                      rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
+                      scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])
+            outputs = (recv_x, recv_scales)
+            event = self._finish(caller, run_on, lib, async_finish,
+                                 (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
+                                 allocate_on_comm_stream)
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
     def _cached_plan(self, x, config):

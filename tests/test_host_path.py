@@ -10,7 +10,7 @@ import pytest
 from host_fakes import CALLER_STREAM, COMM_STREAM, fake_buffer, on_device, recording_order
 
 import deepep_cupy as ep
-from deepep_cupy import plans, slots
+from deepep_cupy import launch, plans, slots
 from deepep_cupy import reference as ref
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
 from deepep_cupy.constants import ERROR_PEER_ABORTED, ERROR_TIMEOUT, KERNEL_STAGES, VERDICT_OVER_CAPACITY
@@ -361,7 +361,7 @@ def _record(code, stage, rank, peer):
 
 
 def test_a_dispatch_whose_exchange_failed_after_the_count_was_published_raises(monkeypatch):
-    # The count is published between notify_dispatch's two barriers; the second one then timed out.
+    # The count was published, and then a kernel recorded a timeout (the transfer launched behind it).
     buf, _, _ = fake_buffer(monkeypatch, received=(100,), error=_record(ERROR_TIMEOUT, "notify_dispatch", 0, 1))
     with pytest.raises(ep.DeepEPTimeoutError, match="rank 0: notify_dispatch timed out"):
         dispatch(buf, workload())
@@ -398,6 +398,27 @@ def test_destroy_after_a_failed_dispatch_waits_for_the_kernels_it_launched(monke
     assert all(entry[0] in ("event sync", "stream sync") for entry in timeline), timeline
     with pytest.raises(ep.DeepEPError, match="destroyed"):
         dispatch(buf, w)
+
+
+@pytest.mark.parametrize("operation", ["layout", "cached dispatch", "combine"])
+def test_an_operation_that_raises_after_ordering_its_call_leaves_later_calls_behind_it(monkeypatch, operation):
+    timeline = []
+    buf, _, _ = fake_buffer(monkeypatch, order=recording_order(timeline), received=(100,), timeline=timeline)
+    w = workload()
+    recv_x, _, _, _, handle, _ = dispatch(buf, w)
+    call = {"layout": lambda: buf.get_dispatch_layout(w["topk_idx"], E),
+            "cached dispatch": lambda: buf.dispatch(w["x"], handle=handle, config=CONFIG),
+            "combine": lambda: buf.combine(recv_x, handle, config=CONFIG)}[operation]
+    call()  # plans made, so that the next call fails in its launch, not in its checks
+
+    def failing_launch(kernel_call, stream_ptr):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(launch, "launch", failing_launch)
+    timeline.clear()
+    with pytest.raises(RuntimeError, match="launch failed"):
+        call()
+    assert timeline and timeline[-1][0] == "record" and timeline[-1][2] == CALLER_STREAM, timeline
 
 
 # --- expand ----------------------------------------------------------------------------------
