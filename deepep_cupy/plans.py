@@ -158,6 +158,23 @@ def fitting_layout(make, ctx: Context, what: str, row_bytes: int):
     return plan
 
 
+def _checked_row_bytes(info: ArrayInfo, arg: str) -> int:
+    """Bytes of one row of ``info`` (2-D), which the kernels move in 16-byte pieces."""
+    itemsize = ITEMSIZE[info.dtype_name]
+    row_bytes = info.shape[1] * itemsize
+    if row_bytes % 16:
+        raise ValueError(f"{arg}: row bytes must be a multiple of 16, got hidden {info.shape[1]} x {itemsize} B = "
+                         f"{row_bytes} B")
+    return row_bytes
+
+
+def _dispatch_layout(ctx: Context, config: Config, rows: Rows, num_topk: int) -> layout.DispatchLayout:
+    """The transfer layout of a dispatch of ``rows`` with ``num_topk`` top-k columns (0: none moved)."""
+    return fitting_layout(functools.partial(layout.dispatch_layout, ctx.num_ranks, config.num_channels,
+                                            row_bytes=rows.row_bytes, num_topk=num_topk, num_scales=rows.num_scales),
+                          ctx, "dispatch", rows.row_bytes)
+
+
 def check_layout(ctx: Context, topk_idx: Any, num_experts: Any) -> LayoutSpec:
     """Check :meth:`Buffer.get_dispatch_layout`'s arguments."""
     topk = describe(topk_idx, "topk_idx", ctx.device_id)
@@ -184,10 +201,7 @@ def check_rows(x: Any, ctx: Context) -> Rows:
         rows = describe(x, "x", ctx.device_id)
         check_array(rows, "x", DISPATCH_DTYPES, 2)
         scales = None
-    row_bytes = rows.shape[1] * ITEMSIZE[rows.dtype_name]
-    if row_bytes % 16:
-        raise ValueError(f"x: row bytes must be a multiple of 16, got hidden {rows.shape[1]} x "
-                         f"{ITEMSIZE[rows.dtype_name]} B = {row_bytes} B")
+    _checked_row_bytes(rows, "x")
     return Rows(rows, scales)
 
 
@@ -223,19 +237,14 @@ def check_fresh_dispatch(ctx: Context, x, num_tokens_per_rank, is_token_in_rank,
             with_weights = True
     elif topk_weights is not None:
         raise ValueError("topk_weights: given without topk_idx")
-    plan = fitting_layout(functools.partial(layout.dispatch_layout, R, config.num_channels, row_bytes=rows.row_bytes,
-                                            num_topk=num_topk, num_scales=rows.num_scales),
-                          ctx, "dispatch", rows.row_bytes)
-    return DispatchSpec(rows, config, plan, num_topk, with_weights, num_experts, int(expert_alignment))
+    return DispatchSpec(rows, config, _dispatch_layout(ctx, config, rows, num_topk), num_topk, with_weights,
+                        num_experts, int(expert_alignment))
 
 
 def check_cached_dispatch(ctx: Context, x, config: Config) -> DispatchSpec:
     """Check a dispatch with a handle (the handle itself is checked per call)."""
     rows = check_rows(x, ctx)
-    plan = fitting_layout(functools.partial(layout.dispatch_layout, ctx.num_ranks, config.num_channels,
-                                            row_bytes=rows.row_bytes, num_topk=0, num_scales=rows.num_scales),
-                          ctx, "dispatch", rows.row_bytes)
-    return DispatchSpec(rows, config, plan)
+    return DispatchSpec(rows, config, _dispatch_layout(ctx, config, rows, 0))
 
 
 def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[Any, Any] = (None, None)
@@ -244,9 +253,7 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
     row counts and the handle are checked per call)."""
     rows = describe(x, "x", ctx.device_id)
     check_array(rows, "x", tuple(COMBINE_ELEMENTS), 2)
-    row_bytes = rows.shape[1] * ITEMSIZE[rows.dtype_name]
-    if row_bytes % 16:
-        raise ValueError(f"x: row bytes must be a multiple of 16, got {row_bytes}")
+    row_bytes = _checked_row_bytes(rows, "x")
     for i, bias in enumerate(biases):
         if bias is not None:
             arg = f"bias[{i}]"

@@ -229,6 +229,19 @@ def test_a_non_contiguous_x_is_refused(fake):
         dispatch(buf, w, x=w["x"][:, ::2])
 
 
+def test_rows_that_are_no_whole_16_byte_pieces_are_refused_by_dispatch_and_combine(fake):
+    buf, launches, _ = fake
+    w = workload()
+    recv_x, _, _, _, handle, _ = dispatch(buf, w)
+    before = len(launches.log)
+    odd_rows = on_device(np.zeros((N, 1004), np.uint16))  # 2008 bytes
+    with pytest.raises(ValueError, match="x: row bytes must be a multiple of 16, got hidden 1004 x 2 B = 2008 B"):
+        dispatch(buf, w, x=odd_rows)
+    with pytest.raises(ValueError, match="x: row bytes must be a multiple of 16, got hidden 1004 x 2 B = 2008 B"):
+        buf.combine(on_device(np.zeros((recv_x.shape[0], 1004), np.uint16)), handle, config=CONFIG)
+    assert len(launches.log) == before
+
+
 def test_an_array_on_another_gpu_is_refused(fake):
     buf, _, _ = fake
     w = workload()
