@@ -1,6 +1,6 @@
 """What the recovery and concurrency cases of tests/workers/failure_worker.py must show in their
-RESULT records, whichever transport ran them: test_gpu_failures.py (mpiexec, one process per
-rank) and test_gpu_recovery.py (both ranks in one process) assert the same behaviour with these.
+RESULT records, whichever transport ran them (mpiexec, one process per rank, or both ranks in one
+process): test_gpu_recovery.py asserts each behaviour with these, once per transport.
 
 Every check takes ``results`` (``{case: [record per rank]}``) and ``described`` (the run's output,
 for the failure message).

@@ -1,15 +1,18 @@
-"""Markers and automatic skips.
+"""Markers and automatic skips, and the failure-worker runs that two test modules share.
 
 * ``@pytest.mark.gpu`` (or ``gpu(n)``): needs at least 2 (or ``n``) CUDA devices; skipped when
   there are fewer (``cupy.cuda.runtime.getDeviceCount()`` fails or is too small).
 * ``@pytest.mark.mpi``: needs an ``mpiexec``/``mpirun`` (see ``_harness.find_mpiexec``); skipped
   when there is none, except under CI (``CI=true``), where that is a failure.
+* ``failure_results`` / ``local_failure_results``: one run per session of the failure cases,
+  under mpiexec (tests/workers/failure_worker.py) and with both ranks in one process
+  (tests/workers/local_failure_worker.py): ``(records by case, CompletedProcess)``.
 """
 
 from __future__ import annotations
 
 import pytest
-from _harness import find_mpiexec, gpu_count, skip_or_fail
+from _harness import WORKERS, find_mpiexec, gpu_count, records_by, run_mpi, run_python, skip_or_fail
 
 
 def pytest_configure(config):
@@ -31,3 +34,18 @@ def pytest_runtest_setup(item):
             pytest.skip(f"needs {need} GPUs, found {have}")
     if item.get_closest_marker("mpi") is not None and find_mpiexec() is None:
         skip_or_fail("no mpiexec/mpirun found (set MPIEXEC, or install the 'test' extra: mpich)")
+
+
+@pytest.fixture(scope="session")
+def failure_results():
+    if gpu_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
+    run = run_mpi(2, [WORKERS / "failure_worker.py"], timeout=900)
+    return records_by(run.stdout, "case"), run
+
+
+@pytest.fixture(scope="session")
+def local_failure_results():
+    # A subprocess with a wall-clock limit, so that a hang cannot hang pytest.
+    run = run_python([WORKERS / "local_failure_worker.py"], timeout=300)
+    return records_by(run.stdout, "case"), run
