@@ -17,14 +17,17 @@
 // Grid: `num_senders` sender blocks, then receiver blocks. Every sender warp is one channel: a
 // contiguous range of the rank's tokens (C = num_senders * warps per block). It reads each token
 // once and writes it to the region of every other rank that takes it, publishing its tail every
-// `send_chunk` tokens; that is all senders do, so that few SMs keep the links busy. Receiver warps
-// take the (channel, source) queues in turn: a queue from another rank is copied into recv_x as
-// its tail advances (the block of recv_x from a source is contiguous, as its region is); the
-// queue from this rank itself is its own tokens of that channel, copied from x.
+// `send_chunk` tokens (and after each of its last ones, for large rows); that is all senders do,
+// so that few SMs keep the links busy. Receiver warps take the (channel, source) queues in turn:
+// a queue from another rank is copied into recv_x as its tail advances (the block of recv_x from
+// a source is contiguous, as its region is); the queue from this rank itself is its own tokens of
+// that channel, copied from x.
 constexpr int kDispatchWarps = DISPATCH_THREADS / 32;
 // 16-byte loads each lane keeps in flight while copying (latency hiding over NVLink); halved for
 // more than 4 ranks, whose destination addresses take the registers.
 #define DISPATCH_UNROLL 8
+// Rows of at least this many 16-byte words (8 KiB) end each channel with single-token tails.
+constexpr int kPublishSinglyRowInt4 = 512;
 
 // A token's FP8 scales into `out`: `scale0`, `scale1` (already loaded by lanes 0..63), then any
 // beyond 64 (rows wider than 8192 FP8 values) read now.
@@ -208,6 +211,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         }
         const int experts_per_rank = num_experts / kNumRanks;
         int unpublished = 0;
+        // What arrives last is copied out after the senders are done, with nothing left to
+        // overlap: a channel's last `send_chunk` tokens of large rows are published one by one.
+        // (With small rows the extra tail stores cost the senders more than they save.)
+        const int publish_singly_from = token_end - (hidden_int4 >= kPublishSinglyRowInt4 ? send_chunk : 1);
 
         for (int batch = token_begin; batch < token_end; batch += 32) {
             // Lane i reads the routing of token batch + i; ballots give every lane all of it.
@@ -264,7 +271,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
                     ++next_slot[d];
                 }
 
-                if (++unpublished == send_chunk || token + 1 == token_end) {
+                if (++unpublished == send_chunk || token >= publish_singly_from) {
                     // The whole warp's writes of these tokens come before the tails that cover them.
                     unpublished = 0;
                     __syncwarp();
