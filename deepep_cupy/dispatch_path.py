@@ -16,7 +16,7 @@ import numpy as np
 from . import launch, plans
 from .config import sender_blocks
 from .constants import VERDICT_OVER_CAPACITY
-from .handle import DispatchHandle, handle_layout
+from .handle import DispatchHandle, handle_layout, kept_outputs
 from .launch import KernelCall
 from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
@@ -100,15 +100,15 @@ class DispatchPath:
         with self._on_device, \
                 self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             with self._allocating(lib, allocate_on_comm_stream):
-                block = lib.empty((layout.total_ints(rows, num_local_experts),), "int32", dev)
+                block = lib.empty((layout.words(rows, num_local_experts),), "int64", dev)
                 outputs = self._dispatch_outputs(lib, plan, rows)
             handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
             handle.publish_on_device(rows, num_local_experts)
-            recv_topk = outputs[2]
-            if recv_topk is not None:
+            pointers = self._pointers(lib, outputs)
+            if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
-                launch.fill_bytes(lib.pointer(recv_topk), 0xFF, rows * spec.num_topk * 8, run_on)
-            self._launch_transfer(run_on, call, outputs, handle, dict(
+                launch.fill_bytes(pointers[2], 0xFF, rows * spec.num_topk * 8, run_on)
+            self._launch_transfer(run_on, call, pointers, handle, dict(
                 recv_capacity=rows, recv_counter=handle.recv_count_ptr, mismatch_flag=handle.verdict_ptr,
                 recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1))
             allocated = (block, *outputs)
@@ -168,7 +168,8 @@ class DispatchPath:
                                                  expert_alignment=spec.expert_alignment, zero_off=lay.meta_off,
                                                  zero_count=lay.zero_count)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
-        return Plan(spec, notify, main, row_args, plans.received_arrays(spec), main_with_exchange)
+        outputs = plans.received_arrays(spec)
+        return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept_outputs(outputs))
 
     def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
         """dispatch_kernel for ``spec``, with neither a settings check nor a count exchange of its own
@@ -199,17 +200,22 @@ class DispatchPath:
         host has the counts; returns None when some rank receives more than its rows (nothing was
         moved). Without, the host waits for the counts and allocates exactly. With ``expand`` the
         rows come back grouped per local expert (:meth:`_expand`).
+
+        Allocated ahead, the outputs besides ``recv_x`` lie in the handle's allocation
+        (``plan.kept_outputs``): two allocations per call, and one view per output once the count
+        is known (``recv_x`` trimmed, the others carved out of the handle's allocation).
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
-        spec = plan.spec
+        spec, kept = plan.spec, plan.kept_outputs
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
+        words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, kept.row_bytes)
         with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             if self._order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
             with self._allocating(lib, allocate_on_comm_stream):
-                block = lib.empty((layout.total_ints(rows_ahead or 0),), "int32", dev)
+                block = lib.empty((words,), "int64", dev)
             handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
             # The count exchange is a kernel of its own, launched before the outputs are allocated:
             # the host waits for it, so it starts as early as it can (docs/PERF_NOTES.md).
@@ -217,11 +223,14 @@ class DispatchPath:
             self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead)
             if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
                 self._order.record_notify_done(run_on)
-            outputs = None
+            recv_x = None
             if rows_ahead is not None:
+                x_tail, x_dtype = plan.outputs[0]
                 with self._allocating(lib, allocate_on_comm_stream):
-                    outputs = self._dispatch_outputs(lib, plan, rows_ahead)
-                self._launch_transfer(run_on, call, outputs, handle)
+                    recv_x = lib.empty((rows_ahead, *x_tail), x_dtype, dev)
+                kept_start = handle.base_ptr + kept_offset
+                self._launch_transfer(run_on, call, [lib.pointer(recv_x), *kept.pointers(kept_start, rows_ahead)],
+                                      handle)
             num_recv = self._slots.wait_for_count(self._order.notify_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
@@ -230,17 +239,19 @@ class DispatchPath:
             if verdict:
                 raise self._verdict_error(verdict, call)
             per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
-            if outputs is None:
+            if recv_x is None:
                 with self._allocating(lib, allocate_on_comm_stream):
                     outputs = self._dispatch_outputs(lib, plan, num_recv)
                     src_idx = lib.empty((num_recv,), "int32", dev)
                 handle.use_separate_src_idx(src_idx)
-                self._launch_transfer(run_on, call, outputs, handle)
+                self._launch_transfer(run_on, call, self._pointers(lib, outputs), handle)
                 allocated = (block, src_idx, *outputs)
             else:
-                allocated = (block, *outputs)
-                trim = lib.trim
-                outputs = [None if a is None else trim(a, num_recv) for a in outputs]
+                # The views share the allocations' memory: handing those to the stream order and
+                # the allocators covers them.
+                allocated = (block, recv_x)
+                outputs = [lib.trim(recv_x, num_recv),
+                           *lib.carve(block, kept.views(kept_offset, rows_ahead, num_recv))]
             handle.num_recv_tokens = num_recv
             if expand:
                 with self._allocating(lib, allocate_on_comm_stream):
@@ -285,23 +296,26 @@ class DispatchPath:
         empty, dev = lib.empty, self.device_id
         return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
 
-    def _launch_transfer(self, stream: int, call: DispatchCall, outputs: tuple, handle: DispatchHandle,
+    @staticmethod
+    def _pointers(lib, arrays) -> list:
+        """Device addresses of ``arrays`` (0 for None)."""
+        return [0 if a is None else lib.pointer(a) for a in arrays]
+
+    def _launch_transfer(self, stream: int, call: DispatchCall, pointers, handle: DispatchHandle,
                          exchange: Optional[dict] = None) -> None:
-        """The transfer of a fresh dispatch, after notify_dispatch; with ``exchange`` (the capacity and
-        where to publish the counts, as for notify_dispatch) it makes the count exchange itself first,
-        in the same launch (a dispatch whose host does not wait for the counts: ``num_worst_tokens``)."""
-        recv_x, recv_scales, recv_topk, recv_weights = outputs
-        lib = call.lib
+        """The transfer of a fresh dispatch, after notify_dispatch, writing its outputs at ``pointers``
+        (device addresses of ``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]``, 0 for
+        none); with ``exchange`` (the capacity and where to publish the counts, as for
+        notify_dispatch) it makes the count exchange itself first, in the same launch (a dispatch
+        whose host does not wait for the counts: ``num_worst_tokens``)."""
+        recv_x, recv_scales, recv_topk, recv_weights = pointers
         if exchange is None:
             kernel, counts = call.plan.main, {}
         else:
             kernel = call.plan.main_with_exchange
             counts = dict(exchange, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert)
-        kernel(stream, **counts, recv_x=lib.pointer(recv_x),
-               recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales),
-               recv_src_idx=handle.recv_src_idx_ptr,
-               recv_topk_idx=0 if recv_topk is None else lib.pointer(recv_topk),
-               recv_topk_weights=0 if recv_weights is None else lib.pointer(recv_weights),
+        kernel(stream, **counts, recv_x=recv_x, recv_x_scales=recv_scales, recv_src_idx=handle.recv_src_idx_ptr,
+               recv_topk_idx=recv_topk, recv_topk_weights=recv_weights,
                recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, send_head=handle.send_head_ptr,
                x=call.x, x_scales=call.x_scales, topk_idx=call.topk, topk_weights=call.weights,
                is_token_in_rank=call.in_rank, channel_prefix_matrix=handle.channel_prefix_ptr,

@@ -3,15 +3,27 @@
 A handle's integer arrays live in one allocation of the caller's array library (one allocation
 per dispatch instead of six), carved as :class:`HandleLayout` says; the arrays DeepEP's handle
 tuple holds are views of it, made when the caller first looks at them. The kernels only need the
-addresses, which the handle computes once.
+addresses, which the handle computes once. A dispatch that allocates ahead of its receive count
+keeps its small outputs per received row there too (:class:`KeptOutputs`): it returns views of
+them, made once the count is known, instead of allocating and trimming each.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 from .layout import INT_BYTES
+from .tensors import ITEMSIZE
+
+#: Bytes of an element of a handle's allocation: int64 words, so that a dispatch's int64 top-k ids
+#: can lie in it as they are (views of another element type cost PyTorch a call more each). Its
+#: int32 arrays are read from it reinterpreted, when the caller looks at them.
+WORD_BYTES = 8
+
+
+def _words(num_bytes: int) -> int:
+    return -(-num_bytes // WORD_BYTES)
 
 
 class HandleLayout(NamedTuple):
@@ -37,10 +49,66 @@ class HandleLayout(NamedTuple):
         experts whose counts the device publishes there; 0: none)."""
         return self.recv_src_idx + rows + (DEVICE_COUNTS_HEADER + device_counts if device_counts else 0)
 
+    def words(self, rows: int, device_counts: int = 0) -> int:
+        """int64 words to allocate for :meth:`total_ints` ints."""
+        return _words(INT_BYTES * self.total_ints(rows, device_counts))
+
+    def with_kept_outputs(self, rows: int, kept_row_bytes: int) -> Tuple[int, int]:
+        """``(int64 words to allocate, byte offset of the kept outputs)`` for a handle of ``rows``
+        rows that keeps ``rows`` rows of ``kept_row_bytes`` bytes of outputs after its ints, from
+        a word boundary on."""
+        ints_words = _words(INT_BYTES * (self.recv_src_idx + rows))
+        return ints_words + _words(rows * kept_row_bytes), WORD_BYTES * ints_words
+
 
 #: Ints before the per-expert counts a dispatch publishes on the device: its verdict (0: it moved
 #: the tokens), then the rows it received.
 DEVICE_COUNTS_HEADER = 2
+
+
+class KeptOutputs(NamedTuple):
+    """Where a dispatch that allocates ahead keeps its outputs other than ``recv_x`` in its handle's
+    allocation, after its ints (:meth:`HandleLayout.with_kept_outputs`): top-k ids first (8-byte
+    elements), then top-k weights and FP8 scales (4 bytes), so that every element is aligned. Each
+    region is as many rows long as the allocation, so none moves with the receive count.
+
+    ``regions``: for each of ``[recv_x_scales, recv_topk_idx, recv_topk_weights]``, ``(bytes per
+    row of the regions before it, extents after the rows, dtype name)``, or None when the dispatch
+    does not return it. ``row_bytes``: bytes per row of all of them.
+    """
+    regions: Tuple[Optional[Tuple[int, Tuple[int, ...], str]], ...]
+    row_bytes: int
+
+    def pointers(self, start: int, rows: int) -> list:
+        """Device addresses of the regions (0 for none) of an allocation of ``rows`` rows whose
+        kept outputs start at address ``start``."""
+        scales, topk, weights = self.regions  # unrolled: this runs on every fresh dispatch
+        return [0 if scales is None else start + rows * scales[0], 0 if topk is None else start + rows * topk[0],
+                0 if weights is None else start + rows * weights[0]]
+
+    def views(self, offset: int, rows: int, num_recv: int) -> list:
+        """What :meth:`ArrayLib.carve` takes for the regions' first ``num_recv`` rows, in an
+        allocation of ``rows`` rows whose kept outputs start at byte ``offset``."""
+        scales, topk, weights = self.regions
+        return [None if scales is None else (offset + rows * scales[0], (num_recv, *scales[1]), scales[2]),
+                None if topk is None else (offset + rows * topk[0], (num_recv, *topk[1]), topk[2]),
+                None if weights is None else (offset + rows * weights[0], (num_recv, *weights[1]), weights[2])]
+
+
+def kept_outputs(outputs) -> KeptOutputs:
+    """:class:`KeptOutputs` of a dispatch returning ``outputs`` (:attr:`deepep_cupy.plans.Plan.outputs`)."""
+    _, scales, topk, weights = outputs
+    regions = {}
+    row_bytes = 0
+    for name, output in (("topk", topk), ("weights", weights), ("scales", scales)):  # largest elements first
+        if output is not None:
+            tail, dtype_name = output
+            regions[name] = (row_bytes, tuple(tail), dtype_name)
+            size = ITEMSIZE[dtype_name]
+            for extent in tail:
+                size *= extent
+            row_bytes += size
+    return KeptOutputs(tuple(regions.get(name) for name in ("scales", "topk", "weights")), row_bytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -62,7 +130,7 @@ class DispatchHandle:
 
     Args:
         lib: the caller's array library.
-        block: the int32 allocation holding the handle's arrays (carved by ``layout``).
+        block: the int64 allocation holding the handle's arrays (int32, carved by ``layout``).
         layout: where each array lies in ``block``.
         num_recv_tokens: rows the dispatch received (None until known: see :meth:`publish_on_device`).
         is_token_in_rank: the caller's array, kept as given.
@@ -87,7 +155,7 @@ class DispatchHandle:
         self.num_worst_tokens = 0
         self.is_token_in_rank = is_token_in_rank
         self.owner = owner
-        base = lib.pointer(block)
+        self.base_ptr = base = lib.pointer(block)
         self.rank_prefix_ptr = base + INT_BYTES * layout.rank_prefix
         self.channel_prefix_ptr = base + INT_BYTES * layout.channel_prefix
         self.recv_channel_prefix_ptr = base + INT_BYTES * layout.recv_channel_prefix
@@ -102,6 +170,7 @@ class DispatchHandle:
         self.expanded_rows = self.expert_offsets = None
         self._src_idx = None
         self._items = None
+        self._ints = None
 
     def publish_on_device(self, rows: int, num_local_experts: int) -> None:
         """The dispatch has ``rows`` output rows (``num_worst_tokens``) and writes its verdict and
@@ -110,7 +179,7 @@ class DispatchHandle:
         self.num_worst_tokens = rows
         self.num_recv_tokens = None
         start = self.layout.recv_src_idx + rows
-        self.verdict_ptr = self.lib.pointer(self.block) + INT_BYTES * start
+        self.verdict_ptr = self.base_ptr + INT_BYTES * start
         self.recv_count_ptr = self.verdict_ptr + INT_BYTES
         self.recv_expert_counts_ptr = self.recv_count_ptr + INT_BYTES
         self._num_local_experts = num_local_experts
@@ -151,10 +220,13 @@ class DispatchHandle:
         return self.layout.num_tokens
 
     def _view(self, start: int, shape) -> Any:
+        """The int32 array of ``shape`` at int ``start`` of the allocation."""
+        if self._ints is None:
+            self._ints = self.lib.reinterpret(self.block, "int32")
         size = 1
         for extent in shape:
             size *= extent
-        return self.block[start:start + size].reshape(shape)
+        return self._ints[start:start + size].reshape(shape)
 
     @property
     def items(self) -> tuple:

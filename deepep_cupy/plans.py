@@ -302,10 +302,12 @@ class Plan(NamedTuple):
     the first one's rows; ``outputs``: ``(extents after the rows, dtype name)`` of each array the
     call returns per received row (None for one it does not return); ``main_with_exchange``: a
     fresh dispatch's ``main`` making the count exchange itself (one launch instead of two, for a
-    dispatch whose host does not wait for the counts)."""
+    dispatch whose host does not wait for the counts); ``kept_outputs``: where a fresh dispatch
+    allocating ahead keeps its outputs other than ``recv_x`` in the handle's allocation."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
     row_args: int = 1
     outputs: Tuple[Optional[Tuple[Tuple[int, ...], str]], ...] = ()
     main_with_exchange: Optional[Any] = None  # a launch.KernelCall
+    kept_outputs: Optional[Any] = None  # a handle.KeptOutputs

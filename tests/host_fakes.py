@@ -75,6 +75,25 @@ class FakeLib(tensors.ArrayLib):
     def pointer(self, array):
         return array.ctypes.data
 
+    def reinterpret(self, array, dtype_name):
+        return array.view(tensors.STORAGE[dtype_name])
+
+    def carve(self, block, views):
+        assert block.dtype == np.int64 and block.ndim == 1, "views are carved out of a handle's int64 words"
+        raw = block.view(np.uint8)
+        carved = []
+        for view in views:
+            if view is None:
+                carved.append(None)
+                continue
+            offset, shape, dtype_name = view
+            dtype = tensors.STORAGE[dtype_name]
+            assert offset % dtype.itemsize == 0, f"{dtype_name} view at byte {offset}"
+            size = dtype.itemsize * int(np.prod(shape))
+            assert offset + size <= raw.nbytes, "a view past the end of its allocation"
+            carved.append(raw[offset:offset + size].view(dtype).reshape(shape))
+        return carved
+
     def current_stream(self, device_id):
         return CALLER_STREAM
 

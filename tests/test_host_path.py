@@ -171,6 +171,66 @@ def test_fp8_returns_rows_and_scales_of_the_received_tokens(fake):
     assert dispatch(buf, w, x=per_token)[0][1].shape == (100,)
 
 
+def _byte_range(array):
+    start = array.ctypes.data
+    return start, start + array.nbytes
+
+
+@pytest.mark.parametrize("x_kind", ["bf16", "fp8", "fp8 per token"])
+def test_a_dispatch_allocated_ahead_makes_two_allocations_and_carves_its_small_outputs_from_the_handles(
+        monkeypatch, x_kind):
+    buf, launches, lib = fake_buffer(monkeypatch, received=(100, 90))
+    w = workload()
+    if x_kind != "bf16":
+        scales = np.ones((N, H // 128) if x_kind == "fp8" else (N,), np.float32)
+        w["x"] = (on_device(np.zeros((N, H), np.uint8)), on_device(scales))
+    dispatch(buf, w)
+    del lib.allocations[:]
+    recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w)
+    assert buf.last_dispatch_allocation == "ahead"
+    rows = int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    # The handle's words (its ints, then top-k ids, weights and scales of `rows` rows), and recv_x.
+    assert [dtype for _, dtype in lib.allocations] == ["int64", "bfloat16" if x_kind == "bf16" else "float8_e4m3fn"]
+    recv_rows, recv_scales = recv_x if x_kind != "bf16" else (recv_x, None)
+    assert recv_rows.shape == (90, H) and recv_rows.base is not None and recv_rows.flags.c_contiguous
+    assert recv_topk.shape == (90, K) and recv_topk.dtype == np.int64
+    assert recv_w.shape == (90, K) and recv_w.dtype == np.float32
+    small = [recv_topk, recv_w] + ([] if recv_scales is None else [recv_scales])
+    if recv_scales is not None:
+        assert recv_scales.dtype == np.float32
+        assert recv_scales.shape == ((90, H // 128) if x_kind == "fp8" else (90,))
+    assert all(a.flags.c_contiguous and np.shares_memory(a, handle.block) for a in small)
+    assert not np.shares_memory(recv_rows, handle.block)
+    # The transfer wrote where the views are, into regions of `rows` rows that overlap neither each
+    # other nor the handle's ints, inside the allocation.
+    p = launches.last("dispatch_kernel<2>")
+    assert (p["recv_topk_idx"], p["recv_topk_weights"]) == (recv_topk.ctypes.data, recv_w.ctypes.data)
+    assert p["recv_x"] == recv_rows.ctypes.data
+    block_start, block_end = _byte_range(handle.block)
+    regions = [(p["recv_src_idx"], p["recv_src_idx"] + 4 * rows),
+               (p["recv_topk_idx"], p["recv_topk_idx"] + 8 * K * rows),
+               (p["recv_topk_weights"], p["recv_topk_weights"] + 4 * K * rows)]
+    if recv_scales is not None:
+        assert p["recv_x_scales"] == recv_scales.ctypes.data
+        regions.append((p["recv_x_scales"], p["recv_x_scales"] + recv_scales[0].size * 4 * rows))
+    assert all(start % 8 == 0 for start, _ in regions[1:2]) and all(start % 4 == 0 for start, _ in regions)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(regions, regions[1:]))
+    assert block_start < regions[0][0] and regions[-1][1] <= block_end
+    # The handle's own arrays are still int32 views of its allocation.
+    assert handle[3].shape == (90,) and handle[3].ctypes.data == p["recv_src_idx"] and handle[3].dtype == np.int32
+    assert handle[0].ctypes.data == block_start and handle[5].dtype == np.int32
+
+
+def test_a_dispatch_without_top_k_carves_nothing(monkeypatch):
+    buf, _, lib = fake_buffer(monkeypatch, received=(100, 90))
+    w = workload()
+    dispatch(buf, w, topk_idx=None, topk_weights=None)
+    del lib.allocations[:]
+    recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w, topk_idx=None, topk_weights=None)
+    assert recv_topk is None and recv_w is None and recv_x.shape == (90, H)
+    assert len(lib.allocations) == 2
+
+
 def test_the_layout_returns_counts_and_membership(fake):
     buf, launches, _ = fake
     w = workload()

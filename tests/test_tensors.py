@@ -107,3 +107,46 @@ def test_column_major_tensor_strides_are_read_in_elements():
     torch = pytest.importorskip("torch")
     scales = torch.ones((5, 3), dtype=torch.float32).T.contiguous().T
     assert tensors.library("torch").element_strides(scales) == (1, 5)
+
+
+# --- views carved out of one allocation (what a dispatch allocating ahead returns) ------------
+
+CARVED = [(16, (3, 4), "int64"), (112, (3, 4), "float32"), None, (160, (5,), "float32"), (180, (0, 2), "float32")]
+
+
+def _check_carved(views, block_ptr, pointer):
+    assert views[2] is None
+    for view, (offset, shape, _) in zip([v for v in views if v is not None], [c for c in CARVED if c is not None]):
+        assert tuple(view.shape) == shape
+        assert pointer(view) == block_ptr + offset or 0 in shape  # PyTorch's empty views point nowhere
+
+
+def test_a_torch_block_is_carved_into_contiguous_views_of_exact_shape():
+    torch = pytest.importorskip("torch")
+    lib = tensors.library("torch")
+    block = torch.zeros(32, dtype=torch.int64)
+    views = lib.carve(block, CARVED)
+    _check_carved(views, block.data_ptr(), lambda t: t.data_ptr())
+    assert [v.dtype for v in views if v is not None] == [torch.int64, torch.float32, torch.float32, torch.float32]
+    assert all(v.is_contiguous() for v in views if v is not None)
+    views[0].fill_(-1)
+    views[1].fill_(1.0)
+    # Each view writes its bytes and no others: int64 at 16..112, float32 at 112..160.
+    assert block[1] == 0 and (block[2:14] == -1).all() and block[20] == 0
+    assert (block.view(torch.float32)[28:40] == 1.0).all()
+    assert lib.reinterpret(block, "int32").shape == (64,) and lib.reinterpret(block, "int32").dtype == torch.int32
+
+
+def test_a_cupy_block_is_carved_into_arrays_on_its_memory():
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda import memory
+
+    host = np.zeros(32, np.int64)  # an address only: nothing is read or written without a GPU
+    block = cupy.ndarray((32,), np.int64, memptr=memory.MemoryPointer(
+        memory.UnownedMemory(host.ctypes.data, host.nbytes, host, device_id=0), 0))
+    lib = tensors.library("cupy")
+    views = lib.carve(block, CARVED)
+    _check_carved(views, block.data.ptr, lambda a: a.data.ptr)
+    assert [v.dtype for v in views if v is not None] == [np.int64, np.float32, np.float32, np.float32]
+    assert all(v.flags.c_contiguous for v in views if v is not None)
+    assert lib.reinterpret(block, "int32").shape == (64,)
