@@ -201,14 +201,16 @@ class DispatchPath:
         moved). Without, the host waits for the counts and allocates exactly. With ``expand`` the
         rows come back grouped per local expert (:meth:`_expand`).
 
-        Allocated ahead, the outputs besides ``recv_x`` lie in the handle's allocation
-        (``plan.kept_outputs``): two allocations per call, and one view per output once the count
-        is known (``recv_x`` trimmed, the others carved out of the handle's allocation).
+        Allocated ahead by a library that carves (``lib.carves_outputs``: CuPy), the outputs
+        besides ``recv_x`` lie in the handle's allocation (``plan.kept_outputs``): two allocations
+        per call, and one view per output once the count is known (``recv_x`` trimmed, the others
+        carved out of the handle's allocation). Otherwise each output is allocated and trimmed.
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
-        spec, kept = plan.spec, plan.kept_outputs
+        spec = plan.spec
+        kept = plan.kept_outputs if lib.carves_outputs else None
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, kept.row_bytes)
+        words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, 0 if kept is None else kept.row_bytes)
         with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             if self._order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
@@ -223,14 +225,16 @@ class DispatchPath:
             self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead)
             if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
                 self._order.record_notify_done(run_on)
-            recv_x = None
             if rows_ahead is not None:
-                x_tail, x_dtype = plan.outputs[0]
                 with self._allocating(lib, allocate_on_comm_stream):
-                    recv_x = lib.empty((rows_ahead, *x_tail), x_dtype, dev)
-                kept_start = handle.base_ptr + kept_offset
-                self._launch_transfer(run_on, call, [lib.pointer(recv_x), *kept.pointers(kept_start, rows_ahead)],
-                                      handle)
+                    if kept is None:
+                        outputs = self._dispatch_outputs(lib, plan, rows_ahead)
+                        pointers = self._pointers(lib, outputs)
+                    else:
+                        x_tail, x_dtype = plan.outputs[0]
+                        outputs = [lib.empty((rows_ahead, *x_tail), x_dtype, dev)]
+                        pointers = [lib.pointer(outputs[0]), *kept.pointers(handle.base_ptr + kept_offset, rows_ahead)]
+                self._launch_transfer(run_on, call, pointers, handle)
             num_recv = self._slots.wait_for_count(self._order.notify_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
@@ -239,7 +243,7 @@ class DispatchPath:
             if verdict:
                 raise self._verdict_error(verdict, call)
             per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
-            if recv_x is None:
+            if rows_ahead is None:
                 with self._allocating(lib, allocate_on_comm_stream):
                     outputs = self._dispatch_outputs(lib, plan, num_recv)
                     src_idx = lib.empty((num_recv,), "int32", dev)
@@ -249,9 +253,11 @@ class DispatchPath:
             else:
                 # The views share the allocations' memory: handing those to the stream order and
                 # the allocators covers them.
-                allocated = (block, recv_x)
-                outputs = [lib.trim(recv_x, num_recv),
-                           *lib.carve(block, kept.views(kept_offset, rows_ahead, num_recv))]
+                allocated = (block, *outputs)
+                trim = lib.trim
+                outputs = [None if a is None else trim(a, num_recv) for a in outputs]
+                if kept is not None:
+                    outputs += lib.carve(block, kept.views(kept_offset, rows_ahead, num_recv))
             handle.num_recv_tokens = num_recv
             if expand:
                 with self._allocating(lib, allocate_on_comm_stream):

@@ -85,6 +85,11 @@ class ArrayLib:
         """The first ``rows`` rows of ``array`` (a view)."""
         return array[:rows]
 
+    #: Whether a fresh dispatch allocated ahead returns its small outputs as views carved out of
+    #: the handle's allocation (:meth:`carve`) instead of allocating and trimming each: fewer calls
+    #: with CuPy; with PyTorch the views measured slower than the allocations (docs/PERF_NOTES.md).
+    carves_outputs = False
+
     def reinterpret(self, array, dtype_name: str):
         """The 1-D contiguous ``array`` read as elements of ``dtype_name`` (a view of its memory)."""
         raise NotImplementedError
@@ -92,14 +97,14 @@ class ArrayLib:
     def carve(self, block, views: Sequence[Optional[Tuple[int, Tuple[int, ...], str]]]) -> list:
         """Arrays of exact size inside ``block``, a 1-D int64 allocation of this library: one
         contiguous view per ``(byte offset, shape, dtype name)`` of ``views`` (None for None); each
-        offset is a multiple of its element size. Views instead of allocations of their own: the
-        outputs of a call that lie in one allocation cost one library call each (PyTorch: plus
-        one per element type other than int64), where an allocation and a trim cost two."""
+        offset is a multiple of its element size. Only for a library that :attr:`carves_outputs`:
+        one call per output, where an allocation and a trim cost two."""
         raise NotImplementedError
 
 
 class _CupyLib(ArrayLib):
     name = "cupy"
+    carves_outputs = True
 
     def __init__(self):
         import cupy
@@ -144,15 +149,6 @@ class _CupyLib(ArrayLib):
         # array: the memory pointer keeps the pool's allocation alive).
         ndarray, memory = self._cupy.ndarray, block.data
         return [None if view is None else ndarray(view[1], STORAGE[view[2]], memory + view[0]) for view in views]
-
-
-def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    strides = []
-    stride = 1
-    for extent in reversed(shape):
-        strides.append(stride)
-        stride *= extent
-    return tuple(reversed(strides))
 
 
 class _TorchLib(ArrayLib):
@@ -205,23 +201,6 @@ class _TorchLib(ArrayLib):
 
     def reinterpret(self, tensor, dtype_name: str):
         return tensor.view(self._dtypes[dtype_name])
-
-    def carve(self, block, views) -> list:
-        # as_strided makes a view of exact shape at any offset in one call, but keeps the dtype:
-        # the block is read once per other element type (a cheap call on a 1-D tensor).
-        by_dtype = {self._dtypes["int64"]: block}
-        carved = []
-        for view in views:
-            if view is None:
-                carved.append(None)
-                continue
-            offset, shape, dtype_name = view
-            dtype = self._dtypes[dtype_name]
-            flat = by_dtype.get(dtype)
-            if flat is None:
-                flat = by_dtype[dtype] = block.view(dtype)
-            carved.append(flat.as_strided(shape, _contiguous_strides(shape), offset // ITEMSIZE[dtype_name]))
-        return carved
 
     def stream(self, stream_ptr: int, device_id: int):
         """A ``torch.cuda.Stream`` naming the raw stream ``stream_ptr`` (made once per stream)."""

@@ -221,6 +221,21 @@ def test_a_dispatch_allocated_ahead_makes_two_allocations_and_carves_its_small_o
     assert handle[0].ctypes.data == block_start and handle[5].dtype == np.int32
 
 
+def test_a_library_that_does_not_carve_allocates_and_trims_each_output(monkeypatch):
+    buf, launches, lib = fake_buffer(monkeypatch, received=(100, 90))
+    monkeypatch.setattr(type(lib), "carves_outputs", False)
+    w = workload()
+    dispatch(buf, w)
+    del lib.allocations[:]
+    recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w)
+    assert buf.last_dispatch_allocation == "ahead"
+    assert [dtype for _, dtype in lib.allocations] == ["int64", "bfloat16", "int64", "float32"]
+    assert recv_x.shape == (90, H) and recv_topk.shape == (90, K) and recv_w.shape == (90, K)
+    assert not any(np.shares_memory(a, handle.block) for a in (recv_x, recv_topk, recv_w))
+    p = launches.last("dispatch_kernel<2>")
+    assert (p["recv_topk_idx"], p["recv_topk_weights"]) == (recv_topk.ctypes.data, recv_w.ctypes.data)
+
+
 def test_a_dispatch_without_top_k_carves_nothing(monkeypatch):
     buf, _, lib = fake_buffer(monkeypatch, received=(100, 90))
     w = workload()

@@ -121,20 +121,18 @@ def _check_carved(views, block_ptr, pointer):
         assert pointer(view) == block_ptr + offset or 0 in shape  # PyTorch's empty views point nowhere
 
 
-def test_a_torch_block_is_carved_into_contiguous_views_of_exact_shape():
+def test_cupy_carves_a_dispatchs_outputs_and_torch_allocates_them():
+    # PyTorch's views of another dtype and offset measured slower on CUDA than allocations.
+    assert tensors.library("cupy").carves_outputs
+    pytest.importorskip("torch")
+    assert not tensors.library("torch").carves_outputs
+
+
+def test_a_torch_block_is_reinterpreted_in_place():
     torch = pytest.importorskip("torch")
-    lib = tensors.library("torch")
     block = torch.zeros(32, dtype=torch.int64)
-    views = lib.carve(block, CARVED)
-    _check_carved(views, block.data_ptr(), lambda t: t.data_ptr())
-    assert [v.dtype for v in views if v is not None] == [torch.int64, torch.float32, torch.float32, torch.float32]
-    assert all(v.is_contiguous() for v in views if v is not None)
-    views[0].fill_(-1)
-    views[1].fill_(1.0)
-    # Each view writes its bytes and no others: int64 at 16..112, float32 at 112..160.
-    assert block[1] == 0 and (block[2:14] == -1).all() and block[20] == 0
-    assert (block.view(torch.float32)[28:40] == 1.0).all()
-    assert lib.reinterpret(block, "int32").shape == (64,) and lib.reinterpret(block, "int32").dtype == torch.int32
+    ints = tensors.library("torch").reinterpret(block, "int32")
+    assert ints.shape == (64,) and ints.dtype == torch.int32 and ints.data_ptr() == block.data_ptr()
 
 
 def test_a_cupy_block_is_carved_into_arrays_on_its_memory():
