@@ -4,8 +4,9 @@ A handle's integer arrays live in one allocation of the caller's array library (
 per dispatch instead of six), carved as :class:`HandleLayout` says; the arrays DeepEP's handle
 tuple holds are views of it, made when the caller first looks at them. The kernels only need the
 addresses, which the handle computes once. A dispatch that allocates ahead of its receive count
-keeps its small outputs per received row there too (:class:`KeptOutputs`): it returns views of
-them, made once the count is known, instead of allocating and trimming each.
+keeps its small outputs per received row there too (:class:`KeptOutputs`) when its array library
+carves them (CuPy): it returns views of them, made once the count is known, instead of allocating
+and trimming each.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any, NamedTuple, Optional, Tuple
 from .layout import INT_BYTES
 from .tensors import ITEMSIZE
 
-#: Bytes of an element of a handle's allocation: int64 words, so that a dispatch's int64 top-k ids
-#: can lie in it as they are (views of another element type cost PyTorch a call more each). Its
+#: Bytes of an element of a handle's allocation: int64 words, so that the outputs a dispatch keeps
+#: after the ints (:class:`KeptOutputs`, int64 top-k ids first) start on an 8-byte boundary. Its
 #: int32 arrays are read from it reinterpreted, when the caller looks at them.
 WORD_BYTES = 8
 
