@@ -169,7 +169,9 @@ class DispatchPath:
                                                  zero_count=lay.zero_count)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
-        return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept_outputs(outputs))
+        lib = read(plans.split_x(x)[0])[0]
+        kept = kept_outputs(outputs) if lib.carves_outputs else None
+        return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept)
 
     def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
         """dispatch_kernel for ``spec``, with neither a settings check nor a count exchange of its own
@@ -201,14 +203,13 @@ class DispatchPath:
         moved). Without, the host waits for the counts and allocates exactly. With ``expand`` the
         rows come back grouped per local expert (:meth:`_expand`).
 
-        Allocated ahead by a library that carves (``lib.carves_outputs``: CuPy), the outputs
-        besides ``recv_x`` lie in the handle's allocation (``plan.kept_outputs``): two allocations
-        per call, and one view per output once the count is known (``recv_x`` trimmed, the others
-        carved out of the handle's allocation). Otherwise each output is allocated and trimmed.
+        Allocated ahead by a library that carves (``plan.kept_outputs``: CuPy), the outputs besides
+        ``recv_x`` lie in the handle's allocation: two allocations per call, and one view per output
+        once the count is known (``recv_x`` trimmed, the others carved out of the handle's
+        allocation). Otherwise each output is allocated and trimmed.
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
-        spec = plan.spec
-        kept = plan.kept_outputs if lib.carves_outputs else None
+        spec, kept = plan.spec, plan.kept_outputs
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
         words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, 0 if kept is None else kept.row_bytes)
         with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
@@ -353,8 +354,9 @@ class DispatchPath:
                 self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             with self._allocating(lib, allocate_on_comm_stream):
                 recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
-            plan.main(run_on, dispatch_verdict=handle.verdict_ptr, recv_x=lib.pointer(recv_x),
-                      recv_x_scales=0 if recv_scales is None else lib.pointer(recv_scales), x=x_ptr, x_scales=s_ptr,
+            recv_x_ptr, recv_scales_ptr = self._pointers(lib, (recv_x, recv_scales))
+            plan.main(run_on, dispatch_verdict=handle.verdict_ptr, recv_x=recv_x_ptr,
+                      recv_x_scales=recv_scales_ptr, x=x_ptr, x_scales=s_ptr,
                       is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
                       rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
                       scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])

@@ -303,7 +303,8 @@ class Plan(NamedTuple):
     call returns per received row (None for one it does not return); ``main_with_exchange``: a
     fresh dispatch's ``main`` making the count exchange itself (one launch instead of two, for a
     dispatch whose host does not wait for the counts); ``kept_outputs``: where a fresh dispatch
-    allocating ahead keeps its outputs other than ``recv_x`` in the handle's allocation."""
+    allocating ahead keeps its outputs other than ``recv_x`` in the handle's allocation (None when
+    its array library does not carve them: ``ArrayLib.carves_outputs``)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
