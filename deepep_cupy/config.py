@@ -84,9 +84,10 @@ class Config:
         return asdict(self)
 
 
-#: Blocks that push over NVLink at the link's rate: one SM pushes about 40 GB/s of 16-byte stores
-#: and 2 x H200 (18 NVLinks) take about 326 GB/s per direction, reached with 8 (docs/PERF_NOTES.md).
-LINK_SENDER_BLOCKS = 8
+#: Blocks that push over NVLink at the link's rate: 8 on 18 NVLinks (2 x H200, where the rates were
+#: measured: deepep_cupy.hardware). A constant, not the local GPU's count: every rank must split
+#: a config's SMs alike.
+LINK_SENDER_BLOCKS = hardware.senders_for_links(hardware.ASSUMED_LINKS)
 
 
 def sender_blocks(num_sms: int) -> int:

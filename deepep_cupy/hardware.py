@@ -30,10 +30,14 @@ NVML_MAX_LINKS = 18
 NVML_FEATURE_ENABLED = 1
 
 
+def senders_for_links(links: int) -> int:
+    """Sender blocks that fill ``links`` active NVLinks (module docstring)."""
+    return max(1, math.ceil(links * LINK_GBPS / SM_PUSH_GBPS))
+
+
 def num_sms_for_links(links: int) -> int:
     """The recommended SM count of a GPU with ``links`` active NVLinks (module docstring)."""
-    senders = max(1, math.ceil(links * LINK_GBPS / SM_PUSH_GBPS))
-    return 2 * math.ceil(3 * senders / 2)
+    return 2 * math.ceil(3 * senders_for_links(links) / 2)
 
 
 def _load_nvml():

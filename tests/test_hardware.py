@@ -36,6 +36,11 @@ def test_the_sm_count_follows_the_links_three_blocks_per_sender(links, num_sms):
     assert num_sms % 2 == 0
 
 
+@pytest.mark.parametrize("links", [12, 18])
+def test_the_recommended_sm_count_sends_with_the_blocks_that_fill_the_links(links):
+    assert sender_blocks(hardware.num_sms_for_links(links)) == hardware.senders_for_links(links)
+
+
 def test_only_enabled_links_count():
     assert hardware.active_nvlinks("0000:00:00.0", FakeNvml([1] * 12 + [0] * 6)) == 12
     assert hardware.active_nvlinks("0000:00:00.0", FakeNvml([])) == 0
