@@ -598,10 +598,8 @@ class Buffer(DispatchPath):
                           num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
                           meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
                           region_tokens=lay.region_tokens, num_senders=sender_blocks(config.num_sms),
-                          send_chunk=config.num_max_nvl_chunked_send_tokens, check_op=plans.OP_COMBINE,
-                          row_bytes=spec.row_bytes, row_detail=spec.row_detail, num_sms=config.num_sms,
-                          recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
-                          zero_count=lay.zero_count)
+                          send_chunk=config.num_max_nvl_chunked_send_tokens,
+                          **plans.call_check_arguments(plans.OP_COMBINE, spec.row_bytes, spec.row_detail, config, lay))
         return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0))
 
     # -----------------------------------------------------------------------------------------

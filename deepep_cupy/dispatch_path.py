@@ -368,13 +368,10 @@ class DispatchPath:
 
     def _cached_plan(self, x, config):
         spec = plans.check_cached_dispatch(self._context, x, config)
-        lay = spec.layout
         # A cached dispatch checks its settings in the transfer kernel; it neither moves top-k nor
         # writes the handle's receive side.
-        main = self._bind_transfer(spec, check_op=plans.OP_CACHED_DISPATCH, row_bytes=spec.rows.row_bytes,
-                                   row_detail=spec.rows.num_scales, num_sms=config.num_sms,
-                                   recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
-                                   zero_count=lay.zero_count, recv_src_idx=None, recv_topk_idx=None,
-                                   recv_topk_weights=None, recv_channel_prefix_matrix=None, send_head=None,
-                                   topk_idx=None, topk_weights=None)
+        checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,
+                                            config, spec.layout)
+        main = self._bind_transfer(spec, **checks, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
+                                   recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)
         return Plan(spec, None, main, 1 + (spec.rows.scales is not None), plans.received_arrays(spec))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -267,6 +267,14 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
     plan = fitting_layout(functools.partial(layout.combine_layout, ctx.num_ranks, config.num_channels,
                                             row_bytes=row_bytes, num_topk=num_topk), ctx, "combine", row_bytes)
     return CombineSpec(rows.lib, rows.dtype_name, rows.shape[1], row_bytes, num_topk, config, plan)
+
+
+def call_check_arguments(op: int, row_bytes: int, row_detail: int, config: Config, lay) -> Dict[str, int]:
+    """The arguments with which a transfer kernel checks its call's settings across ranks and
+    resets its metadata (kernels/call_check.cuh): a cached dispatch's (``OP_CACHED_DISPATCH``) and
+    a combine's (``OP_COMBINE``), ``lay`` being the call's transfer layout."""
+    return dict(check_op=op, row_bytes=row_bytes, row_detail=row_detail, num_sms=config.num_sms,
+                recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off, zero_count=lay.zero_count)
 
 
 def received_arrays(spec: DispatchSpec) -> tuple:
