@@ -178,6 +178,7 @@ class Buffer(DispatchPath):
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         self._group: Group = as_group(group)
         self.group = group
+        self._gpus_shared = False  # several ranks on one GPU (in-process groups): _check_group
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -278,7 +279,8 @@ class Buffer(DispatchPath):
         if len(set(sizes)) > 1:
             raise RankMismatchError(f"num_nvl_bytes: ranks disagree, got {sizes} (rank order)")
         buses = [e["bus"] for e in everyone]
-        if not self._group.in_process and len(set(buses)) < len(buses):
+        self._gpus_shared = len(set(buses)) < len(buses)
+        if not self._group.in_process and self._gpus_shared:
             raise ValueError(
                 f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
                 "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")
@@ -454,7 +456,8 @@ class Buffer(DispatchPath):
                  num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, expand: bool = False):
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, expand: bool = False,
+                 recv_x_in_buffer: bool = False):
         """Send each token once to every rank that owns one of its experts.
 
         Args:
@@ -494,6 +497,16 @@ class Buffer(DispatchPath):
                 + 1 ints) says where each group starts and ``handle.expanded_rows`` (int32, one
                 per expanded row) which received row it copies (-1 for padding); ``combine`` still
                 takes one row per received token (``handle.num_recv_tokens``).
+            recv_x_in_buffer: return ``recv_x``, its scales and the top-k outputs as views of this
+                rank's NVLink buffer, into which every rank writes each token straight into its
+                row: no SM copies rows out and every one of ``config.num_sms`` sends, so that few
+                SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the next
+                dispatch or combine of this Buffer (copy them to keep them longer, e.g. for a
+                backward pass) and must not be written; passing one to a call of this Buffer raises
+                ``ValueError``. Every rank must pass the same value (``RankMismatchError``). The
+                Buffer needs ``get_nvl_buffer_size_hint(..., recv_x_in_buffer=True)`` bytes for as
+                many tokens; ``num_worst_tokens`` (or a handle's rows) beyond what it holds raise
+                ``ValueError``.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
@@ -512,10 +525,19 @@ class Buffer(DispatchPath):
             if expand:
                 raise ValueError("expand: a cached dispatch returns the rows in receive order; expand them with "
                                  "handle.expanded_rows of the fresh dispatch that expanded")
-            return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream)
+            return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
+                                         recv_x_in_buffer)
         return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
-                                    async_finish, allocate_on_comm_stream, expand)
+                                    async_finish, allocate_on_comm_stream, expand, recv_x_in_buffer)
+
+    def _refuse_buffer_rows(self, ptr: int, arg: str) -> None:
+        """An input inside this rank's NVLink buffer (an output of a ``recv_x_in_buffer``
+        dispatch) would be overwritten by the call that reads it."""
+        nvl = self._nvl
+        if nvl is not None and nvl.local_ptr <= ptr < nvl.local_ptr + nvl.num_bytes:
+            raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
+                             "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
 
     def _check_handle(self, handle, config: Config) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
@@ -557,7 +579,9 @@ class Buffer(DispatchPath):
         self._slots.raise_if_failed()
         config = self._config(config, "combine")
         lib, x_ptr, n, x_key = read(x)
+        self._refuse_buffer_rows(x_ptr, "x")
         _, w_ptr, n_w, w_key = read(topk_weights)
+        self._refuse_buffer_rows(w_ptr, "topk_weights")
         biases = plans.split_bias(bias)
         _, b0_ptr, n_b0, b0_key = read(biases[0])
         _, b1_ptr, n_b1, b1_key = read(biases[1])

@@ -70,11 +70,13 @@ class Config:
         return sender_blocks(self.num_sms) * BLOCK_THREADS["dispatch_kernel"] // 32
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *, num_topk: int = MAX_TOPK,
-                                 num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
+                                 num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
+                                 recv_x_in_buffer: bool = False) -> int:
         """Bytes of NVLink buffer that dispatch and combine need with this config
         (:func:`get_nvl_buffer_size_hint`)."""
         return get_nvl_buffer_size_hint(hidden_bytes, num_ranks, self, num_topk=num_topk,
-                                        num_max_tokens_per_rank=num_max_tokens_per_rank)
+                                        num_max_tokens_per_rank=num_max_tokens_per_rank,
+                                        recv_x_in_buffer=recv_x_in_buffer)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's RDMA buffer size: always 0 here (intranode only; ``Buffer`` refuses more)."""
@@ -90,14 +92,18 @@ class Config:
 LINK_SENDER_BLOCKS = hardware.senders_for_links(hardware.ASSUMED_LINKS)
 
 
-def sender_blocks(num_sms: int) -> int:
+def sender_blocks(num_sms: int, rows_in_buffer: bool = False) -> int:
     """Blocks of a transfer kernel of ``num_sms`` blocks that send; the rest receive (dispatch) or
     reduce (combine).
 
     A dispatch's receivers copy twice what its senders push (the arrived rows, and this rank's own
     tokens), and a combine's reducers read two rows or more for every row pushed: they get about
     two thirds of the blocks, the senders at most enough to fill the links (half of 8 or fewer).
+    A dispatch that writes its rows in place (``rows_in_buffer``) has no receivers: every block
+    sends (its channels stay those of ``Config.num_channels``, for the handle).
     """
+    if rows_in_buffer:
+        return num_sms
     if num_sms <= 8:
         return max(1, num_sms // 2)
     return min(LINK_SENDER_BLOCKS, round(num_sms / 3))
@@ -105,14 +111,18 @@ def sender_blocks(num_sms: int) -> int:
 
 def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional[Config] = None, *,
                              num_topk: int = MAX_TOPK,
-                             num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
+                             num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
+                             recv_x_in_buffer: bool = False) -> int:
     """Bytes of NVLink buffer needed by dispatch (BF16 or FP8 with scales) and combine.
 
     A receiver's buffer holds one region per other rank, with a slot for every token that rank
     may send it: about ``(num_ranks - 1) * num_max_tokens_per_rank * (hidden_bytes + 8 * num_topk
     + 4 * scales + 4)`` bytes (8 ranks x 8192 tokens x hidden 7168 BF16 with top-8: 0.84 GB).
     A call in which a rank sends another more tokens than its Buffer has room for raises a
-    ``ValueError`` on every rank before anything moves.
+    ``ValueError`` on every rank before anything moves. A dispatch with ``recv_x_in_buffer``
+    keeps its outputs in the buffer: a row of each for every token a rank may receive, its own
+    included, ``num_ranks`` regions' worth instead of ``num_ranks - 1`` (8 ranks x 8192 tokens x
+    hidden 7168 BF16 with top-8: 0.96 GB).
 
     Args:
         hidden_bytes: bytes of one token row at its widest (``hidden * 2`` for BF16).
@@ -121,18 +131,21 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
             combine configs for ``num_ranks``).
         num_topk: top-k entries per token.
         num_max_tokens_per_rank: the most tokens a rank dispatches in one call.
+        recv_x_in_buffer: size for dispatches that return their outputs in the buffer.
 
     Returns:
         A byte count; pass it (or more) as ``num_nvl_bytes`` to :class:`deepep_cupy.Buffer`.
     """
     if config is None:
         return max(get_nvl_buffer_size_hint(hidden_bytes, num_ranks, c, num_topk=num_topk,
-                                            num_max_tokens_per_rank=num_max_tokens_per_rank)
+                                            num_max_tokens_per_rank=num_max_tokens_per_rank,
+                                            recv_x_in_buffer=recv_x_in_buffer)
                    for c in (get_dispatch_config(num_ranks), get_combine_config(num_ranks)))
     # FP8 rows carry hidden / FP8_SCALE_BLOCK float scales; count them on top of the widest row.
     num_scales = max(1, hidden_bytes // 2 // FP8_SCALE_BLOCK)
     tokens = int(num_max_tokens_per_rank)
-    d = layout.dispatch_layout(num_ranks, config.num_channels, tokens, hidden_bytes, num_topk, num_scales)
+    d = layout.dispatch_layout(num_ranks, config.num_channels, tokens, hidden_bytes, num_topk, num_scales,
+                               bool(recv_x_in_buffer))
     c = layout.combine_layout(num_ranks, config.num_channels, tokens, hidden_bytes, num_topk)
     return max(d.total_bytes, c.total_bytes)
 

@@ -24,6 +24,10 @@ FP8_SCALE_BLOCK = 128
 #: Ints per rank in the settings table that ranks compare before moving tokens (the last one
 #: flags the rank's own input as invalid).
 SIGNATURE_INTS = 8
+#: Added to a fresh dispatch's top-k setting, and a cached dispatch's last setting, in that table
+#: when the call writes its rows straight into the receivers' recv_x inside their NVLink buffers
+#: (``recv_x_in_buffer``): the buffer is carved differently then, so the ranks must agree on it.
+SIGNATURE_ROWS_IN_BUFFER = 1 << 12
 
 #: Codes of a kernel error record (``[0]`` of it; 0 = no error).
 ERROR_TIMEOUT = 1
@@ -48,6 +52,9 @@ NOTIFY_CALLS_INT = 29
 #: Int index, in every rank's NVLink buffer, of the arrival word with which the blocks of a
 #: transfer kernel wait for its settings check (kernels/call_check.cuh, ``grid_sync``).
 GRID_SYNC_INT = 30
+#: Int index, in every rank's NVLink buffer, of the word with which the blocks of a dispatch that
+#: writes its rows in place tell its block 0 that their stores are out (block 0 resets it).
+GRID_DONE_INT = 31
 #: Bytes before the first notify area (the header of signals, verdict and counters), and of each
 #: of the two notify areas (sized for MAX_RANKS ranks and MAX_LOCAL_EXPERTS experts per rank).
 NOTIFY_AREA_OFFSET = 128
@@ -93,6 +100,7 @@ def cuda_defines() -> Dict[str, int]:
         "DEEPEP_MAX_RANKS": MAX_RANKS,
         "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
         "SIGNATURE_INTS": SIGNATURE_INTS,
+        "SIGNATURE_ROWS_IN_BUFFER": SIGNATURE_ROWS_IN_BUFFER,
         "ERROR_TIMEOUT": ERROR_TIMEOUT,
         "ERROR_MISMATCH": ERROR_MISMATCH,
         "ERROR_PEER_ABORTED": ERROR_PEER_ABORTED,
@@ -103,6 +111,7 @@ def cuda_defines() -> Dict[str, int]:
         "BARRIERS_INT": BARRIERS_INT,
         "NOTIFY_CALLS_INT": NOTIFY_CALLS_INT,
         "GRID_SYNC_INT": GRID_SYNC_INT,
+        "GRID_DONE_INT": GRID_DONE_INT,
         "NOTIFY_AREA_OFFSET": NOTIFY_AREA_OFFSET,
         "NOTIFY_AREA_BYTES": NOTIFY_AREA_BYTES,
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,

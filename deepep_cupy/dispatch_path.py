@@ -20,7 +20,7 @@ from .handle import DispatchHandle, handle_layout, kept_outputs
 from .launch import KernelCall
 from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
-from .tensors import read
+from .tensors import ITEMSIZE, read
 
 
 class DispatchCall(NamedTuple):
@@ -60,9 +60,9 @@ class DispatchPath:
 
     def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                        allocate_on_comm_stream, expand=False):
+                        allocate_on_comm_stream, expand=False, recv_x_in_buffer=False):
         call = self._read_fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                topk_weights, expert_alignment, config)
+                                topk_weights, expert_alignment, config, recv_x_in_buffer)
         if expand:
             if num_worst_tokens:
                 raise ValueError("expand: the expanded rows are sized from the receive counts, which a dispatch "
@@ -95,6 +95,7 @@ class DispatchPath:
             raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
         rows, plan, lib, dev = int(num_worst_tokens), call.plan, call.lib, self.device_id
         spec = plan.spec
+        self._check_recv_rows_fit(plan, rows, "num_worst_tokens")
         num_local_experts = spec.num_experts // self.num_ranks
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
         with self._on_device, \
@@ -125,10 +126,11 @@ class DispatchPath:
                          topk_idx=call.topk, num_tokens=call.num_tokens, **self._host_counts)
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
-                    config) -> DispatchCall:
+                    config, recv_x_in_buffer) -> DispatchCall:
         """A fresh dispatch's arguments, checked by the plan made for arguments of their kinds."""
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
+        self._refuse_buffer_rows(x_ptr, "x")
         _, s_ptr, n_s, s_key = read(scales)
         _, r_ptr, n_r, r_key = read(per_rank)
         _, i_ptr, n_i, i_key = read(in_rank)
@@ -136,11 +138,11 @@ class DispatchPath:
         _, t_ptr, n_t, t_key = read(topk_idx)
         _, w_ptr, n_w, w_key = read(topk_weights)
         key = ("dispatch", type(x) is tuple, x_key, s_key, r_key, n_r, i_key, e_key, n_e, t_key, w_key,
-               expert_alignment, config)
+               expert_alignment, config, recv_x_in_buffer)
         plan = self._plans.get(key)
         if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
             plan = self._plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                              expert_alignment, config)
+                              expert_alignment, config, recv_x_in_buffer)
         return DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
                              self._scale_strides(plan.spec.rows, lib, scales),
                              (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights))
@@ -152,9 +154,10 @@ class DispatchPath:
         strides = lib.element_strides(scales)
         return (strides[0], strides[1] if len(strides) > 1 else 1)
 
-    def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config):
+    def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config,
+                    recv_x_in_buffer):
         spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                                          expert_alignment, config)
+                                          expert_alignment, config, self._checked_in_buffer(recv_x_in_buffer))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
         notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, row_bytes=row_bytes,
@@ -170,8 +173,31 @@ class DispatchPath:
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
         lib = read(plans.split_x(x)[0])[0]
-        kept = kept_outputs(outputs) if lib.carves_outputs else None
-        return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept)
+        kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
+        return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
+                    self._output_windows(lib, spec, outputs))
+
+    def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
+        """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), a
+        byte array of ``lib`` over the area of this rank's NVLink buffer that holds it (None for one
+        the call does not return); None for a dispatch that allocates its outputs."""
+        if not spec.rows_in_buffer:
+            return None
+        lay, base = spec.layout, self._nvl.local_ptr
+        offsets = (lay.x_off, lay.scales_off, lay.topk_idx_off, lay.topk_weights_off)
+        return tuple(None if out is None else
+                     lib.window(base + offset, lay.rows * ITEMSIZE[out[1]] * int(np.prod(out[0], dtype=np.int64)),
+                                self.device_id, self._nvl)
+                     for offset, out in zip(offsets, outputs))
+
+    @staticmethod
+    def _check_recv_rows_fit(plan: Plan, rows: int, what: str) -> None:
+        """With rows in place, the outputs have at most the rows of the Buffer's areas."""
+        if plan.windows is not None and rows > plan.spec.layout.rows:
+            raise ValueError(f"recv_x_in_buffer: {what} asks for {rows} received rows, more than the "
+                             f"{plan.spec.layout.rows} this Buffer holds for these rows; create it with "
+                             "deepep_cupy.get_nvl_buffer_size_hint(..., recv_x_in_buffer=True) bytes. No tokens "
+                             "were moved")
 
     def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
         """dispatch_kernel for ``spec``, with neither a settings check nor a count exchange of its own
@@ -185,13 +211,16 @@ class DispatchPath:
                           mismatch_flag=None, recv_expert_counter=None, report_refusal=0)
         checks.update(fixed)
         template_args = (self.num_ranks, "true") if spec.rows.scales_strided else (self.num_ranks,)
+        if spec.rows_in_buffer:
+            template_args = (self.num_ranks, "true" if spec.rows.scales_strided else "false", "true")
         return self._bind("dispatch_kernel", template_args, grid=config.num_sms,
                           hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
                           scale_token_stride=spec.rows.scale_strides[0], scale_hidden_stride=spec.rows.scale_strides[1],
                           num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
                           x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
                           topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
-                          region_tokens=lay.region_tokens, num_senders=sender_blocks(config.num_sms),
+                          region_tokens=lay.region_tokens, num_channels=config.num_channels,
+                          num_senders=sender_blocks(config.num_sms, spec.rows_in_buffer),
                           send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows_ahead: Optional[int], previous_event,
@@ -300,6 +329,10 @@ class DispatchPath:
     def _dispatch_outputs(self, lib, plan: Plan, rows: int) -> list:
         """``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]`` with ``rows`` rows (None for
         what the call does not return)."""
+        if plan.windows is not None:
+            # Views of the areas the senders write (all of them at most: more are never received).
+            rows = min(rows, plan.spec.layout.rows)
+            return [None if w is None else lib.rows_in(w, rows, *out) for w, out in zip(plan.windows, plan.outputs)]
         empty, dev = lib.empty, self.device_id
         return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
 
@@ -337,18 +370,21 @@ class DispatchPath:
             bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
         return verdict_error(verdict, self.rank, spec.num_experts, spec.signature, bad_ids)
 
-    def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream):
+    def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
+                         recv_x_in_buffer=False):
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
+        self._refuse_buffer_rows(x_ptr, "x")
         _, s_ptr, n_s, s_key = read(scales)
-        key = ("cached dispatch", type(x) is tuple, x_key, s_key, config)
+        key = ("cached dispatch", type(x) is tuple, x_key, s_key, config, recv_x_in_buffer)
         plan = self._plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:
-            plan = self._plan(key, self._cached_plan, x, config)
+            plan = self._plan(key, self._cached_plan, x, config, recv_x_in_buffer)
         self._check_handle(handle, config)
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
         num_recv = handle.rows
+        self._check_recv_rows_fit(plan, num_recv, "the handle")
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
         with self._on_device, \
                 self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
@@ -366,12 +402,22 @@ class DispatchPath:
                                  allocate_on_comm_stream)
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
-    def _cached_plan(self, x, config):
-        spec = plans.check_cached_dispatch(self._context, x, config)
+    def _cached_plan(self, x, config, recv_x_in_buffer):
+        spec = plans.check_cached_dispatch(self._context, x, config, self._checked_in_buffer(recv_x_in_buffer))
         # A cached dispatch checks its settings in the transfer kernel; it neither moves top-k nor
         # writes the handle's receive side.
         checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,
                                             config, spec.layout)
         main = self._bind_transfer(spec, **checks, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
                                    recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)
-        return Plan(spec, None, main, 1 + (spec.rows.scales is not None), plans.received_arrays(spec))
+        outputs = plans.received_arrays(spec)
+        return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
+                    windows=self._output_windows(spec.rows.lib, spec, outputs))
+
+    def _checked_in_buffer(self, recv_x_in_buffer) -> bool:
+        if not isinstance(recv_x_in_buffer, (bool, np.bool_)):
+            raise TypeError(f"recv_x_in_buffer: expected a bool, got {recv_x_in_buffer!r}")
+        if recv_x_in_buffer and self._gpus_shared:
+            raise ValueError("recv_x_in_buffer: not supported while ranks share a GPU (an in-process group "
+                             "with several ranks on one device); no tokens were moved")
+        return bool(recv_x_in_buffer)

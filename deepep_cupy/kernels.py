@@ -33,8 +33,10 @@ COMBINE_DTYPES = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
 SOURCES: Dict[str, Tuple[str, ...]] = {
     "layout.cu": ("dispatch_layout_kernel",),
     "notify.cu": ("notify_dispatch_kernel", "barrier_kernel"),
+    # <ranks, strided FP8 scales, rows in place in the receivers' buffers>
     "dispatch.cu": tuple(f"dispatch_kernel<{r}>" for r in RANK_COUNTS)
-    + tuple(f"dispatch_kernel<{r}, true>" for r in RANK_COUNTS),
+    + tuple(f"dispatch_kernel<{r}, true>" for r in RANK_COUNTS)
+    + tuple(f"dispatch_kernel<{r}, {s}, true>" for s in ("false", "true") for r in RANK_COUNTS),
     "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
     "expand.cu": ("expand_kernel",),
 }
@@ -157,7 +159,8 @@ def warm_up(num_ranks: int, every_instance: bool = False) -> None:
     get_kernel(name_expression("dispatch_kernel", (num_ranks,)))
     get_kernel(name_expression("combine_kernel", (COMBINE_DTYPES["bfloat16"], num_ranks)))
     if every_instance:
-        get_kernel(name_expression("dispatch_kernel", (num_ranks, "true")))
+        for template_args in ((num_ranks, "true"), (num_ranks, "false", "true"), (num_ranks, "true", "true")):
+            get_kernel(name_expression("dispatch_kernel", template_args))
         for element in COMBINE_DTYPES.values():
             get_kernel(name_expression("combine_kernel", (element, num_ranks)))
 
@@ -198,7 +201,8 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "hidden_int4:i32 num_topk:i32 num_experts:i32 num_scales:i32 scale_token_stride:i32 "
         "scale_hidden_stride:i32 buffer_ptrs:ptr rank:i32 "
         "meta_off:i64 x_off:i64 src_idx_off:i64 topk_idx_off:i64 topk_weights_off:i64 scales_off:i64 "
-        "region_tokens:i32 num_senders:i32 send_chunk:i32 " + _CALL_CHECK + _COUNT_EXCHANGE + _DEADLINE),
+        "region_tokens:i32 num_channels:i32 num_senders:i32 send_chunk:i32 " + _CALL_CHECK + _COUNT_EXCHANGE
+        + _DEADLINE),
     "combine_kernel": _signature(
         "combined_x:ptr combined_topk_weights:ptr x:ptr topk_weights:ptr bias_0:ptr bias_1:ptr rank_prefix_matrix:ptr "
         "recv_channel_prefix_matrix:ptr send_head:ptr num_tokens:i32 num_channels:i32 hidden_int4:i32 num_topk:i32 "

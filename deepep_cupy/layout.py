@@ -12,6 +12,8 @@ is valid in a peer's buffer too. All regions start on 128-byte boundaries.
                                             (advanced by the kernels, see constants.BARRIERS_INT)
                         int 30              arrival word of a transfer kernel's blocks waiting for its
                                             settings check (constants.GRID_SYNC_INT; resets itself)
+                        int 31              blocks of an in-place dispatch done sending
+                                            (constants.GRID_DONE_INT; reset by its block 0)
     notify area 0, 1    int signature[R][8], rank_counts[R][R], expert_counts[R][E/R], recv_capacity[R]
                         (sized for 8 ranks and MAX_LOCAL_EXPERTS; dispatches alternate between the
                         two, so a rank can post the next counts while a slower peer still reads the
@@ -24,6 +26,13 @@ is valid in a peer's buffer too. All regions start on 128-byte boundaries.
                         int topk_idx[R-1][T][K]
                         float topk_weights[R-1][T][K]
                         float scales[R-1][T][S]
+
+    dispatch in place   int start[C*R], end[C*R], tail[C*R]     (only start: the channels' first rows)
+      (recv_x_in_buffer)  x[R*T][row_bytes]                     recv_x
+                        int src_idx[R*T]
+                        int64 topk_idx[R*T][K]                  recv_topk_idx
+                        float topk_weights[R*T][K]              recv_topk_weights
+                        float scales[R*T][S]                    recv_x_scales
 
     combine             int tail[C*R]
                         x[R-1][T][row_bytes]
@@ -44,6 +53,7 @@ from dataclasses import dataclass
 from .constants import (
     ABORT_INT,
     BARRIERS_INT,
+    GRID_DONE_INT,
     GRID_SYNC_INT,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
@@ -61,7 +71,8 @@ INT_BYTES = 4
 #: The words of the header, by int index (the verdict's and the abort mark's are defined in
 #: constants.py, which the kernels share).
 HEADER_WORDS = {"signals": tuple(range(MAX_RANKS)), "verdict": (VERDICT_INT,), "abort mark": (ABORT_INT,),
-                "call counters": (BARRIERS_INT, NOTIFY_CALLS_INT), "grid arrivals": (GRID_SYNC_INT,)}
+                "call counters": (BARRIERS_INT, NOTIFY_CALLS_INT), "grid arrivals": (GRID_SYNC_INT,),
+                "blocks done": (GRID_DONE_INT,)}
 
 
 def _align(n: int) -> int:
@@ -99,6 +110,8 @@ class DispatchLayout:
     total_bytes: int
     #: the channel metadata that must be zero before a dispatch: ints from meta_off
     zero_count: int
+    #: rows of the areas (with rows in place: the most rows the rank's outputs may have)
+    rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,19 +126,22 @@ class CombineLayout:
 
 @functools.lru_cache(maxsize=256)
 def dispatch_layout(num_ranks: int, num_channels: int, region_tokens: int, row_bytes: int,
-                    num_topk: int, num_scales: int) -> DispatchLayout:
-    """Offsets of a dispatch's regions (see the module docstring)."""
+                    num_topk: int, num_scales: int, rows_in_buffer: bool = False) -> DispatchLayout:
+    """Offsets of a dispatch's regions (see the module docstring). ``rows_in_buffer``: the senders
+    write each token straight into its row of the receiver's outputs, which are the areas: a row
+    for every token the rank may receive (R regions' worth, its own tokens included), top-k ids
+    as int64."""
     channel_words = num_channels * num_ranks
-    slots = (num_ranks - 1) * region_tokens
+    slots = num_ranks * region_tokens if rows_in_buffer else (num_ranks - 1) * region_tokens
     carve = _Carver(DATA_OFFSET)
     meta_off = carve.take(INT_BYTES * 3 * channel_words)
     x_off = carve.take(slots * row_bytes)
     src_idx_off = carve.take(INT_BYTES * slots)
-    topk_idx_off = carve.take(INT_BYTES * slots * num_topk)
+    topk_idx_off = carve.take((2 if rows_in_buffer else 1) * INT_BYTES * slots * num_topk)
     topk_weights_off = carve.take(INT_BYTES * slots * num_topk)
     scales_off = carve.take(INT_BYTES * slots * num_scales)
     return DispatchLayout(meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off,
-                          scales_off, region_tokens, carve.offset, 3 * channel_words)
+                          scales_off, region_tokens, carve.offset, 3 * channel_words, slots)
 
 
 @functools.lru_cache(maxsize=256)

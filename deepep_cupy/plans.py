@@ -21,7 +21,7 @@ import numpy as np
 
 from . import layout
 from .config import Config
-from .constants import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK
+from .constants import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK, SIGNATURE_ROWS_IN_BUFFER
 from .tensors import ITEMSIZE, ArrayInfo, check_array, describe
 
 DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -102,12 +102,15 @@ class DispatchSpec:
     with_weights: bool = False
     num_experts: int = 0
     expert_alignment: int = 1
+    #: recv_x lies in the receiver's NVLink buffer, written there by the senders (``recv_x_in_buffer``)
+    rows_in_buffer: bool = False
 
     @functools.cached_property
     def signature(self) -> Tuple[int, ...]:
         """The settings of a fresh dispatch every rank must share (slots.SIGNATURE_FIELDS)."""
         c = self.config
-        return (self.rows.row_bytes, 2 * self.num_topk + self.with_weights, self.rows.num_scales,
+        topk_code = 2 * self.num_topk + self.with_weights + (SIGNATURE_ROWS_IN_BUFFER if self.rows_in_buffer else 0)
+        return (self.rows.row_bytes, topk_code, self.rows.num_scales,
                 self.num_experts, c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens)
 
 
@@ -168,10 +171,12 @@ def _checked_row_bytes(info: ArrayInfo, arg: str) -> int:
     return row_bytes
 
 
-def _dispatch_layout(ctx: Context, config: Config, rows: Rows, num_topk: int) -> layout.DispatchLayout:
+def _dispatch_layout(ctx: Context, config: Config, rows: Rows, num_topk: int,
+                     rows_in_buffer: bool) -> layout.DispatchLayout:
     """The transfer layout of a dispatch of ``rows`` with ``num_topk`` top-k columns (0: none moved)."""
     return fitting_layout(functools.partial(layout.dispatch_layout, ctx.num_ranks, config.num_channels,
-                                            row_bytes=rows.row_bytes, num_topk=num_topk, num_scales=rows.num_scales),
+                                            row_bytes=rows.row_bytes, num_topk=num_topk, num_scales=rows.num_scales,
+                                            rows_in_buffer=rows_in_buffer),
                           ctx, "dispatch", rows.row_bytes)
 
 
@@ -206,7 +211,8 @@ def check_rows(x: Any, ctx: Context) -> Rows:
 
 
 def check_fresh_dispatch(ctx: Context, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                         topk_idx, topk_weights, expert_alignment, config: Config) -> DispatchSpec:
+                         topk_idx, topk_weights, expert_alignment, config: Config,
+                         rows_in_buffer: bool = False) -> DispatchSpec:
     """Check a dispatch without a handle."""
     R, dev = ctx.num_ranks, ctx.device_id
     rows = check_rows(x, ctx)
@@ -237,14 +243,15 @@ def check_fresh_dispatch(ctx: Context, x, num_tokens_per_rank, is_token_in_rank,
             with_weights = True
     elif topk_weights is not None:
         raise ValueError("topk_weights: given without topk_idx")
-    return DispatchSpec(rows, config, _dispatch_layout(ctx, config, rows, num_topk), num_topk, with_weights,
-                        num_experts, int(expert_alignment))
+    return DispatchSpec(rows, config, _dispatch_layout(ctx, config, rows, num_topk, rows_in_buffer), num_topk,
+                        with_weights, num_experts, int(expert_alignment), rows_in_buffer)
 
 
-def check_cached_dispatch(ctx: Context, x, config: Config) -> DispatchSpec:
+def check_cached_dispatch(ctx: Context, x, config: Config, rows_in_buffer: bool = False) -> DispatchSpec:
     """Check a dispatch with a handle (the handle itself is checked per call)."""
     rows = check_rows(x, ctx)
-    return DispatchSpec(rows, config, _dispatch_layout(ctx, config, rows, 0))
+    return DispatchSpec(rows, config, _dispatch_layout(ctx, config, rows, 0, rows_in_buffer),
+                        rows_in_buffer=rows_in_buffer)
 
 
 def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[Any, Any] = (None, None)
@@ -312,7 +319,9 @@ class Plan(NamedTuple):
     fresh dispatch's ``main`` making the count exchange itself (one launch instead of two, for a
     dispatch whose host does not wait for the counts); ``kept_outputs``: where a fresh dispatch
     allocating ahead keeps its outputs other than ``recv_x`` in the handle's allocation (None when
-    its array library does not carve them: ``ArrayLib.carves_outputs``)."""
+    its array library does not carve them: ``ArrayLib.carves_outputs``); ``windows``: per output,
+    a byte array over the area of this rank's NVLink buffer of which a dispatch writing its rows in
+    place returns the first rows (None for a dispatch that allocates its outputs)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
@@ -320,3 +329,4 @@ class Plan(NamedTuple):
     outputs: Tuple[Optional[Tuple[Tuple[int, ...], str]], ...] = ()
     main_with_exchange: Optional[Any] = None  # a launch.KernelCall
     kept_outputs: Optional[Any] = None  # a handle.KeptOutputs
+    windows: Optional[tuple] = None

@@ -63,8 +63,8 @@ BUFFER_ADVICE = ("create the Buffer with deepep_cupy.get_nvl_buffer_size_hint(hi
 RECOVERY = ("The Buffer is unusable: destroy it on every rank (buffer.destroy()) and create a new one on the "
             "same communicator")
 
-SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights)", "scales per token", "num_experts",
-                    "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
+SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights, +4096 with recv_x_in_buffer)", "scales per token",
+                    "num_experts", "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
 assert len(SIGNATURE_FIELDS) == SIGNATURE_INTS - 1
 
 
@@ -120,7 +120,7 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
         return RankMismatchError(
             f"rank {where_rank}: the last {operation} was called with settings that differ between rank 0 and "
             f"rank {peer} (compared: operation, row bytes, scales per token or element type and top-k, "
-            "num_sms, chunk sizes); no tokens were moved and its outputs are unwritten")
+            "num_sms, chunk sizes, recv_x_in_buffer); no tokens were moved and its outputs are unwritten")
     where = f"channel {channel}" if channel >= 0 else "whole rank"
     channel_or_none = None if channel < 0 else channel
     if code == ERROR_PEER_ABORTED:

@@ -94,6 +94,16 @@ class ArrayLib:
         """The 1-D contiguous ``array`` read as elements of ``dtype_name`` (a view of its memory)."""
         raise NotImplementedError
 
+    def window(self, ptr: int, num_bytes: int, device_id: int, owner: Any):
+        """A 1-D byte array of this library over ``num_bytes`` of device memory at ``ptr`` that it
+        does not allocate (a Buffer's NVLink buffer); ``owner`` is kept alive with it."""
+        raise NotImplementedError
+
+    def rows_in(self, window, rows: int, tail: Tuple[int, ...], dtype_name: str):
+        """The first ``rows`` rows of ``tail``-shaped ``dtype_name`` elements in ``window`` (a view)."""
+        row_bytes = ITEMSIZE[dtype_name] * int(np.prod(tail, dtype=np.int64))
+        return self.reinterpret(window[:rows * row_bytes], dtype_name).reshape((rows, *tail))
+
     def carve(self, block, views: Sequence[Optional[Tuple[int, Tuple[int, ...], str]]]) -> list:
         """Arrays of exact size inside ``block``, a 1-D int64 allocation of this library: one
         contiguous view per ``(byte offset, shape, dtype name)`` of ``views`` (None for None); each
@@ -143,6 +153,11 @@ class _CupyLib(ArrayLib):
 
     def reinterpret(self, array, dtype_name: str):
         return array.view(STORAGE[dtype_name])
+
+    def window(self, ptr: int, num_bytes: int, device_id: int, owner: Any):
+        cuda = self._cupy.cuda
+        memory = cuda.MemoryPointer(cuda.UnownedMemory(ptr, num_bytes, owner, device_id), 0)
+        return self._cupy.ndarray((num_bytes,), np.uint8, memory)
 
     def carve(self, block, views) -> list:
         # An array made on the block's memory takes any dtype and offset in one call (no base
@@ -201,6 +216,11 @@ class _TorchLib(ArrayLib):
 
     def reinterpret(self, tensor, dtype_name: str):
         return tensor.view(self._dtypes[dtype_name])
+
+    def window(self, ptr: int, num_bytes: int, device_id: int, owner: Any):
+        # Once per plan: through CuPy's view of the memory, which the tensor keeps alive.
+        return self._torch.as_tensor(library("cupy").window(ptr, num_bytes, device_id, owner),
+                                     device=self.device(device_id))
 
     def stream(self, stream_ptr: int, device_id: int):
         """A ``torch.cuda.Stream`` naming the raw stream ``stream_ptr`` (made once per stream)."""

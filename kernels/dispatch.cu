@@ -22,6 +22,9 @@
 // a queue from another rank is copied into recv_x as its tail advances (the block of recv_x from
 // a source is contiguous, as its region is); the queue from this rank itself is its own tokens of
 // that channel, copied from x.
+//
+// kRowsInBuffer (recv_x_in_buffer): the outputs live in the receivers' NVLink buffers and every
+// block sends; see send_in_place below.
 constexpr int kDispatchWarps = DISPATCH_THREADS / 32;
 // 16-byte loads each lane keeps in flight while copying (latency hiding over NVLink); halved for
 // more than 4 ranks, whose destination addresses take the registers.
@@ -131,9 +134,186 @@ struct TokenSide {
     }
 };
 
+// The routing of tokens [batch, batch + 32) (before `token_end`): lane i reads token batch + i's,
+// ballots give every lane all of it (bit i of routed[d]: the token goes to rank d). With a
+// `send_head`, each of those tokens' slot at every destination (counted on from `next_slot`),
+// -1 where it does not go.
+template <int kNumRanks>
+__device__ __forceinline__ void route_batch(unsigned (&routed)[kNumRanks], const bool* is_token_in_rank, int batch,
+                                            int token_end, int* send_head, const int (&next_slot)[kNumRanks],
+                                            int lane) {
+    const int lane_token = batch + lane;
+    #pragma unroll
+    for (int d = 0; d < kNumRanks; ++d)
+        routed[d] = __ballot_sync(0xffffffffu, lane_token < token_end &&
+                                  is_token_in_rank[(int64_t_)lane_token * kNumRanks + d]);
+    if (send_head != nullptr && lane_token < token_end) {
+        const unsigned below = (1u << lane) - 1u;
+        #pragma unroll
+        for (int d = 0; d < kNumRanks; ++d)
+            send_head[(int64_t_)lane_token * kNumRanks + d] =
+                (routed[d] >> lane) & 1u ? next_slot[d] + __popc(routed[d] & below) : -1;
+    }
+}
+
+// A dispatch whose outputs are views of the receivers' NVLink buffers, the x area (layout.py):
+//   x_off:             int4      x[R * region_tokens][hidden_int4]      recv_x
+//   src_idx_off:       int       src_idx[R * region_tokens]              (copied into the handle)
+//   topk_idx_off:      int64     topk_idx[R * region_tokens][K]          recv_topk_idx
+//   topk_weights_off:  float     topk_weights[R * region_tokens][K]      recv_topk_weights
+//   scales_off:        float     scales[R * region_tokens][S]            recv_x_scales
+//   meta_off:          int       start[C][R]: channel c of source s starts at row start[c][s] of s's block
+// Every warp of the grid takes an equal share of the rank's tokens and writes each token, with
+// its per-token data, straight into its row at every rank that takes it (its own included):
+// nobody waits for anybody while rows move, and no SM copies them out. The row is the token's
+// position among those the rank sends that destination, after the rows of lower ranks, so it is
+// known from the channel prefix matrix and a count of the channel's tokens before the warp's.
+// The receivers learn that every row has landed from one barrier at the end (every block fences
+// its stores and checks in; block 0 then meets the other ranks), after which block 0 copies the
+// source indices and channel starts into the handle.
+struct InPlaceDispatch {
+    const int4* x;
+    const float* x_scales;
+    const int64_t_* topk_idx;
+    const float* topk_weights;
+    const bool* is_token_in_rank;
+    const int* channel_prefix_matrix;
+    const int* rank_prefix_matrix;
+    int* send_head;
+    int* recv_src_idx;
+    int* recv_channel_prefix_matrix;
+    void* const* buffer_ptrs;
+    int rank, num_tokens, num_channels, hidden_int4, num_topk, num_experts, num_scales;
+    int scale_token_stride, scale_hidden_stride;
+    int64_t_ meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off, timeout_ns;
+    int* error_record;
+
+    __device__ __forceinline__ char* base(int r) const { return reinterpret_cast<char*>(buffer_ptrs[r]); }
+};
+
+template <int kNumRanks, bool kStridedScales, int kUnroll>
+__device__ __forceinline__ void send_in_place(const InPlaceDispatch& p) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int num_warps = gridDim.x * kDispatchWarps;
+    // Consecutive shares on different blocks, so that every block gets some of every channel's.
+    const int share = warp * gridDim.x + blockIdx.x;
+    int token_begin, token_end;
+    channel_task_range(p.num_tokens, num_warps, share, token_begin, token_end);
+    // Per destination, the row (within this rank's block there) of the next token routed to it.
+    int next_slot[kNumRanks];
+    if (token_begin < token_end) {
+        const int per_channel = (p.num_tokens + p.num_channels - 1) / p.num_channels;
+        const int channel = token_begin / per_channel;
+        #pragma unroll
+        for (int d = 0; d < kNumRanks; ++d)
+            next_slot[d] = channel > 0 ? p.channel_prefix_matrix[d * p.num_channels + channel - 1] : 0;
+        for (int t = channel * per_channel; t < token_begin; t += 32) {
+            const bool mine = t + lane < token_begin;
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d)
+                next_slot[d] += __popc(__ballot_sync(0xffffffffu, mine &&
+                                                     p.is_token_in_rank[(int64_t_)(t + lane) * kNumRanks + d]));
+        }
+    }
+    __shared__ int first_row[kNumRanks];
+    if (threadIdx.x < kNumRanks)
+        first_row[threadIdx.x] = block_row(p.rank_prefix_matrix, kNumRanks, p.rank, threadIdx.x);
+    __syncthreads();
+    const int experts_per_rank = p.num_experts / kNumRanks;
+
+    for (int batch = token_begin; batch < token_end; batch += 32) {
+        unsigned routed[kNumRanks];
+        route_batch<kNumRanks>(routed, p.is_token_in_rank, batch, token_end, p.send_head, next_slot, lane);
+        const int batch_end = min(batch + 32, token_end);
+        for (int token = batch; token < batch_end; ++token) {
+            const int bit = token - batch;
+            TokenSide side;
+            side.load<kStridedScales>(token, p.topk_idx, p.topk_weights, p.num_topk, p.x_scales, p.num_scales,
+                                      p.scale_token_stride, p.scale_hidden_stride, lane);
+            int4* rows[kNumRanks];
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d) {
+                rows[d] = nullptr;
+                if ((routed[d] >> bit) & 1u)
+                    rows[d] = reinterpret_cast<int4*>(p.base(d) + p.x_off) +
+                              (int64_t_)(first_row[d] + next_slot[d]) * p.hidden_int4;
+            }
+            warp_fan_out<kUnroll, kNumRanks>(rows, p.x + (int64_t_)token * p.hidden_int4, p.hidden_int4, lane);
+            #pragma unroll
+            for (int d = 0; d < kNumRanks; ++d) {
+                if (!((routed[d] >> bit) & 1u))
+                    continue;
+                const int64_t_ row = first_row[d] + next_slot[d];
+                char* base = p.base(d);
+                if (lane == 0 && p.send_head != nullptr)  // a cached dispatch's handle has them
+                    reinterpret_cast<int*>(base + p.src_idx_off)[row] = token;
+                side.write(d, experts_per_rank, p.num_topk,
+                           p.topk_idx != nullptr ? reinterpret_cast<int64_t_*>(base + p.topk_idx_off) + row * p.num_topk
+                                                 : nullptr,
+                           p.topk_weights != nullptr
+                               ? reinterpret_cast<float*>(base + p.topk_weights_off) + row * p.num_topk
+                               : nullptr,
+                           p.num_scales, reinterpret_cast<float*>(base + p.scales_off) + row * p.num_scales, lane);
+                ++next_slot[d];
+            }
+        }
+    }
+    // Where each of this rank's channels starts in every destination's block (for the handle).
+    if (p.send_head != nullptr)
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.num_channels * kNumRanks; i += gridDim.x * blockDim.x) {
+            const int channel = i / kNumRanks, d = i % kNumRanks;
+            reinterpret_cast<int*>(p.base(d) + p.meta_off)[channel * kNumRanks + p.rank] =
+                channel > 0 ? p.channel_prefix_matrix[d * p.num_channels + channel - 1] : 0;
+        }
+
+    // Every block's stores are out before it checks in (GRID_DONE_INT of this rank's buffer,
+    // which block 0 resets once all have).
+    __threadfence_system();
+    __syncthreads();
+    int* done = reinterpret_cast<int*>(p.base(p.rank)) + GRID_DONE_INT;
+    if (blockIdx.x != 0) {
+        if (threadIdx.x == 0)
+            atomicAdd(done, 1);
+        return;
+    }
+    int ok = 1;
+    if (threadIdx.x == 0) {
+        const Deadline deadline(p.timeout_ns);
+        while (ld_volatile(done) != (int)gridDim.x - 1) {
+            if (deadline.expired()) {
+                give_up(p.buffer_ptrs, kNumRanks, p.error_record, KERNEL_DISPATCH_RECEIVER, p.rank, -1, p.rank,
+                        (int)gridDim.x);
+                ok = 0;
+                break;
+            }
+        }
+        *done = 0;
+        __threadfence();
+    }
+    if (!__syncthreads_and(ok))
+        return;
+    int* counters = reinterpret_cast<int*>(p.base(p.rank));
+    const int epoch = ld_volatile(counters + BARRIERS_INT) + 1;
+    if (!rank_barrier(p.buffer_ptrs, kNumRanks, p.rank, epoch, p.timeout_ns, p.error_record,
+                      KERNEL_DISPATCH_RECEIVER))
+        return;
+    if (threadIdx.x == 0)
+        counters[BARRIERS_INT] = epoch;
+    const int num_received = p.rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + p.rank];
+    if (p.recv_src_idx != nullptr)
+        for (int i = threadIdx.x; i < num_received; i += blockDim.x)
+            p.recv_src_idx[i] = ld_stream(reinterpret_cast<const int*>(p.base(p.rank) + p.src_idx_off) + i);
+    if (p.recv_channel_prefix_matrix != nullptr)
+        for (int i = threadIdx.x; i < p.num_channels * kNumRanks; i += blockDim.x) {
+            const int source = i / p.num_channels, channel = i % p.num_channels;
+            p.recv_channel_prefix_matrix[i] =
+                ld_volatile(reinterpret_cast<const int*>(p.base(p.rank) + p.meta_off) + channel * kNumRanks + source);
+        }
+}
+
 // kStridedScales: the FP8 scales are read with the strides passed (DeepEP passes them
-// column-major); otherwise as row-major [num_tokens][num_scales].
-template <int kNumRanks, bool kStridedScales = false>
+// column-major); otherwise as row-major [num_tokens][num_scales]. kRowsInBuffer: send_in_place.
+template <int kNumRanks, bool kStridedScales = false, bool kRowsInBuffer = false>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int4* recv_x, float* recv_x_scales, int* recv_src_idx, int64_t_* recv_topk_idx,
         float* recv_topk_weights, int* recv_channel_prefix_matrix, int* send_head,
@@ -143,7 +323,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         int scale_token_stride, int scale_hidden_stride, void* const* buffer_ptrs, int rank,
         int64_t_ meta_off, int64_t_ x_off, int64_t_ src_idx_off, int64_t_ topk_idx_off,
         int64_t_ topk_weights_off, int64_t_ scales_off,
-        int region_tokens, int num_senders, int send_chunk, int check_op, int row_bytes, int row_detail,
+        int region_tokens, int num_channels, int num_senders, int send_chunk, int check_op, int row_bytes, int row_detail,
         int num_sms, int recv_chunk, int64_t_ zero_off, int zero_count, const int* dispatch_verdict,
         int exchange, const int* num_tokens_per_rank, const int* num_tokens_per_expert, int recv_capacity,
         int* recv_counter, int* mismatch_flag, int* recv_expert_counter, int report_refusal, int topk_code,
@@ -154,7 +334,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         const CountExchange counts{num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, rank_prefix_matrix,
                                    channel_prefix_matrix, recv_capacity, recv_counter, mismatch_flag,
                                    recv_expert_counter, report_refusal, topk_idx, num_topk, num_tokens, num_experts,
-                                   num_senders * kDispatchWarps, expert_alignment, zero_off, zero_count,
+                                   num_channels, expert_alignment, zero_off, zero_count,
                                    region_tokens};
         if (blockIdx.x == 0) {
             const int signature[SIGNATURE_INTS - 1] = {row_bytes, topk_code, num_scales, num_experts, num_sms,
@@ -171,15 +351,24 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         // A cached dispatch (check_op != 0) checks its settings here; otherwise notify_dispatch
         // made the count exchange.
         const int settings[SIGNATURE_INTS - 1] = {check_op, row_bytes, row_detail, num_sms, send_chunk, recv_chunk,
-                                                  0};
+                                                  kRowsInBuffer ? SIGNATURE_ROWS_IN_BUFFER : 0};
         if (!start_transfer(check_op != 0, buffer_ptrs, kNumRanks, rank, settings, zero_off, zero_count,
                             rank_prefix_matrix, region_tokens, dispatch_verdict, timeout_ns, error_record,
                             KERNEL_CACHED_DISPATCH_CHECK, KERNEL_DISPATCH_SENDER))
             return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
     }
     constexpr int kUnroll = kNumRanks <= 4 ? DISPATCH_UNROLL : DISPATCH_UNROLL / 2;
+    if (kRowsInBuffer) {
+        const InPlaceDispatch in_place{x, x_scales, topk_idx, topk_weights, is_token_in_rank, channel_prefix_matrix,
+                                       rank_prefix_matrix, send_head, recv_src_idx, recv_channel_prefix_matrix,
+                                       buffer_ptrs, rank, num_tokens, num_channels, hidden_int4, num_topk,
+                                       num_experts, num_scales, scale_token_stride, scale_hidden_stride, meta_off,
+                                       x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off, timeout_ns,
+                                       error_record};
+        send_in_place<kNumRanks, kStridedScales, kUnroll>(in_place);
+        return;
+    }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int num_channels = num_senders * kDispatchWarps;
     DispatchRegions regions{nullptr, num_channels, region_tokens, hidden_int4, num_topk, num_scales,
                             meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off};
 
@@ -217,20 +406,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
         const int publish_singly_from = token_end - (hidden_int4 >= kPublishSinglyRowInt4 ? send_chunk : 1);
 
         for (int batch = token_begin; batch < token_end; batch += 32) {
-            // Lane i reads the routing of token batch + i; ballots give every lane all of it.
-            const int lane_token = batch + lane;
             unsigned routed[kNumRanks];
-            #pragma unroll
-            for (int d = 0; d < kNumRanks; ++d)
-                routed[d] = __ballot_sync(0xffffffffu, lane_token < token_end &&
-                                          is_token_in_rank[(int64_t_)lane_token * kNumRanks + d]);
-            if (send_head != nullptr && lane_token < token_end) {
-                const unsigned below = (1u << lane) - 1u;
-                #pragma unroll
-                for (int d = 0; d < kNumRanks; ++d)
-                    send_head[(int64_t_)lane_token * kNumRanks + d] =
-                        (routed[d] >> lane) & 1u ? next_slot[d] + __popc(routed[d] & below) : -1;
-            }
+            route_batch<kNumRanks>(routed, is_token_in_rank, batch, token_end, send_head, next_slot, lane);
             // This rank's own copies are the receivers' work.
             #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {

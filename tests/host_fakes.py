@@ -108,6 +108,22 @@ class FakeLib(tensors.ArrayLib):
     def used_on(self, arrays, stream_ptr, device_id):
         self.used_on_calls.append((len([a for a in arrays if a is not None]), stream_ptr))
 
+    def window(self, ptr, num_bytes, device_id, owner):
+        begin = ptr - owner.local_ptr
+        assert 0 <= begin and begin + num_bytes <= owner.num_bytes, "a window past the end of the NVLink buffer"
+        return owner.memory[begin:begin + num_bytes]
+
+
+class FakeNvlBuffer:
+    """A rank's NVLink buffer in host memory (for outputs that are views of it)."""
+
+    def __init__(self, num_bytes: int):
+        self.memory = on_device(np.zeros(num_bytes, np.uint8))
+        self.local_ptr, self.num_bytes = self.memory.ctypes.data, num_bytes
+
+    def close(self):
+        pass
+
 
 class Launches:
     """Records every launch (kernel name, its parameters as a dict) and answers count exchanges.
@@ -262,10 +278,12 @@ class FakeGroup(Group):
 
 
 def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allocate_ahead=True, order=None,
-                **launch_script):
+                nvl_memory=False, **launch_script):
     """A Buffer of rank ``rank`` of ``num_ranks`` with fake hardware; returns ``(buffer, launches, lib)``.
 
-    ``order``: the stream order (default a :class:`FakeOrder`); ``launch_script``: :class:`Launches`'s options.
+    ``order``: the stream order (default a :class:`FakeOrder`); ``nvl_memory``: back the NVLink buffer
+    with host memory (:class:`FakeNvlBuffer`; keep ``num_nvl_bytes`` small then); ``launch_script``:
+    :class:`Launches`'s options.
     """
     lib = FakeLib()
     monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
@@ -275,6 +293,8 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     buf = Buffer.__new__(Buffer)
     buf._set_up_host(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)
     buf._on_device = contextlib.nullcontext()
+    if nvl_memory:
+        buf._nvl = FakeNvlBuffer(num_nvl_bytes)
     host_slots = HostSlots(rank, 5.0, in_process=False, mapped=FakeMapped())
     buf._attach(host_slots, FakeOrder() if order is None else order, 0xB0F)
     launches = Launches(host_slots, **launch_script)

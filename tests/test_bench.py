@@ -337,13 +337,14 @@ def _library_or_skip():
     return ep, reference
 
 
-def test_buffer_size_is_the_largest_hint_over_the_configs():
+def test_buffer_size_is_the_largest_hint_over_the_configs_with_recv_x_in_the_buffer():
     ep, _ = _library_or_skip()
     args = bench.parse_args([])
     small, large = ep.Config(8, 4, 128), ep.Config(48, 32, 512)
-    want = ep.get_nvl_buffer_size_hint(7168 * 2, 2, large, num_topk=8)
+    want = ep.get_nvl_buffer_size_hint(7168 * 2, 2, large, num_topk=8, recv_x_in_buffer=True)
     assert bench.nvl_buffer_bytes(ep, args, 2, [small, large]) == want
-    assert want > ep.get_nvl_buffer_size_hint(7168 * 2, 2, small, num_topk=8)
+    assert want > ep.get_nvl_buffer_size_hint(7168 * 2, 2, small, num_topk=8, recv_x_in_buffer=True)
+    assert want > ep.get_nvl_buffer_size_hint(7168 * 2, 2, large, num_topk=8)
 
 
 def test_checks_against_the_reference_pass_and_catch_a_flipped_bit():

@@ -83,6 +83,27 @@ def test_eight_ranks_of_8192_bf16_tokens_of_hidden_7168_fit_in_2_gib():
     assert ep.get_nvl_buffer_size_hint(7168 * 2, 8, num_topk=8, num_max_tokens_per_rank=8192) <= 2 << 30
 
 
+def test_eight_ranks_of_8192_bf16_tokens_with_recv_x_in_the_buffer_fit_in_2_gib():
+    assert ep.get_nvl_buffer_size_hint(7168 * 2, 8, num_topk=8, num_max_tokens_per_rank=8192,
+                                       recv_x_in_buffer=True) <= 2 << 30
+
+
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_an_in_place_dispatch_has_a_row_of_every_output_for_every_token_a_rank_may_receive(num_ranks):
+    T, row_bytes, K, S = 1000, 7168, 8, 56
+    lay = layout.dispatch_layout(num_ranks, 96, T, row_bytes, K, S, rows_in_buffer=True)
+    assert lay.rows == num_ranks * T
+    # recv_x, source indices, int64 top-k ids, weights and scales follow each other without overlap.
+    ends = [(lay.x_off, row_bytes), (lay.src_idx_off, 4), (lay.topk_idx_off, 8 * K), (lay.topk_weights_off, 4 * K),
+            (lay.scales_off, 4 * S)]
+    for (offset, per_row), (next_offset, _) in zip(ends, ends[1:] + [(lay.total_bytes, 0)]):
+        assert offset + lay.rows * per_row <= next_offset
+    hint = ep.get_nvl_buffer_size_hint(row_bytes * 2, num_ranks, ep.Config(24, 4, 256), num_topk=K,
+                                       num_max_tokens_per_rank=T, recv_x_in_buffer=True)
+    assert hint >= layout.dispatch_layout(num_ranks, ep.Config(24, 4, 256).num_channels, T, row_bytes * 2, K, S,
+                                          rows_in_buffer=True).total_bytes
+
+
 def test_the_largest_fitting_regions_fit_and_one_more_slot_would_not():
     make = functools.partial(layout.dispatch_layout, 4, 96, row_bytes=7168, num_topk=8, num_scales=56)
     for num_bytes in (10 << 20, 123456789, 1 << 30):

@@ -549,3 +549,81 @@ def test_a_cached_dispatch_does_not_expand(fake):
     handle = dispatch(buf, w)[4]
     with pytest.raises(ValueError, match="expand: a cached dispatch"):
         buf.dispatch(w["x"], handle=handle, config=CONFIG, expand=True)
+
+
+# --- recv_x_in_buffer ------------------------------------------------------------------------
+
+@pytest.fixture
+def in_place(monkeypatch):
+    """A fake Buffer whose NVLink buffer is host memory, sized for the workload with rows in place."""
+    nvl_bytes = ep.get_nvl_buffer_size_hint(H * 2, R, CONFIG, num_topk=K, num_max_tokens_per_rank=N,
+                                            recv_x_in_buffer=True)
+    return fake_buffer(monkeypatch, num_nvl_bytes=nvl_bytes, nvl_memory=True, received=(100,),
+                       expert_counts=list(range(E // R)))
+
+
+def inside(buf, array):
+    return buf._nvl.local_ptr <= array.ctypes.data < buf._nvl.local_ptr + buf._nvl.num_bytes
+
+
+def test_recv_x_in_buffer_returns_views_of_the_nvlink_buffer_written_by_every_block(in_place):
+    buf, launches, lib = in_place
+    recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, workload(), recv_x_in_buffer=True)
+    assert launches.names() == ["notify_dispatch_kernel", "dispatch_kernel<2, false, true>"]
+    p = launches.last("dispatch_kernel<2, false, true>")
+    assert p["num_senders"] == CONFIG.num_sms and p["num_channels"] == CONFIG.num_channels == handle.num_channels
+    assert recv_x.shape == (100, H) and recv_topk.shape == recv_w.shape == (100, K)
+    assert all(inside(buf, a) for a in (recv_x, recv_topk, recv_w))
+    assert (p["recv_x"], p["recv_topk_idx"], p["recv_topk_weights"]) == \
+        (recv_x.ctypes.data, recv_topk.ctypes.data, recv_w.ctypes.data)
+    assert not any(shape == (100, H) for shape, _ in lib.allocations), "recv_x was allocated"
+
+
+def test_a_cached_dispatch_with_recv_x_in_buffer_checks_that_setting_across_ranks(in_place):
+    buf, launches, _ = in_place
+    w = workload()
+    handle = dispatch(buf, w)[4]
+    recv_x = buf.dispatch(w["x"], handle=handle, config=CONFIG, recv_x_in_buffer=True)[0]
+    assert launches.names()[-1] == "dispatch_kernel<2, false, true>" and inside(buf, recv_x)
+    assert launches.last("dispatch_kernel<2, false, true>")["check_op"] == plans.OP_CACHED_DISPATCH
+
+
+def test_a_call_given_an_array_that_lies_in_the_nvlink_buffer_refuses_it(in_place):
+    buf, launches, _ = in_place
+    w = workload()
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
+    before = len(launches.log)
+    with pytest.raises(ValueError, match="x: lies in this Buffer's NVLink buffer"):
+        buf.combine(recv_x, handle, config=CONFIG)
+    with pytest.raises(ValueError, match="topk_weights: lies in this Buffer's NVLink buffer"):
+        buf.combine(on_device(np.array(recv_x)), handle, topk_weights=recv_w, config=CONFIG)
+    with pytest.raises(ValueError, match="x: lies in this Buffer's NVLink buffer"):
+        dispatch(buf, {**w, "x": recv_x[:N]})
+    assert len(launches.log) == before
+    buf.combine(on_device(np.array(recv_x)), handle, topk_weights=on_device(np.array(recv_w)), config=CONFIG)
+
+
+def test_recv_x_in_buffer_is_refused_while_ranks_share_a_gpu(in_place):
+    buf, launches, _ = in_place
+    buf._gpus_shared = True
+    with pytest.raises(ValueError, match="share a GPU"):
+        dispatch(buf, workload(), recv_x_in_buffer=True)
+    assert launches.log == []
+
+
+def test_recv_x_in_buffer_must_be_a_bool(in_place):
+    buf, _, _ = in_place
+    with pytest.raises(TypeError, match="recv_x_in_buffer: expected a bool"):
+        dispatch(buf, workload(), recv_x_in_buffer="yes")
+
+
+def test_num_worst_tokens_beyond_the_rows_the_buffer_holds_is_refused_with_recv_x_in_buffer(in_place):
+    buf, launches, _ = in_place
+    rows = plans.check_fresh_dispatch(buf._context, *[workload()[k] for k in (
+        "x", "num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx", "topk_weights")],
+        1, CONFIG, True).layout.rows
+    with pytest.raises(ValueError, match=f"asks for {rows + 1} received rows, more than the {rows}"):
+        dispatch(buf, workload(), recv_x_in_buffer=True, num_worst_tokens=rows + 1)
+    assert launches.log == []
+    recv_x = dispatch(buf, workload(), recv_x_in_buffer=True, num_worst_tokens=rows)[0]
+    assert recv_x.shape == (rows, H) and inside(buf, recv_x)

@@ -98,7 +98,8 @@ def nvl_buffer_bytes(ep: Any, args: argparse.Namespace, num_ranks: int, configs:
     widest), for the most tokens a rank dispatches in it."""
     tokens = max([args.num_tokens, *(args.tokens_sweep or []), *(getattr(args, "calls_tokens", None) or [])])
     return max(int(ep.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, c, num_topk=args.num_topk,
-                                               num_max_tokens_per_rank=tokens)) for c in configs)
+                                               num_max_tokens_per_rank=tokens, recv_x_in_buffer=in_buffer))
+               for c in configs for in_buffer in (False, True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,9 +293,14 @@ def _library_sweep(buf, group, args, reference, dcfg, ccfg, stream, flush) -> Di
     return {"points": points}
 
 
+#: How the SM sweep names a dispatch with ``recv_x_in_buffer``.
+IN_PLACE = "in place"
+
+
 def _library_sm_sweep(ep, buf, group, args, x, x_fp8, layout_kw, stream, flush) -> Dict[str, Any]:
-    """Cached dispatch BF16 and FP8 and combine BF16 at each ``--sm-sweep`` SM count (the handle of
-    a fresh dispatch with that many SMs); per count the rank's op_stats."""
+    """Cached dispatch BF16 and FP8 (allocating recv_x, and writing it in place: ``recv_x_in_buffer``)
+    and combine BF16 at each ``--sm-sweep`` SM count (the handle of a fresh dispatch with that many
+    SMs); per count the rank's op_stats."""
     H = args.hidden
     points = []
     for num_sms in args.sm_sweep:
@@ -305,6 +311,11 @@ def _library_sm_sweep(ep, buf, group, args, x, x_fp8, layout_kw, stream, flush) 
                "combine BF16": (lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=config), "bf16")}
         if x_fp8 is not None:
             ops["cached dispatch FP8"] = (lambda: buf.dispatch(x_fp8, handle=handle, config=config), "fp8")
+        ops[f"cached dispatch BF16 {IN_PLACE}"] = (
+            lambda: buf.dispatch(x, handle=handle, config=config, recv_x_in_buffer=True), "bf16")
+        if x_fp8 is not None:
+            ops[f"cached dispatch FP8 {IN_PLACE}"] = (
+                lambda: buf.dispatch(x_fp8, handle=handle, config=config, recv_x_in_buffer=True), "fp8")
         point = {"num_sms": num_sms}
         for name, (fn, dtype) in ops.items():
             group.barrier()

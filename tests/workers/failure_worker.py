@@ -20,7 +20,7 @@ import numpy as np
 CASES = ["argument_checks", "more_tokens_than_the_buffer_holds", "invalid_expert_ids", "rank_mismatch",
          "cached_rank_mismatch", "peer_never_joins", "many_iterations", "create_destroy_cycles",
          "recovery_after_a_peer_never_joins", "recovery_after_a_late_peer", "two_buffers_used_alternately",
-         "dispatch_while_an_async_combine_is_in_flight"]
+         "dispatch_while_an_async_combine_is_in_flight", "recv_x_in_buffer_checks"]
 #: The cases that take any rank group, not only an mpi4py communicator (local_failure_worker.py runs them).
 GROUP_CASES = ["recovery_after_a_peer_never_joins", "recovery_after_a_late_peer", "two_buffers_used_alternately",
                "dispatch_while_an_async_combine_is_in_flight"]
@@ -243,6 +243,31 @@ def case_cached_rank_mismatch(comm, ep, cupy):
             if time.monotonic() - start > 10:
                 raise AssertionError("the disagreement took longer than 10 s to surface (a timeout?)")
             dispatch_and_check(buf, rng, config)
+    return {"messages": messages}
+
+
+def case_recv_x_in_buffer_checks(comm, ep, cupy):
+    """recv_x_in_buffer: ranks that disagree on it (fresh: raised at once; cached: at the next call)
+    and a combine of the in-buffer recv_x itself are refused, and the Buffer stays usable."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    config = ep.Config(24, 16, 256)
+    rng = np.random.default_rng(7)
+    messages = {}
+    with ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, config, recv_x_in_buffer=True), timeout_s=20) as buf:
+        xs, topks, _ = inputs(np.random.default_rng(70), R)
+        x, topk = cupy.asarray(xs[rank]), cupy.asarray(topks[rank])
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=topk, config=config)
+        messages["fresh"] = expect(ep.RankMismatchError, "differ", lambda: buf.dispatch(
+            x, **layout, recv_x_in_buffer=rank == 0))
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout, recv_x_in_buffer=True)
+        messages["combine"] = expect(ValueError, "NVLink buffer", lambda: buf.combine(recv_x, handle, config=config))
+        buf.dispatch(x, handle=handle, config=config, recv_x_in_buffer=rank == 0)
+        cupy.cuda.get_current_stream().synchronize()
+        messages["cached"] = expect(ep.RankMismatchError, "differ between rank 0 and rank 1",
+                                    lambda: buf.get_dispatch_layout(topk, E))
+        dispatch_and_check(buf, rng, config)
     return {"messages": messages}
 
 

@@ -7,14 +7,16 @@ with ``deepep_cupy.reference`` bit-exactly.
 BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24, dtype="bfloat16",
             with_topk=True, with_weights=True, expert_alignment=1, routing="uniform", cached=True,
             combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1,
-            allocation="any", scales_layout="row", bias=0, worst=False, expand=False)
+            allocation="any", scales_layout="row", bias=0, worst=False, expand=False, recv_in_buffer=False)
 # allocation: how the scenario's first fresh dispatch must size its outputs ("any": whatever the
 # previous scenario left; "exact": Buffer.allocate_ahead off; "ahead": allocated ahead with room for
 # every rank's tokens; "retried": allocated ahead too small).
 # DeepEP's inputs and calls: scales_layout "column" passes FP8 scales column-major
 # (scales.T.contiguous().T); bias: how many bias arrays combine adds (0..2); worst: one more fresh
 # dispatch with num_worst_tokens (fixed-size outputs), combined from its full-size rows; expand: one
-# more fresh dispatch with expand=True (rows grouped per local expert).
+# more fresh dispatch with expand=True (rows grouped per local expert); recv_in_buffer: every dispatch
+# with recv_x_in_buffer=True (recv_x a view of the NVLink buffer, checked there, then copied: the
+# next call overwrites it).
 
 
 def _scenario(name, **changes):
@@ -55,6 +57,15 @@ SCENARIOS = [
     _scenario("expand_rows_per_expert", expand=True, expert_alignment=16, seed=29),
     _scenario("expand_fp8_torch", expand=True, framework="torch", dtype="float8_e4m3fn", num_topk=8,
               num_experts=64, seed=30),
+    _scenario("rows_in_buffer_bf16", recv_in_buffer=True, hidden=7168, num_tokens=1024, num_topk=8,
+              num_experts=64, worst=True, seed=31),
+    _scenario("rows_in_buffer_fp8_torch_async", recv_in_buffer=True, framework="torch", dtype="float8_e4m3fn",
+              scales_layout="column", num_topk=8, num_experts=64, mode="async", worst=True, seed=32),
+    _scenario("rows_in_buffer_num_sms_8_skewed", recv_in_buffer=True, num_sms=8, routing="skewed",
+              num_tokens=3000, allocation="retried", seed=33),
+    _scenario("rows_in_buffer_fewer_tokens_than_channels", recv_in_buffer=True, num_tokens=(5, 3), seed=34),
+    _scenario("rows_in_buffer_expand_without_topk_weights", recv_in_buffer=True, expand=True, with_weights=False,
+              num_sms=2, seed=35),
     _scenario("reference_workload_bf16", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, seed=20),
     _scenario("reference_workload_fp8", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256,
               dtype="float8_e4m3fn", seed=21),

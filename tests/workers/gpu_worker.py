@@ -203,6 +203,18 @@ def _run_scenario(buf, sc):
     # Dispatch
     kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   expert_alignment=sc["expert_alignment"], config=config)
+    in_buffer = dict(recv_x_in_buffer=True) if sc["recv_in_buffer"] else {}
+    if in_buffer and buf._gpus_shared:
+        # Refused where ranks share a GPU, before anything moves; the scenario then runs without it.
+        try:
+            buf.dispatch(x, **kwargs, **in_buffer)
+        except ValueError as exc:
+            if "share a GPU" not in str(exc):
+                raise
+        else:
+            raise Mismatch("recv_x_in_buffer: accepted although ranks share a GPU")
+        in_buffer = {}
+    kwargs.update(in_buffer)
     if sc["with_topk"]:
         kwargs["topk_idx"] = topk
         if sc["with_weights"]:
@@ -220,8 +232,28 @@ def _run_scenario(buf, sc):
                                **kwargs, **extra)
             assert out[-1].event is not None, "async dispatch returned no event"
             out[-1].current_stream_wait()
+        else:
+            out = buf.dispatch(x, **kwargs, **extra)
+        return kept(out, expanded=extra.get("expand", False))
+
+    def kept(out, expanded=False):
+        """A dispatch's result, its arrays copied when they are views of the NVLink buffer (checked
+        to be: recv_x_in_buffer), which the next call overwrites."""
+        if not in_buffer:
             return out
-        return buf.dispatch(x, **kwargs, **extra)
+        recv_x, recv_topk, recv_weights = out[:3]
+        arrays = [*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_topk, recv_weights]
+        for i, a in enumerate(arrays):
+            if a is None:
+                continue
+            address = a.data_ptr() if sc["framework"] == "torch" else a.data.ptr
+            inside = buf._nvl.local_ptr <= address < buf._nvl.local_ptr + buf._nvl.num_bytes
+            # Expanded rows (and scales) are allocated: only the top-k stays in the buffer.
+            if a.size and inside != (not expanded or i >= len(arrays) - 2):
+                raise Mismatch(f"recv_x_in_buffer: output {i} {'inside' if inside else 'outside'} the NVLink buffer")
+        arrays = [None if a is None else a.clone() if sc["framework"] == "torch" else a.copy() for a in arrays]
+        rows = tuple(arrays[:2]) if isinstance(recv_x, tuple) else arrays[0]
+        return (rows, *arrays[-2:], *out[3:])
 
     def check_fresh(out, call):
         recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
@@ -285,10 +317,12 @@ def _run_scenario(buf, sc):
     if sc["cached"]:
         if sc["mode"] == "async":
             previous = ep.EventOverlap(cupy.cuda.get_current_stream().record())
-            again = buf.dispatch(x, handle=handle, config=config, previous_event=previous, async_finish=True)
+            again = buf.dispatch(x, handle=handle, config=config, previous_event=previous, async_finish=True,
+                                 **in_buffer)
             again[-1].current_stream_wait()
         else:
-            again = buf.dispatch(x, handle=handle, config=config)
+            again = buf.dispatch(x, handle=handle, config=config, **in_buffer)
+        again = kept(again)
         if mine["scales"] is not None:
             expect_equal("cached recv_x (fp8)", to_numpy(again[0][0]), want["recv_x"])
             expect_equal("cached recv_x_scales", to_numpy(again[0][1]), want["recv_x_scales"])
@@ -345,8 +379,10 @@ def check_worst_case(fresh_dispatch, want, want_per_expert, to_numpy, sc):
     """A fresh dispatch with ``num_worst_tokens``: fixed-size outputs, the received rows first (as
     the exact dispatch returns them), top-k ids -1 past them, no expert counts in the list (DeepEP's)
     but the received and per-expert counts (those of the exact dispatch) in the handle's device arrays."""
+    from random_cases import WORST_SPARE_ROWS  # this script's folder is on sys.path
+
     num_recv = want["recv_x"].shape[0]
-    worst = num_recv + 37
+    worst = num_recv + WORST_SPARE_ROWS
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = fresh_dispatch(num_worst_tokens=worst)
     rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
     if rows.shape[0] != worst or per_expert_list != [] or handle.num_recv_tokens is not None:

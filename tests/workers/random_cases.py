@@ -64,6 +64,9 @@ ROUTING_KEYS_CAP = 400_000
 NVL_BYTES_CAP = 1 << 30
 #: A "retried" first dispatch is allocated ahead for 64 rows (see gpu_worker.run_scenario).
 RETRY_GUESS_ROWS = 64
+#: Rows past the received ones that a case's ``num_worst_tokens`` dispatch asks for
+#: (gpu_worker.check_worst_case).
+WORST_SPARE_ROWS = 37
 #: Mixed into every seed so that a case's draws never share a stream with its inputs (make_inputs
 #: seeds its own generator with the case seed).
 _STREAM_KEY = 0x15500C
@@ -113,10 +116,13 @@ def config_of(case) -> Config:
 def nvl_bytes_needed(case) -> int:
     """NVLink bytes per rank the case needs: ``get_nvl_buffer_size_hint`` for its config, top-k,
     rows (FP8 rows counted at BF16 width, as the hint asks, so that their scales are included) and
-    the most tokens a rank dispatches."""
+    the most tokens a rank dispatches (plus the spare rows of a ``num_worst_tokens`` dispatch, which
+    a recv_x in the buffer must have room for too)."""
     row_bytes = case["hidden"] * max(2, ITEMSIZE[case["dtype"]])
+    spare = WORST_SPARE_ROWS if case["recv_in_buffer"] else 0
     return get_nvl_buffer_size_hint(row_bytes, case["num_ranks"], config_of(case), num_topk=case["num_topk"],
-                                    num_max_tokens_per_rank=max(1, *token_counts(case)))
+                                    num_max_tokens_per_rank=max(1, *token_counts(case)) + spare,
+                                    recv_x_in_buffer=case["recv_in_buffer"])
 
 
 def ranks_per_gpu(num_ranks: int, num_gpus: int) -> int:
@@ -201,11 +207,13 @@ def random_case(seed: int, num_gpus: int = DEFAULT_GPUS, sm_count: int = DEFAULT
     bias = d.choice((0, 0, 1, 2)) if combine else 0
     worst = d.chance(0.2)
     expand = with_topk and d.chance(0.2)
+    recv_in_buffer = d.chance(0.25)
     case = dict(name=f"random_{seed}", seed=int(seed), num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden,
                 num_topk=num_topk, num_experts=num_experts, num_sms=num_sms, dtype=dtype, with_topk=with_topk,
                 with_weights=with_weights, expert_alignment=expert_alignment, routing=routing, cached=cached,
                 combine=combine, mode=mode, framework=framework, send_chunk=send_chunk, recv_chunk=recv_chunk,
-                allocation=allocation, scales_layout=scales_layout, bias=bias, worst=worst, expand=expand)
+                allocation=allocation, scales_layout=scales_layout, bias=bias, worst=worst, expand=expand,
+                recv_in_buffer=recv_in_buffer)
     return case
 
 
@@ -228,4 +236,4 @@ def describe_case(case) -> str:
             f"num_sms {case['num_sms']}, chunks {case['send_chunk']}/{case['recv_chunk']}, {case['mode']}, "
             f"{case['framework']}, {'+'.join(steps)}, first dispatch {case['allocation']}, "
             f"scales {case['scales_layout']}, {case['bias']} biases{', num_worst_tokens' if case['worst'] else ''}"
-            f"{', expand' if case['expand'] else ''}")
+            f"{', expand' if case['expand'] else ''}{', recv_x in buffer' if case['recv_in_buffer'] else ''}")
