@@ -493,3 +493,16 @@ def test_the_sm_sweep_plot_is_written_with_deepep_v1_beside(tmp_path):
     assert set(summary["deepep_v1"]) >= {"cached dispatch BF16", "combine BF16"}
     assert report.plot_sm_sweep(str(path), summary, {"num_ranks": 2}) is None
     assert path.stat().st_size > 0
+
+
+def test_the_sm_plot_places_deepep_v1_at_its_sm_counts_after_a_json_round_trip(monkeypatch):
+    from unittest import mock
+
+    plt, fig, ax = mock.MagicMock(), mock.MagicMock(), mock.MagicMock()
+    plt.subplots.return_value = (fig, ax)
+    monkeypatch.setattr(report, "_pyplot", lambda: plt)
+    sweep = json.loads(json.dumps({"sms": [8, 16, 24], "series": {"combine BF16": [540.0, 330.0, 228.0]},
+                                   "deepep_v1": {"combine BF16": {8: 990, 16: 547, 24: 404}}}))
+    assert report.plot_sm_sweep("out.png", sweep, {}) is None
+    v1 = [c for c in ax.plot.call_args_list if c.kwargs.get("label") == "DeepEP V1 combine BF16"]
+    assert [list(a) for a in v1[0].args] == [[8, 16, 24], [990, 547, 404]]

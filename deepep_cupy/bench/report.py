@@ -252,8 +252,9 @@ def plot_sm_sweep(path: str, sm_sweep: Dict[str, Any], settings: Dict[str, Any])
         ax.plot(sm_sweep["sms"], times, marker="o", color=color, label=f"deepep_cupy {op}")
         v1 = sm_sweep.get("deepep_v1", {}).get(op)
         if v1:
-            ax.plot(sorted(v1), [v1[n] for n in sorted(v1)], marker="x", linestyle="--", color=color,
-                    label=f"DeepEP V1 {op}")
+            # SM counts come back as strings from JSON (a gathered or reloaded report): plot numbers.
+            sms, v1_times = zip(*sorted((int(n), t) for n, t in v1.items()))
+            ax.plot(sms, v1_times, marker="x", linestyle="--", color=color, label=f"DeepEP V1 {op}")
     ax.set_xticks(sm_sweep["sms"])
     ax.set_xlabel("SMs (num_sms)")
     ax.set_ylabel("us per call (mean, max over ranks)")
