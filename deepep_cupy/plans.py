@@ -102,7 +102,7 @@ class DispatchSpec:
     with_weights: bool = False
     num_experts: int = 0
     expert_alignment: int = 1
-    #: recv_x lies in the receiver's NVLink buffer, written there by the senders (``recv_x_in_buffer``)
+    #: the outputs lie in the receivers' NVLink buffers, written there by the senders (``recv_x_in_buffer``)
     rows_in_buffer: bool = False
 
     @functools.cached_property

@@ -38,6 +38,7 @@ from .constants import (
     KERNEL_STAGES,
     MAX_LOCAL_EXPERTS,
     SIGNATURE_INTS,
+    SIGNATURE_ROWS_IN_BUFFER,
     VERDICT_BUFFER_TOO_SMALL,
     VERDICT_OVER_CAPACITY,
 )
@@ -63,8 +64,9 @@ BUFFER_ADVICE = ("create the Buffer with deepep_cupy.get_nvl_buffer_size_hint(hi
 RECOVERY = ("The Buffer is unusable: destroy it on every rank (buffer.destroy()) and create a new one on the "
             "same communicator")
 
-SIGNATURE_FIELDS = ("row bytes", "top-k (x2, +1 with weights, +4096 with recv_x_in_buffer)", "scales per token",
-                    "num_experts", "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
+SIGNATURE_FIELDS = ("row bytes", f"top-k (x2, +1 with weights, +{SIGNATURE_ROWS_IN_BUFFER} with recv_x_in_buffer)",
+                    "scales per token", "num_experts", "num_sms", "num_max_nvl_chunked_send_tokens",
+                    "num_max_nvl_chunked_recv_tokens")
 assert len(SIGNATURE_FIELDS) == SIGNATURE_INTS - 1
 
 
