@@ -52,9 +52,6 @@ NOTIFY_CALLS_INT = 29
 #: Int index, in every rank's NVLink buffer, of the arrival word with which the blocks of a
 #: transfer kernel wait for its settings check (kernels/call_check.cuh, ``grid_sync``).
 GRID_SYNC_INT = 30
-#: Int index, in every rank's NVLink buffer, of the word with which the blocks of a dispatch that
-#: writes its rows in place tell its block 0 that their stores are out (block 0 resets it).
-GRID_DONE_INT = 31
 #: Bytes before the first notify area (the header of signals, verdict and counters), and of each
 #: of the two notify areas (sized for MAX_RANKS ranks and MAX_LOCAL_EXPERTS experts per rank).
 NOTIFY_AREA_OFFSET = 128
@@ -111,7 +108,6 @@ def cuda_defines() -> Dict[str, int]:
         "BARRIERS_INT": BARRIERS_INT,
         "NOTIFY_CALLS_INT": NOTIFY_CALLS_INT,
         "GRID_SYNC_INT": GRID_SYNC_INT,
-        "GRID_DONE_INT": GRID_DONE_INT,
         "NOTIFY_AREA_OFFSET": NOTIFY_AREA_OFFSET,
         "NOTIFY_AREA_BYTES": NOTIFY_AREA_BYTES,
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,

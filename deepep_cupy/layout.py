@@ -12,8 +12,6 @@ is valid in a peer's buffer too. All regions start on 128-byte boundaries.
                                             (advanced by the kernels, see constants.BARRIERS_INT)
                         int 30              arrival word of a transfer kernel's blocks waiting for its
                                             settings check (constants.GRID_SYNC_INT; resets itself)
-                        int 31              blocks of an in-place dispatch done sending
-                                            (constants.GRID_DONE_INT; reset by its block 0)
     notify area 0, 1    int signature[R][8], rank_counts[R][R], expert_counts[R][E/R], recv_capacity[R]
                         (sized for 8 ranks and MAX_LOCAL_EXPERTS; dispatches alternate between the
                         two, so a rank can post the next counts while a slower peer still reads the
@@ -53,7 +51,6 @@ from dataclasses import dataclass
 from .constants import (
     ABORT_INT,
     BARRIERS_INT,
-    GRID_DONE_INT,
     GRID_SYNC_INT,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
@@ -71,8 +68,7 @@ INT_BYTES = 4
 #: The words of the header, by int index (the verdict's and the abort mark's are defined in
 #: constants.py, which the kernels share).
 HEADER_WORDS = {"signals": tuple(range(MAX_RANKS)), "verdict": (VERDICT_INT,), "abort mark": (ABORT_INT,),
-                "call counters": (BARRIERS_INT, NOTIFY_CALLS_INT), "grid arrivals": (GRID_SYNC_INT,),
-                "blocks done": (GRID_DONE_INT,)}
+                "call counters": (BARRIERS_INT, NOTIFY_CALLS_INT), "grid arrivals": (GRID_SYNC_INT,)}
 
 
 def _align(n: int) -> int:

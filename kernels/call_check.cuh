@@ -105,7 +105,9 @@ __device__ __forceinline__ void check_call(void* const* buffer_ptrs, int num_ran
 // Every block of the grid waits here until all have arrived (the transfer kernels' grids are
 // resident at once: see deepep_cupy.comm.check_sm_budget). The arrival word (GRID_SYNC_INT of
 // the rank's own buffer) resets itself: block 0 adds 2^31 - (blocks - 1), every other block 1,
-// so its low bits come back to 0 and its top bit flips when the last block arrives. False on
+// so its low bits come back to 0 and its top bit flips when the last block arrives (and only then:
+// a block still spinning on one sync cannot miss its flip because others arrived at the next, so
+// a kernel may sync twice, as an in-place dispatch does). False on
 // every thread of a block whose wait timed out (the rank then gives up on the Buffer).
 __device__ __forceinline__ bool grid_sync(void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns,
                                           int* error_record, int kernel) {

@@ -169,8 +169,8 @@ __device__ __forceinline__ void route_batch(unsigned (&routed)[kNumRanks], const
 // position among those the rank sends that destination, after the rows of lower ranks, so it is
 // known from the channel prefix matrix and a count of the channel's tokens before the warp's.
 // The receivers learn that every row has landed from one barrier at the end (every block fences
-// its stores and checks in; block 0 then meets the other ranks), after which block 0 copies the
-// source indices and channel starts into the handle.
+// its stores and arrives at a grid sync; block 0 then meets the other ranks), after which block 0
+// copies the source indices and channel starts into the handle.
 struct InPlaceDispatch {
     const int4* x;
     const float* x_scales;
@@ -266,39 +266,17 @@ __device__ __forceinline__ void send_in_place(const InPlaceDispatch& p) {
                 channel > 0 ? p.channel_prefix_matrix[d * p.num_channels + channel - 1] : 0;
         }
 
-    // Every block's stores are out before it checks in (GRID_DONE_INT of this rank's buffer,
-    // which block 0 resets once all have).
+    // Every thread's stores are out before its block arrives; once all blocks have, block 0 meets
+    // the other ranks (its barrier numbered by the call counters, as a check's is).
     __threadfence_system();
-    __syncthreads();
-    int* done = reinterpret_cast<int*>(p.base(p.rank)) + GRID_DONE_INT;
-    if (blockIdx.x != 0) {
-        if (threadIdx.x == 0)
-            atomicAdd(done, 1);
+    if (!grid_sync(p.buffer_ptrs, kNumRanks, p.rank, p.timeout_ns, p.error_record, KERNEL_DISPATCH_RECEIVER) ||
+        blockIdx.x != 0)
         return;
-    }
-    int ok = 1;
-    if (threadIdx.x == 0) {
-        const Deadline deadline(p.timeout_ns);
-        while (ld_volatile(done) != (int)gridDim.x - 1) {
-            if (deadline.expired()) {
-                give_up(p.buffer_ptrs, kNumRanks, p.error_record, KERNEL_DISPATCH_RECEIVER, p.rank, -1, p.rank,
-                        (int)gridDim.x);
-                ok = 0;
-                break;
-            }
-        }
-        *done = 0;
-        __threadfence();
-    }
-    if (!__syncthreads_and(ok))
-        return;
-    int* counters = reinterpret_cast<int*>(p.base(p.rank));
-    const int epoch = ld_volatile(counters + BARRIERS_INT) + 1;
-    if (!rank_barrier(p.buffer_ptrs, kNumRanks, p.rank, epoch, p.timeout_ns, p.error_record,
+    CallCounters counters(p.buffer_ptrs, p.rank);
+    if (!rank_barrier(p.buffer_ptrs, kNumRanks, p.rank, counters.first_epoch, p.timeout_ns, p.error_record,
                       KERNEL_DISPATCH_RECEIVER))
         return;
-    if (threadIdx.x == 0)
-        counters[BARRIERS_INT] = epoch;
+    counters.advance(1, 0);
     const int num_received = p.rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + p.rank];
     if (p.recv_src_idx != nullptr)
         for (int i = threadIdx.x; i < num_received; i += blockDim.x)
