@@ -172,7 +172,7 @@ class DispatchPath:
                                                  zero_count=lay.zero_count)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
-        lib = read(plans.split_x(x)[0])[0]
+        lib = spec.rows.lib
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
                     self._output_windows(lib, spec, outputs))

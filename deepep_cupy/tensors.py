@@ -159,6 +159,10 @@ class _CupyLib(ArrayLib):
         memory = cuda.MemoryPointer(cuda.UnownedMemory(ptr, num_bytes, owner, device_id), 0)
         return self._cupy.ndarray((num_bytes,), np.uint8, memory)
 
+    def rows_in(self, window, rows: int, tail: Tuple[int, ...], dtype_name: str):
+        # One call, as in carve: an array made on the window's memory (no slice, view, reshape).
+        return self._cupy.ndarray((rows, *tail), STORAGE[dtype_name], window.data)
+
     def carve(self, block, views) -> list:
         # An array made on the block's memory takes any dtype and offset in one call (no base
         # array: the memory pointer keeps the pool's allocation alive).

@@ -148,3 +148,14 @@ def test_a_cupy_block_is_carved_into_arrays_on_its_memory():
     assert [v.dtype for v in views if v is not None] == [np.int64, np.float32, np.float32, np.float32]
     assert all(v.flags.c_contiguous for v in views if v is not None)
     assert lib.reinterpret(block, "int32").shape == (64,)
+
+
+def test_rows_of_a_cupy_window_are_one_array_on_its_memory():
+    pytest.importorskip("cupy")
+    host = np.zeros(256, np.uint8)  # an address only, as above
+    lib = tensors.library("cupy")
+    window = lib.window(host.ctypes.data, host.nbytes, 0, host)
+    rows = lib.rows_in(window, 3, (4,), "int64")
+    assert rows.shape == (3, 4) and rows.dtype == np.int64 and rows.flags.c_contiguous
+    assert rows.data.ptr == window.data.ptr == host.ctypes.data
+    assert lib.rows_in(window, 5, (), "float32").shape == (5,)
