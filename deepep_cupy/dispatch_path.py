@@ -235,7 +235,9 @@ class DispatchPath:
         Allocated ahead by a library that carves (``plan.kept_outputs``: CuPy), the outputs besides
         ``recv_x`` lie in the handle's allocation: two allocations per call, and one view per output
         once the count is known (``recv_x`` trimmed, the others carved out of the handle's
-        allocation). Otherwise each output is allocated and trimmed.
+        allocation). Otherwise each output is allocated and trimmed. With rows in place
+        (``plan.windows``) nothing is allocated but the handle: the outputs are views of the
+        Buffer's areas, made once the count is known.
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec, kept = plan.spec, plan.kept_outputs
@@ -256,14 +258,20 @@ class DispatchPath:
             if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
                 self._order.record_notify_done(run_on)
             if rows_ahead is not None:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    if kept is None:
-                        outputs = self._dispatch_outputs(lib, plan, rows_ahead)
-                        pointers = self._pointers(lib, outputs)
-                    else:
-                        x_tail, x_dtype = plan.outputs[0]
-                        outputs = [lib.empty((rows_ahead, *x_tail), x_dtype, dev)]
-                        pointers = [lib.pointer(outputs[0]), *kept.pointers(handle.base_ptr + kept_offset, rows_ahead)]
+                if plan.windows is not None:
+                    # In place the kernel writes the Buffer's areas and takes no output addresses:
+                    # the views are made once, at the count.
+                    outputs, pointers = None, [0, 0, 0, 0]
+                else:
+                    with self._allocating(lib, allocate_on_comm_stream):
+                        if kept is None:
+                            outputs = self._dispatch_outputs(lib, plan, rows_ahead)
+                            pointers = self._pointers(lib, outputs)
+                        else:
+                            x_tail, x_dtype = plan.outputs[0]
+                            outputs = [lib.empty((rows_ahead, *x_tail), x_dtype, dev)]
+                            pointers = [lib.pointer(outputs[0]),
+                                        *kept.pointers(handle.base_ptr + kept_offset, rows_ahead)]
                 self._launch_transfer(run_on, call, pointers, handle)
             num_recv = self._slots.wait_for_count(self._order.notify_done)
             verdict = self._slots.verdict()
@@ -280,6 +288,9 @@ class DispatchPath:
                 handle.use_separate_src_idx(src_idx)
                 self._launch_transfer(run_on, call, self._pointers(lib, outputs), handle)
                 allocated = (block, src_idx, *outputs)
+            elif outputs is None:
+                outputs = self._dispatch_outputs(lib, plan, num_recv)
+                allocated = (block,)
             else:
                 # The views share the allocations' memory: handing those to the stream order and
                 # the allocators covers them.

@@ -627,3 +627,17 @@ def test_num_worst_tokens_beyond_the_rows_the_buffer_holds_is_refused_with_recv_
     assert launches.log == []
     recv_x = dispatch(buf, workload(), recv_x_in_buffer=True, num_worst_tokens=rows)[0]
     assert recv_x.shape == (rows, H) and inside(buf, recv_x)
+
+
+def test_an_in_place_dispatch_allocated_ahead_allocates_only_its_handle_and_views_the_exact_rows(in_place):
+    buf, launches, lib = in_place
+    w = workload()
+    dispatch(buf, w, recv_x_in_buffer=True)  # the first waits for its counts
+    before = len(lib.allocations)
+    recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
+    assert buf.last_dispatch_allocation == "ahead"
+    assert [dtype for _, dtype in lib.allocations[before:]] == ["int64"]  # the handle's block
+    p = launches.last("dispatch_kernel<2, false, true>")
+    assert p["recv_x"] == p["recv_topk_idx"] == p["recv_topk_weights"] == 0  # the kernel takes none in place
+    assert recv_x.shape == (100, H) and recv_topk.shape == recv_w.shape == (100, K)
+    assert all(inside(buf, a) for a in (recv_x, recv_topk, recv_w)) and handle.num_recv_tokens == 100
