@@ -92,21 +92,33 @@ class Config:
 LINK_SENDER_BLOCKS = hardware.senders_for_links(hardware.ASSUMED_LINKS)
 
 
-def sender_blocks(num_sms: int, rows_in_buffer: bool = False) -> int:
+def sender_blocks(num_sms: int) -> int:
     """Blocks of a transfer kernel of ``num_sms`` blocks that send; the rest receive (dispatch) or
     reduce (combine).
 
     A dispatch's receivers copy twice what its senders push (the arrived rows, and this rank's own
     tokens), and a combine's reducers read two rows or more for every row pushed: they get about
     two thirds of the blocks, the senders at most enough to fill the links (half of 8 or fewer).
-    A dispatch that writes its rows in place (``rows_in_buffer``) has no receivers: every block
-    sends (its channels stay those of ``Config.num_channels``, for the handle).
     """
-    if rows_in_buffer:
-        return num_sms
     if num_sms <= 8:
         return max(1, num_sms // 2)
     return min(LINK_SENDER_BLOCKS, round(num_sms / 3))
+
+
+def peer_blocks_in_place(num_sms: int, num_ranks: int) -> int:
+    """Blocks of a dispatch that writes its rows in place (``recv_x_in_buffer``) that write the rows
+    other ranks take; the rest write this rank's own rows. ``num_sms``: every block writes every
+    destination.
+
+    An SM stores about 45 GB/s in all, to a peer or to its own memory, but its stores to its own
+    memory slow its pushes over NVLink: blocks that only push fill the links. A rank's own rows
+    are about 1/(R - 1) of what it pushes to the R - 1 others, so they keep pace with the links on
+    ``LINK_SENDER_BLOCKS / (R - 1)`` blocks (at most ``num_sms // R``), when the others are still
+    enough to fill the links; with fewer SMs all of them are needed on every destination
+    (docs/PERF_NOTES.md).
+    """
+    own = min(num_sms // num_ranks, -(-LINK_SENDER_BLOCKS // (num_ranks - 1)))
+    return num_sms - own if own and num_sms - own >= LINK_SENDER_BLOCKS else num_sms
 
 
 def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional[Config] = None, *,

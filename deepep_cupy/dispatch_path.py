@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import launch, plans
-from .config import sender_blocks
+from .config import peer_blocks_in_place, sender_blocks
 from .constants import VERDICT_OVER_CAPACITY
 from .handle import DispatchHandle, handle_layout, kept_outputs
 from .launch import KernelCall
@@ -220,7 +220,8 @@ class DispatchPath:
                           x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
                           topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
                           region_tokens=lay.region_tokens, num_channels=config.num_channels,
-                          num_senders=sender_blocks(config.num_sms, spec.rows_in_buffer),
+                          num_senders=(peer_blocks_in_place(config.num_sms, self.num_ranks) if spec.rows_in_buffer
+                                       else sender_blocks(config.num_sms)),
                           send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows_ahead: Optional[int], previous_event,

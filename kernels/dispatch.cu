@@ -24,7 +24,7 @@
 // that channel, copied from x.
 //
 // kRowsInBuffer (recv_x_in_buffer): the outputs live in the receivers' NVLink buffers and every
-// block sends; see send_in_place below.
+// block writes rows there (`num_senders` of them to the peers); see send_in_place below.
 constexpr int kDispatchWarps = DISPATCH_THREADS / 32;
 // 16-byte loads each lane keeps in flight while copying (latency hiding over NVLink); halved for
 // more than 4 ranks, whose destination addresses take the registers.
@@ -137,22 +137,24 @@ struct TokenSide {
 // The routing of tokens [batch, batch + 32) (before `token_end`): lane i reads token batch + i's,
 // ballots give every lane all of it (bit i of routed[d]: the token goes to rank d). With a
 // `send_head`, each of those tokens' slot at every destination (counted on from `next_slot`),
-// -1 where it does not go.
+// -1 where it does not go. Only the destinations in `dest_mask` (bit d: rank d) are routed and
+// written; the others are left to another warp.
 template <int kNumRanks>
 __device__ __forceinline__ void route_batch(unsigned (&routed)[kNumRanks], const bool* is_token_in_rank, int batch,
                                             int token_end, int* send_head, const int (&next_slot)[kNumRanks],
-                                            int lane) {
+                                            int lane, unsigned dest_mask = 0xffffffffu) {
     const int lane_token = batch + lane;
     #pragma unroll
     for (int d = 0; d < kNumRanks; ++d)
-        routed[d] = __ballot_sync(0xffffffffu, lane_token < token_end &&
+        routed[d] = __ballot_sync(0xffffffffu, lane_token < token_end && ((dest_mask >> d) & 1u) &&
                                   is_token_in_rank[(int64_t_)lane_token * kNumRanks + d]);
     if (send_head != nullptr && lane_token < token_end) {
         const unsigned below = (1u << lane) - 1u;
         #pragma unroll
         for (int d = 0; d < kNumRanks; ++d)
-            send_head[(int64_t_)lane_token * kNumRanks + d] =
-                (routed[d] >> lane) & 1u ? next_slot[d] + __popc(routed[d] & below) : -1;
+            if ((dest_mask >> d) & 1u)
+                send_head[(int64_t_)lane_token * kNumRanks + d] =
+                    (routed[d] >> lane) & 1u ? next_slot[d] + __popc(routed[d] & below) : -1;
     }
 }
 
@@ -163,9 +165,12 @@ __device__ __forceinline__ void route_batch(unsigned (&routed)[kNumRanks], const
 //   topk_weights_off:  float     topk_weights[R * region_tokens][K]      recv_topk_weights
 //   scales_off:        float     scales[R * region_tokens][S]            recv_x_scales
 //   meta_off:          int       start[C][R]: channel c of source s starts at row start[c][s] of s's block
-// Every warp of the grid takes an equal share of the rank's tokens and writes each token, with
-// its per-token data, straight into its row at every rank that takes it (its own included):
-// nobody waits for anybody while rows move, and no SM copies them out. The row is the token's
+// Every warp of a group of blocks takes an equal share of the rank's tokens and writes each token,
+// with its per-token data, straight into its row at every rank of the group's destinations that
+// takes it: nobody waits for anybody while rows move, and no SM copies them out. With
+// `num_peer_blocks` below the grid, the last `num_peer_blocks` blocks write the rows for the other
+// ranks and the first ones this rank's own rows (an SM's stores to its own memory slow its NVLink
+// pushes: apart, the pushing blocks fill the links); otherwise one group, every destination. The row is the token's
 // position among those the rank sends that destination, after the rows of lower ranks, so it is
 // known from the channel prefix matrix and a count of the channel's tokens before the warp's.
 // The receivers learn that every row has landed from one barrier at the end (every block fences
@@ -183,7 +188,7 @@ struct InPlaceDispatch {
     int* recv_src_idx;
     int* recv_channel_prefix_matrix;
     void* const* buffer_ptrs;
-    int rank, num_tokens, num_channels, hidden_int4, num_topk, num_experts, num_scales;
+    int rank, num_tokens, num_channels, num_peer_blocks, hidden_int4, num_topk, num_experts, num_scales;
     int scale_token_stride, scale_hidden_stride;
     int64_t_ meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off, timeout_ns;
     int* error_record;
@@ -194,11 +199,16 @@ struct InPlaceDispatch {
 template <int kNumRanks, bool kStridedScales, int kUnroll>
 __device__ __forceinline__ void send_in_place(const InPlaceDispatch& p) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int num_warps = gridDim.x * kDispatchWarps;
+    const int num_own_blocks = gridDim.x - p.num_peer_blocks;
+    const bool split = num_own_blocks > 0;
+    const bool own_rows = (int)blockIdx.x < num_own_blocks;
+    const int group_blocks = !split ? gridDim.x : own_rows ? num_own_blocks : p.num_peer_blocks;
+    const int group_block = own_rows ? blockIdx.x : blockIdx.x - num_own_blocks;
+    const unsigned dest_mask = !split ? 0xffffffffu : own_rows ? 1u << p.rank : ~(1u << p.rank);
     // Consecutive shares on different blocks, so that every block gets some of every channel's.
-    const int share = warp * gridDim.x + blockIdx.x;
+    const int share = warp * group_blocks + group_block;
     int token_begin, token_end;
-    channel_task_range(p.num_tokens, num_warps, share, token_begin, token_end);
+    channel_task_range(p.num_tokens, group_blocks * kDispatchWarps, share, token_begin, token_end);
     // Per destination, the row (within this rank's block there) of the next token routed to it.
     int next_slot[kNumRanks];
     if (token_begin < token_end) {
@@ -223,7 +233,7 @@ __device__ __forceinline__ void send_in_place(const InPlaceDispatch& p) {
 
     for (int batch = token_begin; batch < token_end; batch += 32) {
         unsigned routed[kNumRanks];
-        route_batch<kNumRanks>(routed, p.is_token_in_rank, batch, token_end, p.send_head, next_slot, lane);
+        route_batch<kNumRanks>(routed, p.is_token_in_rank, batch, token_end, p.send_head, next_slot, lane, dest_mask);
         const int batch_end = min(batch + 32, token_end);
         for (int token = batch; token < batch_end; ++token) {
             const int bit = token - batch;
@@ -339,10 +349,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) dispatch_kernel(
     if (kRowsInBuffer) {
         const InPlaceDispatch in_place{x, x_scales, topk_idx, topk_weights, is_token_in_rank, channel_prefix_matrix,
                                        rank_prefix_matrix, send_head, recv_src_idx, recv_channel_prefix_matrix,
-                                       buffer_ptrs, rank, num_tokens, num_channels, hidden_int4, num_topk,
-                                       num_experts, num_scales, scale_token_stride, scale_hidden_stride, meta_off,
-                                       x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off, timeout_ns,
-                                       error_record};
+                                       buffer_ptrs, rank, num_tokens, num_channels, num_senders, hidden_int4,
+                                       num_topk, num_experts, num_scales, scale_token_stride, scale_hidden_stride,
+                                       meta_off, x_off, src_idx_off, topk_idx_off, topk_weights_off, scales_off,
+                                       timeout_ns, error_record};
         send_in_place<kNumRanks, kStridedScales, kUnroll>(in_place);
         return;
     }

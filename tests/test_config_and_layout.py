@@ -7,7 +7,7 @@ import pytest
 
 import deepep_cupy as ep
 from deepep_cupy import layout
-from deepep_cupy.config import CONFIG_ENV, sender_blocks
+from deepep_cupy.config import CONFIG_ENV, LINK_SENDER_BLOCKS, peer_blocks_in_place, sender_blocks
 from deepep_cupy.constants import BLOCK_THREADS
 
 
@@ -28,6 +28,15 @@ def test_config_has_a_channel_per_sender_warp():
     warps = BLOCK_THREADS["dispatch_kernel"] // 32
     assert ep.Config(24, 6, 256).num_channels == sender_blocks(24) * warps
     assert 1 <= sender_blocks(2) < 2 and sender_blocks(24) < 24
+
+
+@pytest.mark.parametrize("num_sms,num_ranks,peer_blocks", [(24, 2, 16), (16, 2, 8), (32, 2, 24), (24, 8, 22),
+                                                         (12, 2, 12), (8, 2, 8), (8, 8, 8), (2, 2, 2)])
+def test_an_in_place_dispatch_keeps_its_own_rows_apart_once_the_other_blocks_fill_the_links(num_sms, num_ranks,
+                                                                                            peer_blocks):
+    # peer_blocks == num_sms: no split, every block writes every destination.
+    assert peer_blocks_in_place(num_sms, num_ranks) == peer_blocks
+    assert peer_blocks == num_sms or peer_blocks >= LINK_SENDER_BLOCKS
 
 
 @pytest.mark.parametrize("num_ranks", range(2, 9))
