@@ -499,8 +499,9 @@ class Buffer(DispatchPath):
                 takes one row per received token (``handle.num_recv_tokens``).
             recv_x_in_buffer: return ``recv_x``, its scales and the top-k outputs as views of this
                 rank's NVLink buffer, into which every rank writes each token straight into its
-                row: no SM copies rows out and every one of ``config.num_sms`` sends, so that few
-                SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the next
+                row: no SM copies rows out and every one of ``config.num_sms`` writes rows (with
+                enough SMs some only this rank's own: ``config.peer_blocks_in_place``), so that
+                few SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the next
                 dispatch or combine of this Buffer (copy them to keep them longer, e.g. for a
                 backward pass) and must not be written; passing one to a call of this Buffer raises
                 ``ValueError``. Every rank must pass the same value (``RankMismatchError``). The

@@ -579,6 +579,20 @@ def test_recv_x_in_buffer_returns_views_of_the_nvlink_buffer_written_by_every_bl
     assert not any(shape == (100, H) for shape, _ in lib.allocations), "recv_x was allocated"
 
 
+def test_from_16_sms_an_in_place_dispatch_writes_its_own_rows_on_blocks_of_their_own(monkeypatch):
+    config = ep.Config(24, 4, 32)
+    nvl_bytes = ep.get_nvl_buffer_size_hint(H * 2, R, config, num_topk=K, num_max_tokens_per_rank=N,
+                                            recv_x_in_buffer=True)
+    buf, launches, _ = fake_buffer(monkeypatch, num_nvl_bytes=nvl_bytes, nvl_memory=True, received=(100,),
+                                   expert_counts=list(range(E // R)))
+    w = workload()
+    handle = dispatch(buf, w, config=config, recv_x_in_buffer=True)[4]
+    buf.dispatch(w["x"], handle=handle, config=config, recv_x_in_buffer=True)
+    fresh, cached = [params for name, params in launches.log if name == "dispatch_kernel<2, false, true>"]
+    # num_senders: the blocks that push to the peers; the 8 before them write this rank's rows.
+    assert fresh["num_senders"] == cached["num_senders"] == 24 - 8
+
+
 def test_a_cached_dispatch_with_recv_x_in_buffer_checks_that_setting_across_ranks(in_place):
     buf, launches, _ = in_place
     w = workload()
