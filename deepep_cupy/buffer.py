@@ -501,8 +501,8 @@ class Buffer(DispatchPath):
                 rank's NVLink buffer, into which every rank writes each token straight into its
                 row: no SM copies rows out and every one of ``config.num_sms`` writes rows (with
                 enough SMs some only this rank's own: ``config.peer_blocks_in_place``), so that
-                few SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the next
-                dispatch or combine of this Buffer (copy them to keep them longer, e.g. for a
+                few SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the
+                next dispatch or combine of this Buffer (copy them to keep them longer, e.g. for a
                 backward pass) and must not be written; passing one to a call of this Buffer raises
                 ``ValueError``. Every rank must pass the same value (``RankMismatchError``). The
                 Buffer needs ``get_nvl_buffer_size_hint(..., recv_x_in_buffer=True)`` bytes for as

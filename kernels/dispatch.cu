@@ -170,9 +170,10 @@ __device__ __forceinline__ void route_batch(unsigned (&routed)[kNumRanks], const
 // takes it: nobody waits for anybody while rows move, and no SM copies them out. With
 // `num_peer_blocks` below the grid, the last `num_peer_blocks` blocks write the rows for the other
 // ranks and the first ones this rank's own rows (an SM's stores to its own memory slow its NVLink
-// pushes: apart, the pushing blocks fill the links); otherwise one group, every destination. The row is the token's
-// position among those the rank sends that destination, after the rows of lower ranks, so it is
-// known from the channel prefix matrix and a count of the channel's tokens before the warp's.
+// pushes: apart, the pushing blocks fill the links); otherwise one group, every destination. The
+// row is the token's position among those the rank sends that destination, after the rows of
+// lower ranks, so it is known from the channel prefix matrix and a count of the channel's tokens
+// before the warp's.
 // The receivers learn that every row has landed from one barrier at the end (every block fences
 // its stores and arrives at a grid sync; block 0 then meets the other ranks), after which block 0
 // copies the source indices and channel starts into the handle.
