@@ -115,7 +115,9 @@ def peer_blocks_in_place(num_sms: int, num_ranks: int) -> int:
     are about 1/(R - 1) of what it pushes to the R - 1 others, so they keep pace with the links on
     ``LINK_SENDER_BLOCKS / (R - 1)`` blocks (at most ``num_sms // R``), when the others are still
     enough to fill the links; with fewer SMs all of them are needed on every destination
-    (docs/PERF_NOTES.md).
+    (docs/PERF_NOTES.md). The split assumes routing that spreads tokens over the ranks: where most
+    of a rank's tokens stay on it, its own-row blocks do most of the work (at 24 SMs on 2 ranks,
+    8 blocks write what 24 would share).
     """
     own = min(num_sms // num_ranks, -(-LINK_SENDER_BLOCKS // (num_ranks - 1)))
     return num_sms - own if own and num_sms - own >= LINK_SENDER_BLOCKS else num_sms
