@@ -1,0 +1,113 @@
+"""How an in-place dispatch (``recv_x_in_buffer=True``) should split its blocks (mpirun -n 2).
+
+    mpirun -n 2 python3 scripts/in_place_split.py [--sms 16,24,32] [--peer-blocks 8,12,16] [--rounds 2]
+
+Per SM count: the copying dispatch, then the in-place one with each number of blocks that push to
+the peers (``num_senders`` of its kernel; the others write the rank's own rows; ``num_sms``: no
+split; ``*`` marks ``config.peer_blocks_in_place``'s choice), alternated ``--rounds`` times. Loop
+time per call over 20 calls (no L2 flush) of cached BF16, cached FP8 and fresh BF16 dispatches
+of the reference workload, CuPy inputs, max over ranks; ``exact``: every in-place output equals
+the copying dispatch's.
+"""
+import argparse
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+
+import deepep_cupy as ep
+from deepep_cupy import reference as ref
+from deepep_cupy.config import peer_blocks_in_place
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--sms", default="16,24,32")
+parser.add_argument("--peer-blocks", default="8,10,12,16", help="besides num_sms and the recommended split")
+parser.add_argument("--rounds", type=int, default=2)
+parser.add_argument("--tokens", type=int, default=4096)
+args = parser.parse_args()
+
+comm = MPI.COMM_WORLD
+rank, R = comm.Get_rank(), comm.Get_size()
+cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
+H, E, K, N = 7168, 256, 8, args.tokens
+sms_list = [int(v) for v in args.sms.split(",")]
+buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=K,
+                                                  num_max_tokens_per_rank=N, recv_x_in_buffer=True), timeout_s=30)
+rng = np.random.default_rng(rank)
+topk = cupy.asarray(ref.random_routing(rng, N, E, K))
+x = cupy.asarray(ref.float32_to_bfloat16_bits(rng.standard_normal((N, H), dtype=np.float32)))
+x8 = (cupy.asarray(rng.integers(0, 120, (N, H), dtype=np.uint8)),
+      cupy.asarray(rng.random((N, H // 128), dtype=np.float32)))
+weights = cupy.asarray(rng.random((N, K), dtype=np.float32))
+per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+
+
+def loop_us(fn, iters=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    comm.Barrier()
+    start = stream.record()
+    for _ in range(iters):
+        fn()
+    end = stream.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / iters
+
+
+def set_peer_blocks(value):
+    """Every in-place plan's transfer launches with ``value`` pushing blocks from now on."""
+    for key, plan in buf._plans.items():
+        if key[0] in ("dispatch", "cached dispatch") and key[-1] is True:
+            plan.main.params.values.num_senders = value
+
+
+def equal(a, b):
+    if isinstance(a, tuple):
+        return all(equal(u, v) for u, v in zip(a, b))
+    return bool(cupy.array_equal(a, b))
+
+
+def show(label, figures):
+    gathered = comm.gather(figures, root=0)
+    if rank == 0:
+        print(label, "  ".join(f"{k} {max(g[k] for g in gathered):6.1f}" if isinstance(v, float)
+                               else f"{k} {all(g[k] for g in gathered)}" for k, v in figures.items()), flush=True)
+
+
+for sms in sms_list:
+    config = ep.Config(sms, 4, 256)
+    fresh = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                 topk_idx=topk, topk_weights=weights, config=config)
+    buf._plans.clear()
+    copied = buf.dispatch(x, **fresh)
+    handle = copied[4]
+    expected = [a.copy() for a in copied[:3]] + [handle[3].copy()]
+    expected_fp8 = tuple(a.copy() for a in buf.dispatch(x8, handle=handle, config=config)[0])
+    chosen = peer_blocks_in_place(sms, R)
+    choices = {sms, chosen} | {int(v) for v in args.peer_blocks.split(",") if 0 < int(v) <= sms}
+    for round_ in range(args.rounds):
+        show(f"sms {sms:2d} round {round_} copying       ", dict(
+            cached_bf16=loop_us(lambda: buf.dispatch(x, handle=handle, config=config)),
+            cached_fp8=loop_us(lambda: buf.dispatch(x8, handle=handle, config=config)),
+            fresh_bf16=loop_us(lambda: buf.dispatch(x, **fresh))))
+        for peer_blocks in sorted(choices, reverse=True):
+            first = buf.dispatch(x, **fresh, recv_x_in_buffer=True)[4]  # the plans, then their split
+            buf.dispatch(x, handle=first, config=config, recv_x_in_buffer=True)
+            buf.dispatch(x8, handle=first, config=config, recv_x_in_buffer=True)
+            set_peer_blocks(peer_blocks)
+            out = buf.dispatch(x, **fresh, recv_x_in_buffer=True)
+            in_place = out[4]
+            exact = all(equal(a, b) for a, b in zip([*out[:3], in_place[3]], expected))
+            exact = exact and equal(buf.dispatch(x, handle=in_place, config=config, recv_x_in_buffer=True)[0],
+                                    expected[0])
+            exact = exact and equal(buf.dispatch(x8, handle=in_place, config=config, recv_x_in_buffer=True)[0],
+                                    expected_fp8)
+            mark = "*" if peer_blocks == chosen else " "
+            show(f"sms {sms:2d} round {round_} peer blocks {peer_blocks:2d}{mark}", dict(
+                cached_bf16=loop_us(lambda: buf.dispatch(x, handle=in_place, config=config, recv_x_in_buffer=True)),
+                cached_fp8=loop_us(lambda: buf.dispatch(x8, handle=in_place, config=config, recv_x_in_buffer=True)),
+                fresh_bf16=loop_us(lambda: buf.dispatch(x, **fresh, recv_x_in_buffer=True)),
+                exact=exact))
+buf.destroy()
