@@ -178,7 +178,9 @@ class Buffer(DispatchPath):
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         self._group: Group = as_group(group)
         self.group = group
-        self._gpus_shared = False  # several ranks on one GPU (in-process groups): _check_group
+        # Whether some GPU of the group runs several ranks (an in-process group), the same on every
+        # rank, unlike StreamOrder.shares_gpu (this rank's GPU): set by _check_group.
+        self._group_shares_a_gpu = False
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -279,8 +281,8 @@ class Buffer(DispatchPath):
         if len(set(sizes)) > 1:
             raise RankMismatchError(f"num_nvl_bytes: ranks disagree, got {sizes} (rank order)")
         buses = [e["bus"] for e in everyone]
-        self._gpus_shared = len(set(buses)) < len(buses)
-        if not self._group.in_process and self._gpus_shared:
+        self._group_shares_a_gpu = len(set(buses)) < len(buses)
+        if not self._group.in_process and self._group_shares_a_gpu:
             raise ValueError(
                 f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
                 "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")

@@ -619,7 +619,7 @@ def test_a_call_given_an_array_that_lies_in_the_nvlink_buffer_refuses_it(in_plac
 
 def test_recv_x_in_buffer_is_refused_while_ranks_share_a_gpu(in_place):
     buf, launches, _ = in_place
-    buf._gpus_shared = True
+    buf._group_shares_a_gpu = True
     with pytest.raises(ValueError, match="share a GPU"):
         dispatch(buf, workload(), recv_x_in_buffer=True)
     assert launches.log == []

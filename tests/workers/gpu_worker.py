@@ -204,7 +204,7 @@ def _run_scenario(buf, sc):
     kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   expert_alignment=sc["expert_alignment"], config=config)
     in_buffer = dict(recv_x_in_buffer=True) if sc["recv_in_buffer"] else {}
-    if in_buffer and buf._gpus_shared:
+    if in_buffer and buf._group_shares_a_gpu:
         # Refused where ranks share a GPU, before anything moves; the scenario then runs without it.
         try:
             buf.dispatch(x, **kwargs, **in_buffer)
