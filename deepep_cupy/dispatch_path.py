@@ -20,7 +20,7 @@ from .handle import DispatchHandle, handle_layout, kept_outputs
 from .launch import KernelCall
 from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
-from .tensors import ITEMSIZE, read
+from .tensors import read, row_bytes
 
 
 class DispatchCall(NamedTuple):
@@ -186,8 +186,7 @@ class DispatchPath:
         lay, base = spec.layout, self._nvl.local_ptr
         offsets = (lay.x_off, lay.scales_off, lay.topk_idx_off, lay.topk_weights_off)
         return tuple(None if out is None else
-                     lib.window(base + offset, lay.rows * ITEMSIZE[out[1]] * int(np.prod(out[0], dtype=np.int64)),
-                                self.device_id, self._nvl)
+                     lib.window(base + offset, lay.rows * row_bytes(*out), self.device_id, self._nvl)
                      for offset, out in zip(offsets, outputs))
 
     @staticmethod
@@ -262,7 +261,7 @@ class DispatchPath:
                 if plan.windows is not None:
                     # In place the kernel writes the Buffer's areas and takes no output addresses:
                     # the views are made once, at the count.
-                    outputs, pointers = None, [0, 0, 0, 0]
+                    pointers = [0, 0, 0, 0]
                 else:
                     with self._allocating(lib, allocate_on_comm_stream):
                         if kept is None:
@@ -289,7 +288,7 @@ class DispatchPath:
                 handle.use_separate_src_idx(src_idx)
                 self._launch_transfer(run_on, call, self._pointers(lib, outputs), handle)
                 allocated = (block, src_idx, *outputs)
-            elif outputs is None:
+            elif plan.windows is not None:
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
                 allocated = (block,)
             else:

@@ -15,7 +15,7 @@ import functools
 from typing import Any, NamedTuple, Optional, Tuple
 
 from .layout import INT_BYTES
-from .tensors import ITEMSIZE
+from .tensors import row_bytes as output_row_bytes
 
 #: Bytes of an element of a handle's allocation: int64 words, so that the outputs a dispatch keeps
 #: after the ints (:class:`KeptOutputs`, int64 top-k ids first) start on an 8-byte boundary. Its
@@ -105,10 +105,7 @@ def kept_outputs(outputs) -> KeptOutputs:
         if output is not None:
             tail, dtype_name = output
             regions[name] = (row_bytes, tuple(tail), dtype_name)
-            size = ITEMSIZE[dtype_name]
-            for extent in tail:
-                size *= extent
-            row_bytes += size
+            row_bytes += output_row_bytes(tail, dtype_name)
     return KeptOutputs(tuple(regions.get(name) for name in ("scales", "topk", "weights")), row_bytes)
 
 

@@ -35,6 +35,14 @@ STORAGE = {
 ITEMSIZE = {name: dtype.itemsize for name, dtype in STORAGE.items()}
 
 
+def row_bytes(tail: Tuple[int, ...], dtype_name: str) -> int:
+    """Bytes of one row of ``tail``-shaped ``dtype_name`` elements."""
+    size = ITEMSIZE[dtype_name]
+    for extent in tail:
+        size *= extent
+    return size
+
+
 class ArrayInfo(NamedTuple):
     """What the argument checks know of one array."""
     lib: "ArrayLib"
@@ -101,8 +109,7 @@ class ArrayLib:
 
     def rows_in(self, window, rows: int, tail: Tuple[int, ...], dtype_name: str):
         """The first ``rows`` rows of ``tail``-shaped ``dtype_name`` elements in ``window`` (a view)."""
-        row_bytes = ITEMSIZE[dtype_name] * int(np.prod(tail, dtype=np.int64))
-        return self.reinterpret(window[:rows * row_bytes], dtype_name).reshape((rows, *tail))
+        return self.reinterpret(window[:rows * row_bytes(tail, dtype_name)], dtype_name).reshape((rows, *tail))
 
     def carve(self, block, views: Sequence[Optional[Tuple[int, Tuple[int, ...], str]]]) -> list:
         """Arrays of exact size inside ``block``, a 1-D int64 allocation of this library: one
