@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 import deepep_cupy as ep
 from deepep_cupy import reference as ref
+from deepep_cupy.bench.calls import device_arrays
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lib", default="cupy", choices=("cupy", "torch"))
@@ -56,17 +57,10 @@ type(buf)._launch_notify = timed_notify
 
 for n in (int(v) for v in args.tokens.split(",")):
     rng = np.random.default_rng([rank, n])
-    topk = ref.random_routing(rng, n, E, K)
-    x = ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32))
-    weights = rng.random((n, K), dtype=np.float32)
-    if args.lib == "torch":
-        import torch
-
-        dev = f"cuda:{device}"
-        topk, weights = torch.from_numpy(topk).to(dev), torch.from_numpy(weights).to(dev)
-        x = torch.from_numpy(x.view(np.int16)).to(dev).view(torch.bfloat16)
-    else:
-        topk, x, weights = cupy.asarray(topk), cupy.asarray(x), cupy.asarray(weights)
+    arrays = device_arrays(args.lib, {"topk_idx": ref.random_routing(rng, n, E, K),
+                                      "x": ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32)),
+                                      "topk_weights": rng.random((n, K), dtype=np.float32)}, device)
+    topk, x, weights = arrays["topk_idx"], arrays["x"], arrays["topk_weights"]
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk, topk_weights=weights, config=config)

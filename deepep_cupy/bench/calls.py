@@ -60,7 +60,7 @@ def available_libs(names: Sequence[str]) -> List[str]:
     return out
 
 
-def _device_arrays(lib: str, host: Dict[str, np.ndarray], device: int) -> Dict[str, Any]:
+def device_arrays(lib: str, host: Dict[str, np.ndarray], device: int) -> Dict[str, Any]:
     """The workload as ``lib``'s device arrays (BF16 and FP8 in the library's own representation)."""
     if lib == "cupy":
         import cupy
@@ -122,7 +122,7 @@ def bench_calls_rank(buf: Any, group: Any, args: Any, reference: Any, dispatch_c
         calls = {}
         for lib in libs:
             with _lib_stream(lib, device):
-                a = _device_arrays(lib, host, device)
+                a = device_arrays(lib, host, device)
                 ops = _calls(buf, a, E, d, c)
                 ops.update(step_ops(buf, lib, a, E, d, c, device, getattr(group, "in_process", False)))
                 calls[lib] = ops
