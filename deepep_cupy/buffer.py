@@ -23,7 +23,7 @@ import numpy as np
 from . import compat, kernels, plans, slots
 from .capacity import ReceiveCapacityGuess
 from .comm import Group, as_group
-from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config, sender_blocks
+from .config import DEFAULT_NUM_SMS, Config, combine_sender_blocks, get_combine_config, get_dispatch_config
 from .constants import MAX_RANKS
 from .dispatch_path import DispatchPath
 from .errors import RankMismatchError
@@ -624,7 +624,7 @@ class Buffer(DispatchPath):
         main = self._bind("combine_kernel", (spec.element, self.num_ranks), grid=config.num_sms,
                           num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
                           meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
-                          region_tokens=lay.region_tokens, num_senders=sender_blocks(config.num_sms),
+                          region_tokens=lay.region_tokens, num_senders=combine_sender_blocks(config.num_sms),
                           send_chunk=config.num_max_nvl_chunked_send_tokens,
                           **plans.call_check_arguments(plans.OP_COMBINE, spec.row_bytes, spec.row_detail, config, lay))
         return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0))

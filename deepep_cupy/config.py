@@ -27,10 +27,11 @@ class Config:
     """How many SMs dispatch and combine use, and how often their senders publish progress.
 
     Args:
-        num_sms: thread blocks of the transfer kernels, even: :func:`sender_blocks` of them send,
-            the others receive (dispatch) or reduce (combine). Every sender warp of a dispatch is
-            one channel (a contiguous range of the rank's tokens), so a combine must use the same
-            number of SMs as the dispatch whose handle it uses.
+        num_sms: thread blocks of the transfer kernels, even: :func:`sender_blocks` of a dispatch's
+            send and the others receive (a combine's: :func:`combine_sender_blocks` send, the
+            others reduce). Every sender warp of a dispatch is one channel (a contiguous range of
+            the rank's tokens), so a combine must use a config with the channels of the dispatch
+            whose handle it uses (the same ``num_sms``, or one with as many dispatch senders).
         num_max_nvl_chunked_send_tokens: tokens a sender warp writes before it publishes how far
             it got (the receivers copy what is published).
         num_max_nvl_chunked_recv_tokens: DeepEP's queue depth. Accepted (and compared across
@@ -93,16 +94,29 @@ LINK_SENDER_BLOCKS = hardware.senders_for_links(hardware.ASSUMED_LINKS)
 
 
 def sender_blocks(num_sms: int) -> int:
-    """Blocks of a transfer kernel of ``num_sms`` blocks that send; the rest receive (dispatch) or
-    reduce (combine).
+    """Blocks of a dispatch of ``num_sms`` blocks that send (each warp a channel); the rest receive.
+    A combine's blocks are split by :func:`combine_sender_blocks`.
 
     A dispatch's receivers copy twice what its senders push (the arrived rows, and this rank's own
-    tokens), and a combine's reducers read two rows or more for every row pushed: they get about
-    two thirds of the blocks, the senders at most enough to fill the links (half of 8 or fewer).
+    tokens): they get about two thirds of the blocks, the senders at most enough to fill the links
+    (half of 8 or fewer).
     """
     if num_sms <= 8:
         return max(1, num_sms // 2)
     return min(LINK_SENDER_BLOCKS, round(num_sms / 3))
+
+
+def combine_sender_blocks(num_sms: int) -> int:
+    """Blocks of a combine of ``num_sms`` blocks that push rows back to their owners; the rest reduce.
+
+    A combine's work items are the dispatch's channels (one per dispatch sender warp, times the
+    other ranks), dealt to its sender blocks in turn, so it needs at least the dispatch's sender
+    blocks (with fewer, some warps take two items one after the other) and may use more: each
+    block adds an SM's stores. Below the 8 blocks that fill the links the push gains from 3/7 of
+    the SMs; the reducers, which read two rows for every row pushed, keep the rest (measured on
+    2 x H200, docs/PERF_NOTES.md).
+    """
+    return max(sender_blocks(num_sms), min(LINK_SENDER_BLOCKS, round(3 * num_sms / 7)))
 
 
 def peer_blocks_in_place(num_sms: int, num_ranks: int) -> int:

@@ -59,10 +59,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
     };
 
     if (blockIdx.x < num_senders) {
-        // Work item w: channel w / (R - 1) of the (w % (R - 1))-th rank after this one.
+        // Work item w: channel w / (R - 1) of the (w % (R - 1))-th rank after this one. Items are
+        // dealt to the blocks in turn: there may be fewer items than sender warps, and every
+        // sender block's SM adds its own store bandwidth.
         const int num_sender_warps = num_senders * kCombineWarps;
         const int num_items = num_channels * (kNumRanks - 1);
-        for (int w = blockIdx.x * kCombineWarps + warp; w < num_items; w += num_sender_warps) {
+        for (int w = warp * num_senders + blockIdx.x; w < num_items; w += num_sender_warps) {
             const int channel = w / (kNumRanks - 1);
             const int owner = (rank + 1 + w % (kNumRanks - 1)) % kNumRanks;
             const int from_owner = rank_prefix_matrix[owner * kNumRanks + rank] -

@@ -7,7 +7,13 @@ import pytest
 
 import deepep_cupy as ep
 from deepep_cupy import layout
-from deepep_cupy.config import CONFIG_ENV, LINK_SENDER_BLOCKS, peer_blocks_in_place, sender_blocks
+from deepep_cupy.config import (
+    CONFIG_ENV,
+    LINK_SENDER_BLOCKS,
+    combine_sender_blocks,
+    peer_blocks_in_place,
+    sender_blocks,
+)
 from deepep_cupy.constants import BLOCK_THREADS
 
 
@@ -28,6 +34,13 @@ def test_config_has_a_channel_per_sender_warp():
     warps = BLOCK_THREADS["dispatch_kernel"] // 32
     assert ep.Config(24, 6, 256).num_channels == sender_blocks(24) * warps
     assert 1 <= sender_blocks(2) < 2 and sender_blocks(24) < 24
+
+
+@pytest.mark.parametrize("num_sms,senders", [(2, 1), (4, 2), (8, 4), (12, 5), (16, 7), (20, 8), (24, 8), (32, 8)])
+def test_a_combine_pushes_with_more_blocks_than_the_dispatch_until_they_fill_the_links(num_sms, senders):
+    # Never fewer than the dispatch's sender blocks: a combine's items are the dispatch's channels.
+    assert combine_sender_blocks(num_sms) == senders
+    assert sender_blocks(num_sms) <= senders <= LINK_SENDER_BLOCKS and senders < num_sms
 
 
 @pytest.mark.parametrize("num_sms,num_ranks,peer_blocks", [(24, 2, 16), (16, 2, 8), (32, 2, 24), (24, 8, 22),

@@ -119,6 +119,18 @@ def test_combine_checks_the_handles_routing_then_reduces_through_its_send_head(f
     assert combined.shape == (N, H) and combined.dtype == np.uint16 and combined_w.shape == (N, K)
 
 
+def test_from_12_sms_a_combine_pushes_with_more_blocks_than_its_dispatch(monkeypatch):
+    config = ep.Config(16, 4, 32)
+    buf, launches, _ = fake_buffer(monkeypatch, num_nvl_bytes=ep.get_nvl_buffer_size_hint(H * 2, R, config),
+                                   received=(100,), expert_counts=list(range(E // R)))
+    recv_x, _, _, _, handle, _ = dispatch(buf, workload(), config=config)
+    buf.combine(recv_x, handle, config=config)
+    # 5 dispatch sender blocks make the handle's 120 channels; 7 of the combine's 16 blocks push them back.
+    assert launches.last("dispatch_kernel<2>")["num_senders"] == 5
+    main = launches.last("combine_kernel<bf16_t, 2>")
+    assert main["num_channels"] == handle.num_channels == 5 * 24 and main["num_senders"] == 7
+
+
 def test_repeated_calls_launch_the_same_parameters_so_a_captured_call_replays_in_step(fake):
     # Barrier numbers and notify areas advance on the device (kernels/call_check.cuh, CallCounters):
     # nothing the host would have to advance per call is baked into a launch.
