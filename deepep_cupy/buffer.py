@@ -42,6 +42,8 @@ __all__ = ["Buffer", "DispatchHandle"]
 MAX_PLANS = 256
 _NO_CONTEXT = contextlib.nullcontext()
 ABSENT_ROWS = ABSENT[2]
+#: The array arguments of combine, as its errors name them.
+COMBINE_INPUTS = ("x", "topk_weights", "bias[0]", "bias[1]")
 
 
 class _DeviceScope:
@@ -181,6 +183,9 @@ class Buffer(DispatchPath):
         # Whether some GPU of the group runs several ranks (an in-process group), the same on every
         # rank, unlike StreamOrder.shares_gpu (this rank's GPU): set by _check_group.
         self._group_shares_a_gpu = False
+        # Whether a dispatch with rows in place was asked for: from then on the inputs of every
+        # call are checked against the NVLink buffer (_refuse_buffer_rows).
+        self._rows_in_buffer_used = False
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -534,13 +539,19 @@ class Buffer(DispatchPath):
                                     topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
                                     async_finish, allocate_on_comm_stream, expand, recv_x_in_buffer)
 
-    def _refuse_buffer_rows(self, ptr: int, arg: str) -> None:
-        """An input inside this rank's NVLink buffer (an output of a ``recv_x_in_buffer``
-        dispatch) would be overwritten by the call that reads it."""
-        nvl = self._nvl
-        if nvl is not None and nvl.local_ptr <= ptr < nvl.local_ptr + nvl.num_bytes:
-            raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
-                             "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
+    def _refuse_buffer_rows(self, args: Tuple[str, ...], *pointers: int) -> None:
+        """Refuse an input (``args``: the arguments' names, ``pointers``: their device addresses, 0
+        for none) that lies in this rank's NVLink buffer (an output of a ``recv_x_in_buffer``
+        dispatch): the call would overwrite it while it reads it. Nothing to check before such a
+        dispatch was asked for."""
+        if not self._rows_in_buffer_used:
+            return
+        begin = self._nvl.local_ptr
+        end = begin + self._nvl.num_bytes
+        for arg, ptr in zip(args, pointers):
+            if begin <= ptr < end:
+                raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
+                                 "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
 
     def _check_handle(self, handle, config: Config) -> DispatchHandle:
         if not isinstance(handle, DispatchHandle):
@@ -582,12 +593,11 @@ class Buffer(DispatchPath):
         self._slots.raise_if_failed()
         config = self._config(config, "combine")
         lib, x_ptr, n, x_key = read(x)
-        self._refuse_buffer_rows(x_ptr, "x")
         _, w_ptr, n_w, w_key = read(topk_weights)
-        self._refuse_buffer_rows(w_ptr, "topk_weights")
         biases = plans.split_bias(bias)
         _, b0_ptr, n_b0, b0_key = read(biases[0])
         _, b1_ptr, n_b1, b1_key = read(biases[1])
+        self._refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
         key = ("combine", x_key, w_key, b0_key, b1_key, config)
         plan = self._plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:

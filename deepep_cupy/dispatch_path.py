@@ -22,6 +22,12 @@ from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
 from .tensors import read, row_bytes
 
+#: The array arguments of a fresh and of a cached dispatch, as their errors name them (``x[1]``:
+#: the FP8 scales of ``x = (rows, scales)``).
+FRESH_INPUTS = ("x", "x[1]", "num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx",
+                "topk_weights")
+CACHED_INPUTS = FRESH_INPUTS[:2]
+
 
 class DispatchCall(NamedTuple):
     """One fresh dispatch's arguments as the kernels take them."""
@@ -130,13 +136,13 @@ class DispatchPath:
         """A fresh dispatch's arguments, checked by the plan made for arguments of their kinds."""
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
-        self._refuse_buffer_rows(x_ptr, "x")
         _, s_ptr, n_s, s_key = read(scales)
         _, r_ptr, n_r, r_key = read(per_rank)
         _, i_ptr, n_i, i_key = read(in_rank)
         _, e_ptr, n_e, e_key = read(per_expert)
         _, t_ptr, n_t, t_key = read(topk_idx)
         _, w_ptr, n_w, w_key = read(topk_weights)
+        self._refuse_buffer_rows(FRESH_INPUTS, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr)
         key = ("dispatch", type(x) is tuple, x_key, s_key, r_key, n_r, i_key, e_key, n_e, t_key, w_key,
                expert_alignment, config, recv_x_in_buffer)
         plan = self._plans.get(key)
@@ -385,8 +391,8 @@ class DispatchPath:
                          recv_x_in_buffer=False):
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
-        self._refuse_buffer_rows(x_ptr, "x")
         _, s_ptr, n_s, s_key = read(scales)
+        self._refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
         key = ("cached dispatch", type(x) is tuple, x_key, s_key, config, recv_x_in_buffer)
         plan = self._plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:
@@ -431,4 +437,6 @@ class DispatchPath:
         if recv_x_in_buffer and self._group_shares_a_gpu:
             raise ValueError("recv_x_in_buffer: not supported while ranks share a GPU (an in-process group "
                              "with several ranks on one device); no tokens were moved")
+        if recv_x_in_buffer:
+            self._rows_in_buffer_used = True
         return bool(recv_x_in_buffer)

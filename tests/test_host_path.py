@@ -629,6 +629,22 @@ def test_a_call_given_an_array_that_lies_in_the_nvlink_buffer_refuses_it(in_plac
     buf.combine(on_device(np.array(recv_x)), handle, topk_weights=on_device(np.array(recv_w)), config=CONFIG)
 
 
+def test_every_array_argument_that_lies_in_the_nvlink_buffer_is_refused(in_place):
+    # The in-place outputs are views of the buffer; any of them passed back in is refused by name.
+    buf, launches, _ = in_place
+    w = workload()
+    recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
+    before = len(launches.log)
+    with pytest.raises(ValueError, match="topk_idx: lies in this Buffer's NVLink buffer"):
+        dispatch(buf, {**w, "topk_idx": recv_topk[:N]})
+    with pytest.raises(ValueError, match="topk_weights: lies in this Buffer's NVLink buffer"):
+        dispatch(buf, {**w, "topk_weights": recv_w[:N]})
+    with pytest.raises(ValueError, match=r"bias\[1\]: lies in this Buffer's NVLink buffer"):
+        buf.combine(on_device(np.array(recv_x)), handle, bias=(None, recv_x[:N]), config=CONFIG)
+    assert len(launches.log) == before
+    dispatch(buf, {**w, "topk_idx": on_device(np.array(recv_topk[:N]))})
+
+
 def test_recv_x_in_buffer_is_refused_while_ranks_share_a_gpu(in_place):
     buf, launches, _ = in_place
     buf._group_shares_a_gpu = True
