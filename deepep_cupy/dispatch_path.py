@@ -184,15 +184,17 @@ class DispatchPath:
                     self._output_windows(lib, spec, outputs))
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
-        """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), a
-        byte array of ``lib`` over the area of this rank's NVLink buffer that holds it (None for one
-        the call does not return); None for a dispatch that allocates its outputs."""
+        """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
+        array of ``lib`` with the output's type and every row of the area of this rank's NVLink
+        buffer that holds it (None for one the call does not return); a call returns its first
+        rows. None for a dispatch that allocates its outputs."""
         if not spec.rows_in_buffer:
             return None
         lay, base = spec.layout, self._nvl.local_ptr
         offsets = (lay.x_off, lay.scales_off, lay.topk_idx_off, lay.topk_weights_off)
         return tuple(None if out is None else
-                     lib.window(base + offset, lay.rows * row_bytes(*out), self.device_id, self._nvl)
+                     lib.rows_in(lib.window(base + offset, lay.rows * row_bytes(*out), self.device_id, self._nvl),
+                                 lay.rows, *out)
                      for offset, out in zip(offsets, outputs))
 
     @staticmethod
@@ -348,8 +350,8 @@ class DispatchPath:
         what the call does not return)."""
         if plan.windows is not None:
             # Views of the areas the senders write (all of them at most: more are never received).
-            rows = min(rows, plan.spec.layout.rows)
-            return [None if w is None else lib.rows_in(w, rows, *out) for w, out in zip(plan.windows, plan.outputs)]
+            rows, trim = min(rows, plan.spec.layout.rows), lib.trim
+            return [None if w is None else trim(w, rows) for w in plan.windows]
         empty, dev = lib.empty, self.device_id
         return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
 

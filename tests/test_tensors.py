@@ -159,3 +159,13 @@ def test_rows_of_a_cupy_window_are_one_array_on_its_memory():
     assert rows.shape == (3, 4) and rows.dtype == np.int64 and rows.flags.c_contiguous
     assert rows.data.ptr == window.data.ptr == host.ctypes.data
     assert lib.rows_in(window, 5, (), "float32").shape == (5,)
+
+
+def test_a_trimmed_cupy_array_is_its_first_rows_on_the_same_memory():
+    pytest.importorskip("cupy")
+    host = np.zeros(256, np.uint8)  # an address only, as above
+    lib = tensors.library("cupy")
+    rows = lib.rows_in(lib.window(host.ctypes.data, host.nbytes, 0, host), 8, (4,), "float32")
+    trimmed = lib.trim(rows, 3)
+    assert trimmed.shape == (3, 4) and trimmed.dtype == np.float32 and trimmed.flags.c_contiguous
+    assert trimmed.data.ptr == host.ctypes.data and trimmed.data.mem is rows.data.mem
