@@ -436,9 +436,6 @@ class DispatchPath:
     def _checked_in_buffer(self, recv_x_in_buffer) -> bool:
         if not isinstance(recv_x_in_buffer, (bool, np.bool_)):
             raise TypeError(f"recv_x_in_buffer: expected a bool, got {recv_x_in_buffer!r}")
-        if recv_x_in_buffer and self._group_shares_a_gpu:
-            raise ValueError("recv_x_in_buffer: not supported while ranks share a GPU (an in-process group "
-                             "with several ranks on one device); no tokens were moved")
         if recv_x_in_buffer:
             self._rows_in_buffer_used = True
         return bool(recv_x_in_buffer)

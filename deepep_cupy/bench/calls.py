@@ -32,10 +32,8 @@ from .graphs import STEP_OPS, step_ops
 from .workload import make_workload
 
 DEFAULT_CALLS_TOKENS = (128, 512, 1024, 2048, 4096, 8192)
-#: The dispatches with ``recv_x_in_buffer`` (left out where the group refuses them: ranks sharing a GPU).
-IN_PLACE_OPS = ("dispatch BF16 in place", "cached dispatch BF16 in place")
 OPS = ("layout", "dispatch BF16", "dispatch FP8", "cached dispatch BF16", "cached dispatch FP8",
-       "combine BF16") + IN_PLACE_OPS + STEP_OPS
+       "combine BF16", "dispatch BF16 in place", "cached dispatch BF16 in place") + STEP_OPS
 
 #: DeepEP V1 (commit 92fe2de) on 2 x H200, torch tensors, same loop: {op: {tokens: (loop us, host us)}}
 #: (host None where it was not measured).
@@ -128,17 +126,17 @@ def bench_calls_rank(buf: Any, group: Any, args: Any, reference: Any, dispatch_c
                 ops = _calls(buf, a, E, d, c)
                 ops.update(step_ops(buf, lib, a, E, d, c, device, getattr(group, "in_process", False)))
                 calls[lib] = ops
-        rounds: Dict[str, Dict[str, List[Dict[str, float]]]] = {lib: {op: [] for op in calls[lib]} for lib in libs}
+        rounds: Dict[str, Dict[str, List[Dict[str, float]]]] = {lib: {op: [] for op in OPS} for lib in libs}
         for _ in range(args.calls_rounds):
             for lib in libs:
                 with _lib_stream(lib, device):
                     stream = tensors.library(lib).current_stream(device)
-                    for op in calls[lib]:
+                    for op in OPS:
                         rounds[lib][op].append(time_loop(calls[lib][op], stream, args.calls_warmup, args.calls_iters,
                                                          group.barrier, waits if op.startswith("dispatch") else None))
         for lib in libs:
             points.append({"lib": lib, "num_tokens": num_tokens,
-                           "ops": {op: _median_figures(figures) for op, figures in rounds[lib].items()}})
+                           "ops": {op: _median_figures(rounds[lib][op]) for op in OPS}})
     return {"points": points}
 
 
@@ -157,17 +155,13 @@ def _calls(buf: Any, a: Dict[str, Any], num_experts: int, dispatch_config: Any, 
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=a["topk_idx"], topk_weights=a["topk_weights"])
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(a["x"], config=d, **layout)
-    ops = {"layout": lambda: buf.get_dispatch_layout(a["topk_idx"], num_experts),
-           "dispatch BF16": lambda: buf.dispatch(a["x"], config=d, **layout),
-           "dispatch FP8": lambda: buf.dispatch(fp8, config=d, **layout),
-           "cached dispatch BF16": lambda: buf.dispatch(a["x"], handle=handle, config=d),
-           "cached dispatch FP8": lambda: buf.dispatch(fp8, handle=handle, config=d),
-           "combine BF16": lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=c)}
-    try:
-        buf.dispatch(a["x"], config=d, recv_x_in_buffer=True, **layout)
-    except ValueError:  # refused on every rank where ranks share a GPU
-        return ops
-    return {**ops, "dispatch BF16 in place": lambda: buf.dispatch(a["x"], config=d, recv_x_in_buffer=True, **layout),
+    return {"layout": lambda: buf.get_dispatch_layout(a["topk_idx"], num_experts),
+            "dispatch BF16": lambda: buf.dispatch(a["x"], config=d, **layout),
+            "dispatch FP8": lambda: buf.dispatch(fp8, config=d, **layout),
+            "cached dispatch BF16": lambda: buf.dispatch(a["x"], handle=handle, config=d),
+            "cached dispatch FP8": lambda: buf.dispatch(fp8, handle=handle, config=d),
+            "combine BF16": lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=c),
+            "dispatch BF16 in place": lambda: buf.dispatch(a["x"], config=d, recv_x_in_buffer=True, **layout),
             "cached dispatch BF16 in place": lambda: buf.dispatch(a["x"], handle=handle, config=d,
                                                                   recv_x_in_buffer=True)}
 

@@ -369,7 +369,7 @@ def render_calls(calls: Dict[str, Any]) -> str:
     rows = calls["rows"] + calls["deepep_v1"]
     tokens = sorted({r["num_tokens"] for r in calls["rows"]})
     parts = []
-    for op in [op for op in CALL_OPS if any(r["op"] == op for r in calls["rows"])]:
+    for op in CALL_OPS:
         table = []
         libs = [lib for lib in dict.fromkeys(r["lib"] for r in rows if r["op"] == op)]
         for lib in libs:
@@ -396,11 +396,10 @@ def plot_calls(path: str, calls: Dict[str, Any], settings: Dict[str, Any]) -> Op
     plt = _pyplot()
     if isinstance(plt, str):
         return plt
-    ops = [op for op in CALL_OPS if any(r["op"] == op for r in calls["rows"])]
-    fig, axes = plt.subplots(2, -(-len(ops) // 2), figsize=(21, 7.5), squeeze=False)
-    for ax in axes.flat[len(ops):]:
+    fig, axes = plt.subplots(2, -(-len(CALL_OPS) // 2), figsize=(21, 7.5), squeeze=False)
+    for ax in axes.flat[len(CALL_OPS):]:
         ax.set_visible(False)
-    for ax, op in zip(axes.flat, ops):
+    for ax, op in zip(axes.flat, CALL_OPS):
         for lib in dict.fromkeys(r["lib"] for r in calls["rows"]):
             pts = sorted((r["num_tokens"], r["loop_us"]) for r in calls["rows"] if r["op"] == op and r["lib"] == lib)
             if pts:

@@ -16,7 +16,7 @@ BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24,
 # dispatch with num_worst_tokens (fixed-size outputs), combined from its full-size rows; expand: one
 # more fresh dispatch with expand=True (rows grouped per local expert); recv_in_buffer: every dispatch
 # with recv_x_in_buffer=True (its outputs views of the NVLink buffer, checked to be there, then
-# copied: the next call overwrites them); where ranks share a GPU, its refusal is checked instead.
+# copied: the next call overwrites them).
 
 
 def _scenario(name, **changes):

@@ -204,16 +204,6 @@ def _run_scenario(buf, sc):
     kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   expert_alignment=sc["expert_alignment"], config=config)
     in_buffer = dict(recv_x_in_buffer=True) if sc["recv_in_buffer"] else {}
-    if in_buffer and buf._group_shares_a_gpu:
-        # Refused where ranks share a GPU, before anything moves; the scenario then runs without it.
-        try:
-            buf.dispatch(x, **kwargs, **in_buffer)
-        except ValueError as exc:
-            if "share a GPU" not in str(exc):
-                raise
-        else:
-            raise Mismatch("recv_x_in_buffer: accepted although ranks share a GPU")
-        in_buffer = {}
     kwargs.update(in_buffer)
     if sc["with_topk"]:
         kwargs["topk_idx"] = topk
@@ -236,6 +226,16 @@ def _run_scenario(buf, sc):
             out = buf.dispatch(x, **kwargs, **extra)
         return kept(out, expanded=extra.get("expand", False))
 
+    def copied(a):
+        """A copy of ``a`` made without a kernel: a kernel's first launch loads its module, which
+        waits for the kernels running on the GPU, among them those of co-located ranks that wait
+        for this one (README, in-process ranks)."""
+        if sc["framework"] == "torch":
+            return a.clone()  # a copy engine copy for a contiguous tensor
+        out = cupy.empty_like(a)
+        out.data.copy_from_device_async(a.data, a.nbytes, cupy.cuda.get_current_stream())
+        return out
+
     def kept(out, expanded=False):
         """A dispatch's result, its arrays copied when they are views of the NVLink buffer (checked
         to be: recv_x_in_buffer), which the next call overwrites."""
@@ -251,7 +251,7 @@ def _run_scenario(buf, sc):
             # Expanded rows (and scales) are allocated: only the top-k stays in the buffer.
             if a.size and inside != (not expanded or i >= len(arrays) - 2):
                 raise Mismatch(f"recv_x_in_buffer: output {i} {'inside' if inside else 'outside'} the NVLink buffer")
-        arrays = [None if a is None else a.clone() if sc["framework"] == "torch" else a.copy() for a in arrays]
+        arrays = [None if a is None else copied(a) for a in arrays]
         rows = tuple(arrays[:2]) if isinstance(recv_x, tuple) else arrays[0]
         return (rows, *arrays[-2:], *out[3:])
 
