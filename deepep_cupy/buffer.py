@@ -183,6 +183,9 @@ class Buffer(DispatchPath):
         # Whether a dispatch with rows in place was asked for: from then on the inputs of every
         # call are checked against the NVLink buffer (_refuse_buffer_rows).
         self._rows_in_buffer_used = False
+        # Whether some GPU of the group runs several ranks (an in-process group), the same on every
+        # rank, unlike StreamOrder.shares_gpu (this rank's GPU): set by _check_group.
+        self._group_shares_a_gpu = False
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -283,7 +286,8 @@ class Buffer(DispatchPath):
         if len(set(sizes)) > 1:
             raise RankMismatchError(f"num_nvl_bytes: ranks disagree, got {sizes} (rank order)")
         buses = [e["bus"] for e in everyone]
-        if not self._group.in_process and len(set(buses)) < len(buses):
+        self._group_shares_a_gpu = len(set(buses)) < len(buses)
+        if not self._group.in_process and self._group_shares_a_gpu:
             raise ValueError(
                 f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
                 "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")

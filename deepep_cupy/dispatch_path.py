@@ -20,7 +20,7 @@ from .handle import DispatchHandle, handle_layout, kept_outputs
 from .launch import KernelCall
 from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
-from .tensors import read, row_bytes
+from .tensors import lib_of, read, row_bytes
 
 #: The array arguments of a fresh and of a cached dispatch, as their errors name them (``x[1]``:
 #: the FP8 scales of ``x = (rows, scales)``).
@@ -163,7 +163,8 @@ class DispatchPath:
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config,
                     recv_x_in_buffer):
         spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                                          expert_alignment, config, self._checked_in_buffer(recv_x_in_buffer))
+                                          expert_alignment, config,
+                                          self._checked_in_buffer(recv_x_in_buffer, lib_of(plans.split_x(x)[0])))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
         notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, row_bytes=row_bytes,
@@ -422,7 +423,8 @@ class DispatchPath:
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
     def _cached_plan(self, x, config, recv_x_in_buffer):
-        spec = plans.check_cached_dispatch(self._context, x, config, self._checked_in_buffer(recv_x_in_buffer))
+        in_buffer = self._checked_in_buffer(recv_x_in_buffer, lib_of(plans.split_x(x)[0]))
+        spec = plans.check_cached_dispatch(self._context, x, config, in_buffer)
         # A cached dispatch checks its settings in the transfer kernel; it neither moves top-k nor
         # writes the handle's receive side.
         checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,
@@ -433,9 +435,13 @@ class DispatchPath:
         return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
                     windows=self._output_windows(spec.rows.lib, spec, outputs))
 
-    def _checked_in_buffer(self, recv_x_in_buffer) -> bool:
+    def _checked_in_buffer(self, recv_x_in_buffer, lib) -> bool:
         if not isinstance(recv_x_in_buffer, (bool, np.bool_)):
             raise TypeError(f"recv_x_in_buffer: expected a bool, got {recv_x_in_buffer!r}")
+        if recv_x_in_buffer and self._group_shares_a_gpu and getattr(lib, "name", None) == "torch":
+            raise ValueError("recv_x_in_buffer: not supported for PyTorch tensors while ranks share a GPU (an "
+                             "in-process group with several ranks on one device; CuPy arrays are); no tokens "
+                             "were moved")
         if recv_x_in_buffer:
             self._rows_in_buffer_used = True
         return bool(recv_x_in_buffer)

@@ -645,6 +645,18 @@ def test_every_array_argument_that_lies_in_the_nvlink_buffer_is_refused(in_place
     dispatch(buf, {**w, "topk_idx": on_device(np.array(recv_topk[:N]))})
 
 
+def test_recv_x_in_buffer_is_refused_for_pytorch_tensors_while_ranks_share_a_gpu(in_place, monkeypatch):
+    buf, launches, lib = in_place
+    buf._group_shares_a_gpu = True
+    dispatch(buf, workload(), recv_x_in_buffer=True)  # other libraries' arrays: accepted
+    before = len(launches.log)
+    monkeypatch.setattr(lib, "name", "torch")
+    buf._plans.clear()
+    with pytest.raises(ValueError, match="PyTorch tensors while ranks share a GPU"):
+        dispatch(buf, workload(), recv_x_in_buffer=True)
+    assert len(launches.log) == before
+
+
 def test_recv_x_in_buffer_must_be_a_bool(in_place):
     buf, _, _ = in_place
     with pytest.raises(TypeError, match="recv_x_in_buffer: expected a bool"):

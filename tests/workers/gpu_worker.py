@@ -204,6 +204,16 @@ def _run_scenario(buf, sc):
     kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   expert_alignment=sc["expert_alignment"], config=config)
     in_buffer = dict(recv_x_in_buffer=True) if sc["recv_in_buffer"] else {}
+    if in_buffer and buf._group_shares_a_gpu and sc["framework"] == "torch":
+        # Refused for PyTorch where ranks share a GPU, before anything moves; the scenario then runs without it.
+        try:
+            buf.dispatch(x, **kwargs, **in_buffer)
+        except ValueError as exc:
+            if "share a GPU" not in str(exc):
+                raise
+        else:
+            raise Mismatch("recv_x_in_buffer: accepted for PyTorch although ranks share a GPU")
+        in_buffer = {}
     kwargs.update(in_buffer)
     if sc["with_topk"]:
         kwargs["topk_idx"] = topk
@@ -231,7 +241,11 @@ def _run_scenario(buf, sc):
         waits for the kernels running on the GPU, among them those of co-located ranks that wait
         for this one (README, in-process ranks)."""
         if sc["framework"] == "torch":
-            return a.clone()  # a copy engine copy for a contiguous tensor
+            import torch
+            out = torch.empty_like(a)
+            cupy.cuda.runtime.memcpyAsync(out.data_ptr(), a.data_ptr(), a.nbytes, 3,  # device to device
+                                          torch.cuda.current_stream().cuda_stream)
+            return out
         out = cupy.empty_like(a)
         out.data.copy_from_device_async(a.data, a.nbytes, cupy.cuda.get_current_stream())
         return out
