@@ -237,15 +237,11 @@ def _run_scenario(buf, sc):
         return kept(out, expanded=extra.get("expand", False))
 
     def copied(a):
-        """A copy of ``a`` made without a kernel: a kernel's first launch loads its module, which
-        waits for the kernels running on the GPU, among them those of co-located ranks that wait
-        for this one (README, in-process ranks)."""
+        """A copy of ``a``; CuPy's made without a kernel: a kernel's first launch loads its module,
+        which waits for the kernels running on the GPU, among them those of co-located ranks that
+        wait for this one (README, in-process ranks; PyTorch tensors are not kept in place there)."""
         if sc["framework"] == "torch":
-            import torch
-            out = torch.empty_like(a)
-            cupy.cuda.runtime.memcpyAsync(out.data_ptr(), a.data_ptr(), a.nbytes, 3,  # device to device
-                                          torch.cuda.current_stream().cuda_stream)
-            return out
+            return a.clone()
         out = cupy.empty_like(a)
         out.data.copy_from_device_async(a.data, a.nbytes, cupy.cuda.get_current_stream())
         return out
