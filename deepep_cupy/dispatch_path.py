@@ -440,8 +440,8 @@ class DispatchPath:
             raise TypeError(f"recv_x_in_buffer: expected a bool, got {recv_x_in_buffer!r}")
         if recv_x_in_buffer and self._group_shares_a_gpu and getattr(lib, "name", None) == "torch":
             raise ValueError("recv_x_in_buffer: not supported for PyTorch tensors while ranks share a GPU (an "
-                             "in-process group with several ranks on one device; CuPy arrays are); no tokens "
-                             "were moved")
+                             "in-process group with several ranks on one device), only for CuPy arrays; no "
+                             "tokens were moved")
         if recv_x_in_buffer:
             self._rows_in_buffer_used = True
         return bool(recv_x_in_buffer)
