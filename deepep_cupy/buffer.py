@@ -180,8 +180,8 @@ class Buffer(DispatchPath):
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         self._group: Group = as_group(group)
         self.group = group
-        # Whether a dispatch with rows in place was asked for: from then on the inputs of every
-        # call are checked against the NVLink buffer (_refuse_buffer_rows).
+        # Whether a plan made views of the NVLink buffer (rows in place): from then on the inputs
+        # of every call are checked against it (_refuse_buffer_rows).
         self._rows_in_buffer_used = False
         # Whether some GPU of the group runs several ranks (an in-process group), the same on every
         # rank, unlike StreamOrder.shares_gpu (this rank's GPU): set by _check_group.
@@ -542,8 +542,8 @@ class Buffer(DispatchPath):
     def _refuse_buffer_rows(self, args: Tuple[str, ...], *pointers: int) -> None:
         """Refuse an input (``args``: the arguments' names, ``pointers``: their device addresses, 0
         for none) that lies in this rank's NVLink buffer (an output of a ``recv_x_in_buffer``
-        dispatch): the call would overwrite it while it reads it. Nothing to check before such a
-        dispatch was asked for."""
+        dispatch): the call would overwrite it while it reads it. Nothing to check before a plan of
+        such a dispatch was made."""
         if not self._rows_in_buffer_used:
             return
         begin = self._nvl.local_ptr

@@ -163,8 +163,7 @@ class DispatchPath:
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config,
                     recv_x_in_buffer):
         spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                                          expert_alignment, config,
-                                          self._checked_in_buffer(recv_x_in_buffer, lib_of(plans.split_x(x)[0])))
+                                          expert_alignment, config, self._checked_in_buffer(recv_x_in_buffer, x))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
         notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, row_bytes=row_bytes,
@@ -191,6 +190,7 @@ class DispatchPath:
         rows. None for a dispatch that allocates its outputs."""
         if not spec.rows_in_buffer:
             return None
+        self._rows_in_buffer_used = True  # views of the buffer may reach the caller from now on
         lay, base = spec.layout, self._nvl.local_ptr
         offsets = (lay.x_off, lay.scales_off, lay.topk_idx_off, lay.topk_weights_off)
         return tuple(None if out is None else
@@ -423,8 +423,7 @@ class DispatchPath:
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
     def _cached_plan(self, x, config, recv_x_in_buffer):
-        in_buffer = self._checked_in_buffer(recv_x_in_buffer, lib_of(plans.split_x(x)[0]))
-        spec = plans.check_cached_dispatch(self._context, x, config, in_buffer)
+        spec = plans.check_cached_dispatch(self._context, x, config, self._checked_in_buffer(recv_x_in_buffer, x))
         # A cached dispatch checks its settings in the transfer kernel; it neither moves top-k nor
         # writes the handle's receive side.
         checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,
@@ -435,13 +434,13 @@ class DispatchPath:
         return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
                     windows=self._output_windows(spec.rows.lib, spec, outputs))
 
-    def _checked_in_buffer(self, recv_x_in_buffer, lib) -> bool:
+    def _checked_in_buffer(self, recv_x_in_buffer, x) -> bool:
+        """``recv_x_in_buffer`` checked for a dispatch of ``x``."""
         if not isinstance(recv_x_in_buffer, (bool, np.bool_)):
             raise TypeError(f"recv_x_in_buffer: expected a bool, got {recv_x_in_buffer!r}")
+        lib = lib_of(plans.split_x(x)[0])
         if recv_x_in_buffer and self._group_shares_a_gpu and getattr(lib, "name", None) == "torch":
             raise ValueError("recv_x_in_buffer: not supported for PyTorch tensors while ranks share a GPU (an "
                              "in-process group with several ranks on one device), only for CuPy arrays; no "
                              "tokens were moved")
-        if recv_x_in_buffer:
-            self._rows_in_buffer_used = True
         return bool(recv_x_in_buffer)

@@ -320,8 +320,9 @@ class Plan(NamedTuple):
     dispatch whose host does not wait for the counts); ``kept_outputs``: where a fresh dispatch
     allocating ahead keeps its outputs other than ``recv_x`` in the handle's allocation (None when
     its array library does not carve them: ``ArrayLib.carves_outputs``); ``windows``: per output,
-    a byte array over the area of this rank's NVLink buffer of which a dispatch writing its rows in
-    place returns the first rows (None for a dispatch that allocates its outputs)."""
+    an array of its type over every row of its area in this rank's NVLink buffer, of which a
+    dispatch writing its rows in place returns the first rows (None for a dispatch that allocates
+    its outputs)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
