@@ -5,6 +5,8 @@ checks, how a fresh dispatch sizes its outputs, and what comes back (tests/host_
 what is faked). The GPU tests check the same calls against the reference on real devices.
 """
 
+import re
+
 import numpy as np
 import pytest
 from host_fakes import CALLER_STREAM, COMM_STREAM, fake_buffer, on_device, recording_order
@@ -614,35 +616,44 @@ def test_a_cached_dispatch_with_recv_x_in_buffer_checks_that_setting_across_rank
     assert launches.last("dispatch_kernel<2, false, true>")["check_op"] == plans.OP_CACHED_DISPATCH
 
 
-def test_a_call_given_an_array_that_lies_in_the_nvlink_buffer_refuses_it(in_place):
+def copy_of(array):
+    return on_device(np.array(array))
+
+
+# Each call passes one output of a dispatch with rows in place (a view of the NVLink buffer) back
+# in; ``out`` is that dispatch's result, ``w`` its workload.
+BUFFER_INPUTS = {
+    "combine x": ("x", lambda buf, w, out: buf.combine(out[0], out[4], config=CONFIG)),
+    "combine topk_weights": ("topk_weights", lambda buf, w, out: buf.combine(
+        copy_of(out[0]), out[4], topk_weights=out[2], config=CONFIG)),
+    "combine bias": ("bias[1]", lambda buf, w, out: buf.combine(
+        copy_of(out[0]), out[4], bias=(None, out[0][:N]), config=CONFIG)),
+    "dispatch x": ("x", lambda buf, w, out: dispatch(buf, {**w, "x": out[0][:N]})),
+    "dispatch topk_idx": ("topk_idx", lambda buf, w, out: dispatch(buf, {**w, "topk_idx": out[1][:N]})),
+    "dispatch topk_weights": ("topk_weights", lambda buf, w, out: dispatch(buf, {**w, "topk_weights": out[2][:N]})),
+}
+
+
+@pytest.mark.parametrize("case", BUFFER_INPUTS)
+def test_an_array_argument_that_lies_in_the_nvlink_buffer_is_refused_by_name(in_place, case):
     buf, launches, _ = in_place
+    arg, call = BUFFER_INPUTS[case]
     w = workload()
-    recv_x, _, recv_w, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
+    out = dispatch(buf, w, recv_x_in_buffer=True)
     before = len(launches.log)
-    with pytest.raises(ValueError, match="x: lies in this Buffer's NVLink buffer"):
-        buf.combine(recv_x, handle, config=CONFIG)
-    with pytest.raises(ValueError, match="topk_weights: lies in this Buffer's NVLink buffer"):
-        buf.combine(on_device(np.array(recv_x)), handle, topk_weights=recv_w, config=CONFIG)
-    with pytest.raises(ValueError, match="x: lies in this Buffer's NVLink buffer"):
-        dispatch(buf, {**w, "x": recv_x[:N]})
+    with pytest.raises(ValueError, match="^" + re.escape(f"{arg}: lies in this Buffer's NVLink buffer")):
+        call(buf, w, out)
     assert len(launches.log) == before
-    buf.combine(on_device(np.array(recv_x)), handle, topk_weights=on_device(np.array(recv_w)), config=CONFIG)
 
 
-def test_every_array_argument_that_lies_in_the_nvlink_buffer_is_refused(in_place):
-    # The in-place outputs are views of the buffer; any of them passed back in is refused by name.
+def test_copies_of_the_outputs_of_a_dispatch_with_rows_in_place_are_accepted(in_place):
     buf, launches, _ = in_place
     w = workload()
     recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
     before = len(launches.log)
-    with pytest.raises(ValueError, match="topk_idx: lies in this Buffer's NVLink buffer"):
-        dispatch(buf, {**w, "topk_idx": recv_topk[:N]})
-    with pytest.raises(ValueError, match="topk_weights: lies in this Buffer's NVLink buffer"):
-        dispatch(buf, {**w, "topk_weights": recv_w[:N]})
-    with pytest.raises(ValueError, match=r"bias\[1\]: lies in this Buffer's NVLink buffer"):
-        buf.combine(on_device(np.array(recv_x)), handle, bias=(None, recv_x[:N]), config=CONFIG)
-    assert len(launches.log) == before
-    dispatch(buf, {**w, "topk_idx": on_device(np.array(recv_topk[:N]))})
+    buf.combine(copy_of(recv_x), handle, topk_weights=copy_of(recv_w), config=CONFIG)
+    dispatch(buf, {**w, "topk_idx": copy_of(recv_topk[:N])})
+    assert launches.names()[before:] == ["combine_kernel<bf16_t, 2>", "notify_dispatch_kernel", "dispatch_kernel<2>"]
 
 
 def test_recv_x_in_buffer_is_refused_for_pytorch_tensors_while_ranks_share_a_gpu(in_place, monkeypatch):
