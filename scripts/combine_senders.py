@@ -11,11 +11,10 @@ recommended split.
 import argparse
 
 import cupy
-import numpy as np
+from _mpi_timing import HIDDEN, NUM_TOPK, loop_us, reference_workload
 from mpi4py import MPI
 
 import deepep_cupy as ep
-from deepep_cupy import reference as ref
 from deepep_cupy.config import combine_sender_blocks
 
 parser = argparse.ArgumentParser()
@@ -28,37 +27,16 @@ args = parser.parse_args()
 comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()
 cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-H, E, K, N = 7168, 256, 8, args.tokens
 sms_list = [int(v) for v in args.sms.split(",")]
-buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=K,
-                                                  num_max_tokens_per_rank=N), timeout_s=30)
-rng = np.random.default_rng(rank)
-topk = cupy.asarray(ref.random_routing(rng, N, E, K))
-x = cupy.asarray(ref.float32_to_bfloat16_bits(rng.standard_normal((N, H), dtype=np.float32)))
-weights = cupy.asarray(rng.random((N, K), dtype=np.float32))
-per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-
-
-def loop_us(fn, iters=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    stream = cupy.cuda.get_current_stream()
-    stream.synchronize()
-    comm.Barrier()
-    start = stream.record()
-    for _ in range(iters):
-        fn()
-    end = stream.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / iters
+buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(HIDDEN * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=NUM_TOPK,
+                                                  num_max_tokens_per_rank=args.tokens), timeout_s=30)
+workload = reference_workload(buf, rank, args.tokens)
 
 
 for sms in sms_list:
     config = ep.Config(sms, 4, 256)
     buf._plans.clear()
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                   num_tokens_per_expert=per_expert, topk_idx=topk,
-                                                   topk_weights=weights, config=config)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(workload["x"], **workload["layout"], config=config)
     combine = lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=config)  # noqa: E731
     expected = [a.copy() for a in combine()[:2]]
     plan = next(p for key, p in buf._plans.items() if key[0] == "combine")
@@ -69,7 +47,7 @@ for sms in sms_list:
             plan.main.params.values.num_senders = senders
             got = combine()
             exact = all(bool(cupy.array_equal(a, b)) for a, b in zip(got[:2], expected))
-            figures = comm.gather((loop_us(combine), exact), root=0)
+            figures = comm.gather((loop_us(comm, combine), exact), root=0)
             if rank == 0:
                 print(f"sms {sms:2d} round {round_} senders {senders:2d}{'*' if senders == chosen else ' '} "
                       f"{max(f[0] for f in figures):7.1f} us  exact {all(f[1] for f in figures)}", flush=True)

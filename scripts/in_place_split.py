@@ -12,11 +12,11 @@ the copying dispatch's.
 import argparse
 
 import cupy
-import numpy as np
+from _mpi_timing import HIDDEN, NUM_TOPK, reference_workload
+from _mpi_timing import loop_us as timed
 from mpi4py import MPI
 
 import deepep_cupy as ep
-from deepep_cupy import reference as ref
 from deepep_cupy.config import peer_blocks_in_place
 
 parser = argparse.ArgumentParser()
@@ -29,31 +29,16 @@ args = parser.parse_args()
 comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()
 cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-H, E, K, N = 7168, 256, 8, args.tokens
 sms_list = [int(v) for v in args.sms.split(",")]
-buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=K,
-                                                  num_max_tokens_per_rank=N, recv_x_in_buffer=True), timeout_s=30)
-rng = np.random.default_rng(rank)
-topk = cupy.asarray(ref.random_routing(rng, N, E, K))
-x = cupy.asarray(ref.float32_to_bfloat16_bits(rng.standard_normal((N, H), dtype=np.float32)))
-x8 = (cupy.asarray(rng.integers(0, 120, (N, H), dtype=np.uint8)),
-      cupy.asarray(rng.random((N, H // 128), dtype=np.float32)))
-weights = cupy.asarray(rng.random((N, K), dtype=np.float32))
-per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(HIDDEN * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=NUM_TOPK,
+                                                  num_max_tokens_per_rank=args.tokens, recv_x_in_buffer=True),
+                timeout_s=30)
+workload = reference_workload(buf, rank, args.tokens, fp8=True)
+x, x8 = workload["x"], workload["x8"]
 
 
-def loop_us(fn, iters=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    stream = cupy.cuda.get_current_stream()
-    stream.synchronize()
-    comm.Barrier()
-    start = stream.record()
-    for _ in range(iters):
-        fn()
-    end = stream.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / iters
+def loop_us(fn):
+    return timed(comm, fn)
 
 
 def set_peer_blocks(value):
@@ -78,8 +63,7 @@ def show(label, figures):
 
 for sms in sms_list:
     config = ep.Config(sms, 4, 256)
-    fresh = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                 topk_idx=topk, topk_weights=weights, config=config)
+    fresh = dict(workload["layout"], config=config)
     buf._plans.clear()
     copied = buf.dispatch(x, **fresh)
     handle = copied[4]
