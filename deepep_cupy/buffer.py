@@ -575,9 +575,15 @@ class Buffer(DispatchPath):
 
         Args:
             x: ``[num_recv_tokens, hidden]`` BF16/FP16/FP32, rows in the receive order of the
-                dispatch that made ``handle``.
+                dispatch that made ``handle``. When that dispatch wrote its rows in place
+                (``recv_x_in_buffer``), x may be its ``recv_x`` overwritten with rows of x's type
+                (for instance the experts' outputs written there): then nothing is sent, every
+                SM reduces, and each rank reads the others' rows where they lie (every rank must
+                do so: ``RankMismatchError`` otherwise). Rows of a later dispatch in place with the
+                same handle lie there too.
             handle: the handle returned by that dispatch.
-            topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``.
+            topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``. With
+                x in place: None or that dispatch's ``recv_topk_weights`` (read where it lies).
             bias: None, an array, or a pair of arrays (entries may be None), each ``[num_tokens,
                 hidden]`` of x's dtype (num_tokens: the tokens of the handle's dispatch on this
                 rank), added to the combined rows before the received copies.
@@ -597,15 +603,22 @@ class Buffer(DispatchPath):
         biases = plans.split_bias(bias)
         _, b0_ptr, n_b0, b0_key = read(biases[0])
         _, b1_ptr, n_b1, b1_key = read(biases[1])
-        self._refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
-        key = ("combine", x_key, w_key, b0_key, b1_key, config)
+        in_place = self._rows_in_place(handle, x_ptr, w_ptr) if self._rows_in_buffer_used else None
+        if in_place is None:
+            self._refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
+        else:
+            self._refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
+        key = ("combine", x_key, w_key, b0_key, b1_key, config, in_place)
         plan = self._plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
-            plan = self._plan(key, self._combine_plan, x, topk_weights, config, biases)
+            plan = self._plan(key, self._combine_plan, x, topk_weights, config, biases, in_place)
         self._check_handle(handle, config)
         if n != handle.rows:
             received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
             raise ValueError(f"x: expected {handle.rows} rows ({received}), got {n}")
+        if in_place is not None and n * plan.spec.row_bytes > in_place.src_idx_off - in_place.x_off:
+            raise ValueError(f"x: {n} rows of {plan.spec.row_bytes} bytes in place overrun the area of this Buffer "
+                             "that holds them (rows wider than the dispatch's); pass a copy. No tokens were moved")
         spec, num_tokens, dev = plan.spec, handle.num_tokens, self.device_id
         for i, rows in enumerate((n_b0, n_b1)):
             if rows != num_tokens and rows != ABSENT_ROWS:
@@ -628,15 +641,33 @@ class Buffer(DispatchPath):
                                  allocate_on_comm_stream)
         return combined, combined_weights, event
 
-    def _combine_plan(self, x, topk_weights, config, biases):
+    def _rows_in_place(self, handle, x_ptr: int, w_ptr: int):
+        """The buffer layout of ``handle``'s dispatch when ``x`` lies where it put ``recv_x`` (a
+        combine that reads the ranks' rows in place), else None."""
+        lay = getattr(handle, "rows_in_buffer", None)  # the handle itself is checked later
+        base = self._nvl.local_ptr
+        if lay is None or x_ptr != base + lay.x_off:
+            return None
+        if w_ptr and w_ptr != base + lay.topk_weights_off:
+            raise ValueError("topk_weights: with x in place (the recv_x of a dispatch with recv_x_in_buffer) the "
+                             "weights are read in place too: pass None or that dispatch's recv_topk_weights. No "
+                             "tokens were moved")
+        return lay
+
+    def _combine_plan(self, x, topk_weights, config, biases, in_place):
         spec = plans.check_combine(self._context, x, topk_weights, config, biases)
-        lay = spec.layout
-        main = self._bind("combine_kernel", (spec.element, self.num_ranks), grid=config.num_sms,
+        if in_place is None:
+            lay, op, num_senders, template_args = spec.layout, plans.OP_COMBINE, \
+                combine_sender_blocks(config.num_sms), (spec.element, self.num_ranks)
+        else:
+            lay, op, num_senders, template_args = in_place, plans.OP_COMBINE_IN_PLACE, 0, \
+                (spec.element, self.num_ranks, "true")
+        main = self._bind("combine_kernel", template_args, grid=config.num_sms,
                           num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
                           meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
-                          region_tokens=lay.region_tokens, num_senders=combine_sender_blocks(config.num_sms),
+                          region_tokens=lay.region_tokens, num_senders=num_senders,
                           send_chunk=config.num_max_nvl_chunked_send_tokens,
-                          **plans.call_check_arguments(plans.OP_COMBINE, spec.row_bytes, spec.row_detail, config, lay))
+                          **plans.call_check_arguments(op, spec.row_bytes, spec.row_detail, config, lay))
         return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0))
 
     # -----------------------------------------------------------------------------------------

@@ -111,6 +111,8 @@ class DispatchPath:
                 outputs = self._dispatch_outputs(lib, plan, rows)
             handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
             handle.publish_on_device(rows, num_local_experts)
+            if plan.windows is not None:
+                handle.rows_in_buffer = spec.layout
             pointers = self._pointers(lib, outputs)
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
@@ -260,6 +262,8 @@ class DispatchPath:
             with self._allocating(lib, allocate_on_comm_stream):
                 block = lib.empty((words,), "int64", dev)
             handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
+            if plan.windows is not None:
+                handle.rows_in_buffer = spec.layout
             # The count exchange is a kernel of its own, launched before the outputs are allocated:
             # the host waits for it, so it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()

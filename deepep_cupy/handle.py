@@ -161,6 +161,9 @@ class DispatchHandle:
         self.recv_src_idx_ptr = base + INT_BYTES * layout.recv_src_idx
         self.in_rank_ptr = in_rank_ptr
         self.verdict_ptr = self.recv_count_ptr = self.recv_expert_counts_ptr = 0
+        #: The buffer layout of the dispatch when it wrote its rows in place (``recv_x_in_buffer``),
+        #: else None: a combine of x written where it put recv_x reads the ranks' rows there.
+        self.rows_in_buffer = None
         self._num_local_experts = 0
         self._device_counts = None
         #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for

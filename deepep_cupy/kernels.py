@@ -37,7 +37,9 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "dispatch.cu": tuple(f"dispatch_kernel<{r}>" for r in RANK_COUNTS)
     + tuple(f"dispatch_kernel<{r}, true>" for r in RANK_COUNTS)
     + tuple(f"dispatch_kernel<{r}, {s}, true>" for s in ("false", "true") for r in RANK_COUNTS),
-    "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
+    # <element, ranks, x in place where a dispatch with rows in place put recv_x>
+    "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS)
+    + tuple(f"combine_kernel<{t}, {r}, true>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
     "expand.cu": ("expand_kernel",),
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
@@ -163,6 +165,7 @@ def warm_up(num_ranks: int, every_instance: bool = False) -> None:
             get_kernel(name_expression("dispatch_kernel", template_args))
         for element in COMBINE_DTYPES.values():
             get_kernel(name_expression("combine_kernel", (element, num_ranks)))
+            get_kernel(name_expression("combine_kernel", (element, num_ranks, "true")))
 
 
 # ---------------------------------------------------------------------------------------------

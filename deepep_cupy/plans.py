@@ -29,8 +29,10 @@ FP8_DTYPE = "float8_e4m3fn"
 #: C element type of each dtype combine reduces (the tag types are defined in kernels/common.cuh).
 COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
 #: Which operation a cached dispatch / combine announces in the settings ranks compare (its transfer
-#: kernel's ``check_op``; 0: no check there, a fresh dispatch's notify kernel made it).
-OP_CACHED_DISPATCH, OP_COMBINE = 1, 2
+#: kernel's ``check_op``; 0: no check there, a fresh dispatch's notify kernel made it). A combine
+#: whose x lies where a dispatch with rows in place put recv_x is an operation of its own: every
+#: rank must read the others' rows where they lie, none may push.
+OP_CACHED_DISPATCH, OP_COMBINE, OP_COMBINE_IN_PLACE = 1, 2, 3
 
 
 class Context(NamedTuple):
@@ -279,9 +281,11 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
 def call_check_arguments(op: int, row_bytes: int, row_detail: int, config: Config, lay) -> Dict[str, int]:
     """The arguments with which a transfer kernel checks its call's settings across ranks and
     resets its metadata (kernels/call_check.cuh): a cached dispatch's (``OP_CACHED_DISPATCH``) and
-    a combine's (``OP_COMBINE``), ``lay`` being the call's transfer layout."""
+    a combine's (``OP_COMBINE``), ``lay`` being the call's transfer layout. A combine in place
+    (``OP_COMBINE_IN_PLACE``) has no metadata to reset."""
     return dict(check_op=op, row_bytes=row_bytes, row_detail=row_detail, num_sms=config.num_sms,
-                recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off, zero_count=lay.zero_count)
+                recv_chunk=config.num_max_nvl_chunked_recv_tokens, zero_off=lay.meta_off,
+                zero_count=0 if op == OP_COMBINE_IN_PLACE else lay.zero_count)
 
 
 def received_arrays(spec: DispatchSpec) -> tuple:

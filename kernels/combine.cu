@@ -16,6 +16,13 @@
 // Grid: `num_senders` sender blocks, then reducer blocks. Sender warps take the (channel, owner)
 // blocks in turn and publish a tail every `send_chunk` rows; reducer warps take the owner's
 // tokens in the order their copies arrive, wait for each token's copies and sum them.
+//
+// kInPlace (x written where a dispatch with rows in place put recv_x): nothing is sent. Every rank's
+// x is the area at `x_off` of its own NVLink buffer, its rows in that dispatch's receive order, and
+// `topk_weights_off` its recv_topk_weights; every block reduces, reading each copy where it lies
+// (over NVLink for the other ranks'). The settings check at the start is also the barrier after
+// which every rank's rows are written; one barrier at the end keeps each rank's area unchanged
+// until every rank has read it.
 
 constexpr int kCombineWarps = COMBINE_THREADS / 32;
 #define COMBINE_SEND_UNROLL 8
@@ -32,7 +39,99 @@ __device__ __forceinline__ void add_row_piece(float* sum, const int4* row, int i
         sum[k] += values[k];
 }
 
+// Sums one token's copies (`source_x[r]`: rank r's copy of the row, null where the token did not
+// go) after its biases, in float32, into `out_row`; the same for the top-k weights when
+// `out_weights` is not null. One warp.
 template <typename T, int kNumRanks>
+__device__ __forceinline__ void sum_copies(int4* out_row, float* out_weights, const int4* const (&source_x)[kNumRanks],
+                                           const float* const (&source_weights)[kNumRanks], const int4* bias_0_row,
+                                           const int4* bias_1_row, int hidden_int4, int num_topk, int lane) {
+    constexpr int kPerInt4 = Elem<T>::kPerInt4;
+    // Row pieces in flight per lane, within the register budget.
+    constexpr int kUnroll = kNumRanks <= 2 ? 4 : (kNumRanks <= 4 ? 2 : 1);
+    for (int i0 = lane; i0 < hidden_int4; i0 += 32 * kUnroll) {
+        int4 loaded[kUnroll][kNumRanks];
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + u * 32;
+            #pragma unroll
+            for (int j = 0; j < kNumRanks; ++j)
+                if (source_x[j] != nullptr && i < hidden_int4)
+                    loaded[u][j] = ld_stream(source_x[j] + i);
+        }
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + u * 32;
+            if (i >= hidden_int4)
+                break;
+            // The biases come first in the sum (the reference's order).
+            float sum[kPerInt4];
+            #pragma unroll
+            for (int k = 0; k < kPerInt4; ++k)
+                sum[k] = 0.0f;
+            add_row_piece<T>(sum, bias_0_row, i);
+            add_row_piece<T>(sum, bias_1_row, i);
+            #pragma unroll
+            for (int j = 0; j < kNumRanks; ++j) {
+                if (source_x[j] != nullptr) {
+                    float values[kPerInt4];
+                    Elem<T>::unpack(loaded[u][j], values);
+                    #pragma unroll
+                    for (int k = 0; k < kPerInt4; ++k)
+                        sum[k] += values[k];
+                }
+            }
+            out_row[i] = Elem<T>::pack(sum);
+        }
+    }
+    if (out_weights != nullptr && lane < num_topk) {
+        float sum = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < kNumRanks; ++j)
+            if (source_weights[j] != nullptr)
+                sum += ld_stream(source_weights[j] + lane);
+        out_weights[lane] = sum;
+    }
+}
+
+// kInPlace: each warp of the grid takes tokens in turn (neighbouring tokens on different blocks)
+// and sums the copies where they lie: rank r's copy of a token this rank sent it is row
+// (first row of this rank's block on r) + (its slot among the tokens r got from this rank) of the
+// area at `x_off` of r's buffer (`topk_weights_off` for its weights).
+template <typename T, int kNumRanks>
+__device__ __forceinline__ void reduce_in_place(int4* combined_x, float* combined_topk_weights, const int4* bias_0,
+                                                const int4* bias_1, const int* rank_prefix_matrix,
+                                                const int* send_head, int num_tokens, int hidden_int4, int num_topk,
+                                                void* const* buffer_ptrs, int rank, int64_t_ x_off,
+                                                int64_t_ topk_weights_off) {
+    const int lane = threadIdx.x % 32;
+    const int first_row = lane < kNumRanks ? block_row(rank_prefix_matrix, kNumRanks, rank, lane) : 0;
+    const int num_warps = gridDim.x * kCombineWarps;
+    for (int token = blockIdx.x + gridDim.x * (threadIdx.x / 32); token < num_tokens; token += num_warps) {
+        const int slot = lane < kNumRanks ? send_head[(int64_t_)token * kNumRanks + lane] : -1;
+        const int4* source_x[kNumRanks];
+        const float* source_weights[kNumRanks];
+        #pragma unroll
+        for (int r = 0; r < kNumRanks; ++r) {
+            const int position = __shfl_sync(0xffffffffu, slot, r);
+            const int64_t_ row = (int64_t_)__shfl_sync(0xffffffffu, first_row, r) + position;
+            const char* base = reinterpret_cast<const char*>(buffer_ptrs[r]);
+            source_x[r] = position < 0 ? nullptr : reinterpret_cast<const int4*>(base + x_off) + row * hidden_int4;
+            source_weights[r] = position < 0 || combined_topk_weights == nullptr
+                                    ? nullptr
+                                    : reinterpret_cast<const float*>(base + topk_weights_off) + row * num_topk;
+        }
+        sum_copies<T, kNumRanks>(combined_x + (int64_t_)token * hidden_int4,
+                                 combined_topk_weights == nullptr ? nullptr
+                                                                  : combined_topk_weights + (int64_t_)token * num_topk,
+                                 source_x, source_weights,
+                                 bias_0 == nullptr ? nullptr : bias_0 + (int64_t_)token * hidden_int4,
+                                 bias_1 == nullptr ? nullptr : bias_1 + (int64_t_)token * hidden_int4, hidden_int4,
+                                 num_topk, lane);
+    }
+}
+
+template <typename T, int kNumRanks, bool kInPlace = false>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         int4* combined_x, float* combined_topk_weights,
         const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
@@ -47,6 +146,19 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
                         region_tokens, dispatch_verdict, timeout_ns, error_record, KERNEL_COMBINE_CHECK,
                         KERNEL_COMBINE_SENDER))
         return;  // the ranks disagree on this call, or one gave up on the Buffer: every rank stops here
+    if constexpr (kInPlace) {
+        reduce_in_place<T, kNumRanks>(combined_x, combined_topk_weights, bias_0, bias_1, rank_prefix_matrix, send_head,
+                                      num_tokens, hidden_int4, num_topk, buffer_ptrs, rank, x_off, topk_weights_off);
+        if (!grid_sync(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_COMBINE_RECEIVER) ||
+            blockIdx.x != 0)
+            return;
+        CallCounters counters(buffer_ptrs, rank);
+        if (!rank_barrier(buffer_ptrs, kNumRanks, rank, counters.first_epoch, timeout_ns, error_record,
+                          KERNEL_COMBINE_RECEIVER))
+            return;
+        counters.advance(1, 0);
+        return;
+    }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     auto tail_word = [&](char* base, int channel, int source) {
         return reinterpret_cast<int*>(base + meta_off) + channel * kNumRanks + source;
@@ -94,9 +206,6 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
         return;
     }
 
-    constexpr int kPerInt4 = Elem<T>::kPerInt4;
-    // Row pieces in flight per lane, within the register budget.
-    constexpr int kUnroll = kNumRanks <= 2 ? 4 : (kNumRanks <= 4 ? 2 : 1);
     char* base = reinterpret_cast<char*>(buffer_ptrs[rank]);
     const int own_row = block_row(rank_prefix_matrix, kNumRanks, rank, rank);
     const int num_reducer_warps = (gridDim.x - num_senders) * kCombineWarps;
@@ -144,51 +253,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
             }
         }
 
-        int4* out_row = combined_x + (int64_t_)token * hidden_int4;
-        const int4* bias_0_row = bias_0 == nullptr ? nullptr : bias_0 + (int64_t_)token * hidden_int4;
-        const int4* bias_1_row = bias_1 == nullptr ? nullptr : bias_1 + (int64_t_)token * hidden_int4;
-        for (int i0 = lane; i0 < hidden_int4; i0 += 32 * kUnroll) {
-            int4 loaded[kUnroll][kNumRanks];
-            #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = i0 + u * 32;
-                #pragma unroll
-                for (int j = 0; j < kNumRanks; ++j)
-                    if (source_x[j] != nullptr && i < hidden_int4)
-                        loaded[u][j] = ld_stream(source_x[j] + i);
-            }
-            #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = i0 + u * 32;
-                if (i >= hidden_int4)
-                    break;
-                // The biases come first in the sum (the reference's order).
-                float sum[kPerInt4];
-                #pragma unroll
-                for (int k = 0; k < kPerInt4; ++k)
-                    sum[k] = 0.0f;
-                add_row_piece<T>(sum, bias_0_row, i);
-                add_row_piece<T>(sum, bias_1_row, i);
-                #pragma unroll
-                for (int j = 0; j < kNumRanks; ++j) {
-                    if (source_x[j] != nullptr) {
-                        float values[kPerInt4];
-                        Elem<T>::unpack(loaded[u][j], values);
-                        #pragma unroll
-                        for (int k = 0; k < kPerInt4; ++k)
-                            sum[k] += values[k];
-                    }
-                }
-                out_row[i] = Elem<T>::pack(sum);
-            }
-        }
-        if (combined_topk_weights != nullptr && lane < num_topk) {
-            float sum = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < kNumRanks; ++j)
-                if (source_weights[j] != nullptr)
-                    sum += ld_stream(source_weights[j] + lane);
-            combined_topk_weights[(int64_t_)token * num_topk + lane] = sum;
-        }
+        sum_copies<T, kNumRanks>(combined_x + (int64_t_)token * hidden_int4,
+                                 combined_topk_weights == nullptr ? nullptr
+                                                                  : combined_topk_weights + (int64_t_)token * num_topk,
+                                 source_x, source_weights,
+                                 bias_0 == nullptr ? nullptr : bias_0 + (int64_t_)token * hidden_int4,
+                                 bias_1 == nullptr ? nullptr : bias_1 + (int64_t_)token * hidden_int4, hidden_int4,
+                                 num_topk, lane);
     }
 }

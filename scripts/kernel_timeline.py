@@ -53,7 +53,7 @@ _PATCHES = {
         ("constexpr int kCombineWarps", STAMP_TABLE),
         ("    const int settings[SIGNATURE_INTS - 1]", ENTRY),
         ("    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;\n    auto tail_word", PAST_START),
-        ("        return;\n    }\n\n    constexpr int kPerInt4", SENDER_DONE),
+        ("        return;\n    }\n\n    char* base = reinterpret_cast<char*>(buffer_ptrs[rank]);", SENDER_DONE),
     ],
 }
 

@@ -623,7 +623,8 @@ def copy_of(array):
 # Each call passes one output of a dispatch with rows in place (a view of the NVLink buffer) back
 # in; ``out`` is that dispatch's result, ``w`` its workload.
 BUFFER_INPUTS = {
-    "combine x": ("x", lambda buf, w, out: buf.combine(out[0], out[4], config=CONFIG)),
+    # (recv_x itself is x in place: see the combine in place below; a view from its second row on is not)
+    "combine x": ("x", lambda buf, w, out: buf.combine(out[0][1:], out[4], config=CONFIG)),
     "combine topk_weights": ("topk_weights", lambda buf, w, out: buf.combine(
         copy_of(out[0]), out[4], topk_weights=out[2], config=CONFIG)),
     "combine bias": ("bias[1]", lambda buf, w, out: buf.combine(
@@ -654,6 +655,45 @@ def test_copies_of_the_outputs_of_a_dispatch_with_rows_in_place_are_accepted(in_
     buf.combine(copy_of(recv_x), handle, topk_weights=copy_of(recv_w), config=CONFIG)
     dispatch(buf, {**w, "topk_idx": copy_of(recv_topk[:N])})
     assert launches.names()[before:] == ["combine_kernel<bf16_t, 2>", "notify_dispatch_kernel", "dispatch_kernel<2>"]
+
+
+def test_a_combine_of_recv_x_overwritten_in_place_reads_every_ranks_rows_where_they_lie(in_place):
+    buf, launches, _ = in_place
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, workload(), recv_x_in_buffer=True)
+    lay = handle.rows_in_buffer
+    buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
+    p = launches.last("combine_kernel<bf16_t, 2, true>")
+    assert p["num_senders"] == 0 and p["check_op"] == plans.OP_COMBINE_IN_PLACE and p["zero_count"] == 0
+    assert buf._nvl.local_ptr + p["x_off"] == recv_x.ctypes.data == buf._nvl.local_ptr + lay.x_off
+    assert buf._nvl.local_ptr + p["topk_weights_off"] == recv_w.ctypes.data
+
+
+def test_a_combine_of_a_copy_still_sends_its_rows(in_place):
+    buf, launches, _ = in_place
+    recv_x, _, _, _, handle, _ = dispatch(buf, workload(), recv_x_in_buffer=True)
+    buf.combine(copy_of(recv_x), handle, config=CONFIG)
+    assert launches.names()[-1] == "combine_kernel<bf16_t, 2>"
+    assert launches.last("combine_kernel<bf16_t, 2>")["check_op"] == plans.OP_COMBINE
+
+
+def test_with_x_in_place_topk_weights_from_elsewhere_are_refused(in_place):
+    buf, launches, _ = in_place
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, workload(), recv_x_in_buffer=True)
+    before = len(launches.log)
+    with pytest.raises(ValueError, match="^topk_weights: with x in place"):
+        buf.combine(recv_x, handle, topk_weights=copy_of(recv_w), config=CONFIG)
+    assert len(launches.log) == before
+
+
+def test_recv_x_in_place_is_refused_with_the_handle_of_a_dispatch_that_copied_its_rows(in_place):
+    buf, launches, _ = in_place
+    w = workload()
+    recv_x = dispatch(buf, w, recv_x_in_buffer=True)[0]
+    copying_handle = dispatch(buf, w)[4]
+    before = len(launches.log)
+    with pytest.raises(ValueError, match="^x: lies in this Buffer's NVLink buffer"):
+        buf.combine(recv_x, copying_handle, config=CONFIG)
+    assert len(launches.log) == before
 
 
 def test_recv_x_in_buffer_is_refused_for_pytorch_tensors_while_ranks_share_a_gpu(in_place, monkeypatch):

@@ -299,8 +299,9 @@ IN_PLACE = "in place"
 
 def _library_sm_sweep(ep, buf, group, args, x, x_fp8, layout_kw, stream, flush) -> Dict[str, Any]:
     """Cached dispatch BF16 and FP8 (allocating recv_x, and writing it in place: ``recv_x_in_buffer``)
-    and combine BF16 at each ``--sm-sweep`` SM count (the handle of a fresh dispatch with that many
-    SMs); per count the rank's op_stats."""
+    and combine BF16 (of a copy of recv_x, and of recv_x where a dispatch with rows in place left it)
+    at each ``--sm-sweep`` SM count (the handle of a fresh dispatch with that many SMs); per count
+    the rank's op_stats."""
     H = args.hidden
     points = []
     for num_sms in args.sm_sweep:
@@ -321,6 +322,13 @@ def _library_sm_sweep(ep, buf, group, args, x, x_fp8, layout_kw, stream, flush) 
             group.barrier()
             times = time_op(fn, args.tune_warmup, args.tune_iters, stream, flush)
             point[name] = op_stats(times, dispatch_bytes(total, H, dtype), dispatch_bytes(cross, H, dtype))
+        # Last: the calls above overwrite the rows this one leaves in the buffer.
+        in_x, _, in_w, _, in_handle, _ = buf.dispatch(x, config=config, recv_x_in_buffer=True, **layout_kw)
+        group.barrier()
+        times = time_op(lambda: buf.combine(in_x, in_handle, topk_weights=in_w, config=config), args.tune_warmup,
+                        args.tune_iters, stream, flush)
+        point[f"combine BF16 {IN_PLACE}"] = op_stats(times, dispatch_bytes(total, H, "bf16"),
+                                                     dispatch_bytes(cross, H, "bf16"))
         points.append(point)
     return {"points": points}
 

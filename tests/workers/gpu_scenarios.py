@@ -7,7 +7,8 @@ with ``deepep_cupy.reference`` bit-exactly.
 BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24, dtype="bfloat16",
             with_topk=True, with_weights=True, expert_alignment=1, routing="uniform", cached=True,
             combine=True, mode="sync", framework="cupy", send_chunk=None, recv_chunk=None, seed=1,
-            allocation="any", scales_layout="row", bias=0, worst=False, expand=False, recv_in_buffer=False)
+            allocation="any", scales_layout="row", bias=0, worst=False, expand=False, recv_in_buffer=False,
+            combine_in_place=False)
 # allocation: how the scenario's first fresh dispatch must size its outputs ("any": whatever the
 # previous scenario left; "exact": Buffer.allocate_ahead off; "ahead": allocated ahead with room for
 # every rank's tokens; "retried": allocated ahead too small).
@@ -16,7 +17,9 @@ BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24,
 # dispatch with num_worst_tokens (fixed-size outputs), combined from its full-size rows; expand: one
 # more fresh dispatch with expand=True (rows grouped per local expert); recv_in_buffer: every dispatch
 # with recv_x_in_buffer=True (its outputs views of the NVLink buffer, checked to be there, then
-# copied: the next call overwrites them).
+# copied: the next call overwrites them); combine_in_place: one more fresh dispatch with rows in place
+# whose recv_x is overwritten where it lies (every value's sign flipped, as an expert writing its
+# output there) and combined from there.
 
 
 def _scenario(name, **changes):
@@ -66,6 +69,12 @@ SCENARIOS = [
     _scenario("rows_in_buffer_fewer_tokens_than_channels", recv_in_buffer=True, num_tokens=(5, 3), seed=34),
     _scenario("rows_in_buffer_expand_without_topk_weights", recv_in_buffer=True, expand=True, with_weights=False,
               num_sms=2, seed=35),
+    _scenario("combine_in_place_bf16", recv_in_buffer=True, combine_in_place=True, hidden=7168, num_tokens=1024,
+              num_topk=8, num_experts=64, seed=36),
+    _scenario("combine_in_place_torch_fp32_with_biases", recv_in_buffer=True, combine_in_place=True,
+              framework="torch", dtype="float32", hidden=1024, bias=2, seed=37),
+    _scenario("combine_in_place_without_weights_num_sms_8_skewed", recv_in_buffer=True, combine_in_place=True,
+              with_weights=False, num_sms=8, routing="skewed", num_tokens=3000, seed=38),
     _scenario("reference_workload_bf16", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, seed=20),
     _scenario("reference_workload_fp8", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256,
               dtype="float8_e4m3fn", seed=21),

@@ -363,9 +363,34 @@ def _run_scenario(buf, sc):
                 expect_equal(f"{call}_topk_weights", to_numpy(combined_weights), want_w)
             else:
                 assert combined_weights is None
+    # Combine in place: recv_x of a dispatch with rows in place overwritten where it lies (without a
+    # kernel: see copied), then combined from there.
+    if sc["combine_in_place"] and in_buffer and mine["scales"] is None:
+        view_x, _, view_w, _, view_handle, _ = buf.dispatch(x, **kwargs)
+        flipped = [flip_sign(r["recv_x"]) for r in results]
+        source = device(flipped[rank])
+        if sc["framework"] == "torch":
+            view_x.copy_(source)
+        else:
+            view_x.data.copy_from_device_async(source.data, source.nbytes)
+        weights_in = view_w if sc["with_topk"] and sc["with_weights"] else None
+        combined, combined_weights, _ = buf.combine(view_x, view_handle, topk_weights=weights_in, bias=bias_in,
+                                                    config=combine_config)
+        ref_weights = [r["recv_topk_weights"] for r in results] if weights_in is not None else None
+        want_x, want_w = ref.combine(flipped, results, topk_weights=ref_weights,
+                                     bias=biases if sc["bias"] else None)[rank]
+        expect_equal("combined in place: x", to_numpy(combined), ref.round_to_dtype(want_x, sc["dtype"]))
+        if weights_in is not None:
+            expect_equal("combined in place: topk_weights", to_numpy(combined_weights), want_w)
     cupy.cuda.get_current_stream().synchronize()  # not the device: ranks may share it
     buf.check_kernel_errors()  # a device-side timeout must not pass unnoticed
     return {"recv_tokens": int(want["recv_x"].shape[0])}
+
+
+def flip_sign(rows):
+    """``rows`` (BF16 bits, FP16 or FP32) with every value's sign flipped: exact, bit by bit."""
+    bits = {2: np.uint16, 4: np.uint32}[rows.dtype.itemsize]
+    return (rows.view(bits) ^ bits(1 << (8 * rows.dtype.itemsize - 1))).view(rows.dtype)
 
 
 def make_biases(sc, inputs):

@@ -208,12 +208,13 @@ def random_case(seed: int, num_gpus: int = DEFAULT_GPUS, sm_count: int = DEFAULT
     worst = d.chance(0.2)
     expand = with_topk and d.chance(0.2)
     recv_in_buffer = d.chance(0.25)
+    combine_in_place = recv_in_buffer and combine and d.chance(0.5)
     case = dict(name=f"random_{seed}", seed=int(seed), num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden,
                 num_topk=num_topk, num_experts=num_experts, num_sms=num_sms, dtype=dtype, with_topk=with_topk,
                 with_weights=with_weights, expert_alignment=expert_alignment, routing=routing, cached=cached,
                 combine=combine, mode=mode, framework=framework, send_chunk=send_chunk, recv_chunk=recv_chunk,
                 allocation=allocation, scales_layout=scales_layout, bias=bias, worst=worst, expand=expand,
-                recv_in_buffer=recv_in_buffer)
+                recv_in_buffer=recv_in_buffer, combine_in_place=combine_in_place)
     return case
 
 
@@ -236,4 +237,5 @@ def describe_case(case) -> str:
             f"num_sms {case['num_sms']}, chunks {case['send_chunk']}/{case['recv_chunk']}, {case['mode']}, "
             f"{case['framework']}, {'+'.join(steps)}, first dispatch {case['allocation']}, "
             f"scales {case['scales_layout']}, {case['bias']} biases{', num_worst_tokens' if case['worst'] else ''}"
-            f"{', expand' if case['expand'] else ''}{', recv_x in buffer' if case['recv_in_buffer'] else ''}")
+            f"{', expand' if case['expand'] else ''}{', recv_x in buffer' if case['recv_in_buffer'] else ''}"
+            f"{', combined in place' if case['combine_in_place'] else ''}")
