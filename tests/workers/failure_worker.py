@@ -247,8 +247,9 @@ def case_cached_rank_mismatch(comm, ep, cupy):
 
 
 def case_recv_x_in_buffer_checks(comm, ep, cupy):
-    """recv_x_in_buffer: ranks that disagree on it (fresh: raised at once; cached: at the next call)
-    and a combine of the in-buffer recv_x itself are refused, and the Buffer stays usable."""
+    """recv_x_in_buffer: ranks that disagree on it (fresh: raised at once; cached: at the next call),
+    a combine of part of the in-buffer recv_x, and ranks that disagree on combining it in place (at
+    the next call) are refused, and the Buffer stays usable."""
     R, rank = comm.Get_size(), comm.Get_rank()
     config = ep.Config(24, 16, 256)
     rng = np.random.default_rng(7)
@@ -262,7 +263,12 @@ def case_recv_x_in_buffer_checks(comm, ep, cupy):
         messages["fresh"] = expect(ep.RankMismatchError, "differ", lambda: buf.dispatch(
             x, **layout, recv_x_in_buffer=rank == 0))
         recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout, recv_x_in_buffer=True)
-        messages["combine"] = expect(ValueError, "NVLink buffer", lambda: buf.combine(recv_x, handle, config=config))
+        messages["combine"] = expect(ValueError, "NVLink buffer",
+                                     lambda: buf.combine(recv_x[1:], handle, config=config))
+        buf.combine(recv_x if rank == 0 else recv_x.copy(), handle, config=config)  # in place on rank 0 only
+        cupy.cuda.get_current_stream().synchronize()
+        messages["combine_in_place"] = expect(ep.RankMismatchError, "differ between rank 0 and rank 1",
+                                              lambda: buf.get_dispatch_layout(topk, E))
         buf.dispatch(x, handle=handle, config=config, recv_x_in_buffer=rank == 0)
         cupy.cuda.get_current_stream().synchronize()
         messages["cached"] = expect(ep.RankMismatchError, "differ between rank 0 and rank 1",
