@@ -39,14 +39,19 @@ __device__ __forceinline__ void add_row_piece(float* sum, const int4* row, int i
         sum[k] += values[k];
 }
 
-// Sums one token's copies (`source_x[r]`: rank r's copy of the row, null where the token did not
-// go) after its biases, in float32, into `out_row`; the same for the top-k weights when
-// `out_weights` is not null. One warp.
+// Sums the copies of `token` (`source_x[r]`: rank r's copy of its row, null where it did not go)
+// after its biases, in float32, into its row of `combined_x`; the same for its top-k weights when
+// `combined_topk_weights` is not null. One warp.
 template <typename T, int kNumRanks>
-__device__ __forceinline__ void sum_copies(int4* out_row, float* out_weights, const int4* const (&source_x)[kNumRanks],
-                                           const float* const (&source_weights)[kNumRanks], const int4* bias_0_row,
-                                           const int4* bias_1_row, int hidden_int4, int num_topk, int lane) {
+__device__ __forceinline__ void sum_copies(int64_t_ token, int4* combined_x, float* combined_topk_weights,
+                                           const int4* const (&source_x)[kNumRanks],
+                                           const float* const (&source_weights)[kNumRanks], const int4* bias_0,
+                                           const int4* bias_1, int hidden_int4, int num_topk, int lane) {
     constexpr int kPerInt4 = Elem<T>::kPerInt4;
+    int4* out_row = combined_x + token * hidden_int4;
+    float* out_weights = combined_topk_weights == nullptr ? nullptr : combined_topk_weights + token * num_topk;
+    const int4* bias_0_row = bias_0 == nullptr ? nullptr : bias_0 + token * hidden_int4;
+    const int4* bias_1_row = bias_1 == nullptr ? nullptr : bias_1 + token * hidden_int4;
     // Row pieces in flight per lane, within the register budget.
     constexpr int kUnroll = kNumRanks <= 2 ? 4 : (kNumRanks <= 4 ? 2 : 1);
     for (int i0 = lane; i0 < hidden_int4; i0 += 32 * kUnroll) {
@@ -121,13 +126,8 @@ __device__ __forceinline__ void reduce_in_place(int4* combined_x, float* combine
                                     ? nullptr
                                     : reinterpret_cast<const float*>(base + topk_weights_off) + row * num_topk;
         }
-        sum_copies<T, kNumRanks>(combined_x + (int64_t_)token * hidden_int4,
-                                 combined_topk_weights == nullptr ? nullptr
-                                                                  : combined_topk_weights + (int64_t_)token * num_topk,
-                                 source_x, source_weights,
-                                 bias_0 == nullptr ? nullptr : bias_0 + (int64_t_)token * hidden_int4,
-                                 bias_1 == nullptr ? nullptr : bias_1 + (int64_t_)token * hidden_int4, hidden_int4,
-                                 num_topk, lane);
+        sum_copies<T, kNumRanks>(token, combined_x, combined_topk_weights, source_x, source_weights, bias_0, bias_1,
+                                 hidden_int4, num_topk, lane);
     }
 }
 
@@ -253,12 +253,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
             }
         }
 
-        sum_copies<T, kNumRanks>(combined_x + (int64_t_)token * hidden_int4,
-                                 combined_topk_weights == nullptr ? nullptr
-                                                                  : combined_topk_weights + (int64_t_)token * num_topk,
-                                 source_x, source_weights,
-                                 bias_0 == nullptr ? nullptr : bias_0 + (int64_t_)token * hidden_int4,
-                                 bias_1 == nullptr ? nullptr : bias_1 + (int64_t_)token * hidden_int4, hidden_int4,
-                                 num_topk, lane);
+        sum_copies<T, kNumRanks>(token, combined_x, combined_topk_weights, source_x, source_weights, bias_0, bias_1,
+                                 hidden_int4, num_topk, lane);
     }
 }
