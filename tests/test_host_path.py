@@ -696,6 +696,19 @@ def test_recv_x_in_place_is_refused_with_the_handle_of_a_dispatch_that_copied_it
     assert len(launches.log) == before
 
 
+def test_rows_in_place_wider_than_the_area_that_holds_them_are_refused(in_place):
+    buf, launches, _ = in_place
+    fp8 = (on_device(np.zeros((N, H), np.uint8)), on_device(np.ones((N, H // 128), np.float32)))
+    lay = dispatch(buf, {**workload(), "x": fp8}, recv_x_in_buffer=True)[4].rows_in_buffer
+    rows = (lay.src_idx_off - lay.x_off) // (2 * H) + 1  # BF16 rows over the FP8 rows' area
+    handle = dispatch(buf, {**workload(), "x": fp8}, recv_x_in_buffer=True, num_worst_tokens=rows)[4]
+    x = buf._nvl.memory[lay.x_off:lay.x_off + rows * 2 * H].view(np.uint16).reshape(rows, H)
+    before = len(launches.log)
+    with pytest.raises(ValueError, match=f"^x: {rows} rows of {2 * H} bytes in place overrun"):
+        buf.combine(x, handle, config=CONFIG)
+    assert len(launches.log) == before
+
+
 def test_recv_x_in_buffer_is_refused_for_pytorch_tensors_while_ranks_share_a_gpu(in_place, monkeypatch):
     buf, launches, lib = in_place
     buf._group_shares_a_gpu = True
