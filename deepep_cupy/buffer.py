@@ -5,7 +5,8 @@ exchange counts or check and reset, allocate the outputs, move the tokens, hand 
 results. The work under them lives in small modules: argument checks and their cached specs
 (``plans``), array libraries (``tensors``), kernel launches with bound arguments (``launch``),
 the host-mapped slots and their errors (``slots``), stream ordering (``streams``), the handle
-(``handle``), the NVLink buffers (``ipc``) and the three ways of dispatching (``dispatch_path``).
+(``handle``), the NVLink buffers (``ipc``), the three ways of dispatching (``dispatch_path``) and
+the two of combining (``combine_path``).
 
 Per call a Buffer reads its arguments natively (:func:`deepep_cupy.tensors.read`) and looks up
 the plan made for arguments of those kinds; only a call with new kinds of arguments runs the
@@ -22,8 +23,9 @@ import numpy as np
 
 from . import compat, kernels, plans, slots
 from .capacity import ReceiveCapacityGuess
+from .combine_path import CombinePath
 from .comm import Group, as_group
-from .config import DEFAULT_NUM_SMS, Config, combine_sender_blocks, get_combine_config, get_dispatch_config
+from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
 from .constants import MAX_RANKS
 from .dispatch_path import DispatchPath
 from .errors import RankMismatchError
@@ -34,16 +36,13 @@ from .launch import KernelCall, parameter_struct
 from .slots import ERROR_RECORD, HostSlots
 from .sm_budget import check_sm_budget
 from .streams import StreamOrder
-from .tensors import ABSENT, read
+from .tensors import read
 
 __all__ = ["Buffer", "DispatchHandle"]
 
 #: Plans a Buffer keeps before it forgets them all (a model uses a handful).
 MAX_PLANS = 256
 _NO_CONTEXT = contextlib.nullcontext()
-ABSENT_ROWS = ABSENT[2]
-#: The array arguments of combine, as its errors name them.
-COMBINE_INPUTS = ("x", "topk_weights", "bias[0]", "bias[1]")
 
 
 class _DeviceScope:
@@ -89,7 +88,7 @@ class _OrderedCall:
         return False
 
 
-class Buffer(DispatchPath):
+class Buffer(DispatchPath, CombinePath):
     """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
 
     Created collectively by every rank of the group, one rank per GPU (or, in one process, one
@@ -567,108 +566,6 @@ class Buffer(DispatchPath):
 
     # -----------------------------------------------------------------------------------------
     # Combine
-
-    def combine(self, x, handle: DispatchHandle, topk_weights=None, bias=None, config: Optional[Config] = None,
-                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
-        """Send every received token back to its owner, which sums the copies.
-
-        Args:
-            x: ``[num_recv_tokens, hidden]`` BF16/FP16/FP32, rows in the receive order of the
-                dispatch that made ``handle``. When that dispatch wrote its rows in place
-                (``recv_x_in_buffer``), x may be its ``recv_x`` overwritten with rows of x's type
-                (for instance the experts' outputs written there): then nothing is sent, every
-                SM reduces, and each rank reads the others' rows where they lie (every rank must
-                do so: ``RankMismatchError`` otherwise). Rows of a later dispatch in place with the
-                same handle lie there too.
-            handle: the handle returned by that dispatch.
-            topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``. With
-                x in place: None or that dispatch's ``recv_topk_weights`` (read where it lies).
-            bias: None, an array, or a pair of arrays (entries may be None), each ``[num_tokens,
-                hidden]`` of x's dtype (num_tokens: the tokens of the handle's dispatch on this
-                rank), added to the combined rows before the received copies.
-            config: :class:`Config` with the dispatch's ``num_sms`` (default: :func:`get_combine_config`).
-            previous_event, async_finish, allocate_on_comm_stream: as for :meth:`dispatch`.
-
-        Returns:
-            ``(combined_x [num_tokens, hidden] like x, combined_topk_weights float32 or None, event)``:
-            ``combined_x[t]`` is the float32 sum of the biases, then over the ranks the token went
-            to in ascending order of their rows, rounded to x's dtype (0 for tokens sent nowhere
-            without bias).
-        """
-        self._slots.raise_if_failed()
-        config = self._config(config, "combine")
-        lib, x_ptr, n, x_key = read(x)
-        _, w_ptr, n_w, w_key = read(topk_weights)
-        biases = plans.split_bias(bias)
-        _, b0_ptr, n_b0, b0_key = read(biases[0])
-        _, b1_ptr, n_b1, b1_key = read(biases[1])
-        in_place = self._rows_in_place(handle, x_ptr, w_ptr) if self._rows_in_buffer_used else None
-        if in_place is None:
-            self._refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
-        else:
-            self._refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
-        key = ("combine", x_key, w_key, b0_key, b1_key, config, in_place)
-        plan = self._plans.get(key)
-        if plan is None or (n, n_w).count(n) != plan.row_args:
-            plan = self._plan(key, self._combine_plan, x, topk_weights, config, biases, in_place)
-        self._check_handle(handle, config)
-        if n != handle.rows:
-            received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
-            raise ValueError(f"x: expected {handle.rows} rows ({received}), got {n}")
-        if in_place is not None and n * plan.spec.row_bytes > in_place.src_idx_off - in_place.x_off:
-            raise ValueError(f"x: {n} rows of {plan.spec.row_bytes} bytes in place overrun the area of this Buffer "
-                             "that holds them (rows wider than the dispatch's); pass a copy. No tokens were moved")
-        spec, num_tokens, dev = plan.spec, handle.num_tokens, self.device_id
-        for i, rows in enumerate((n_b0, n_b1)):
-            if rows != num_tokens and rows != ABSENT_ROWS:
-                raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
-                                 f"got {rows}")
-        with self._on_device, \
-                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            with self._allocating(lib, allocate_on_comm_stream):
-                combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
-                combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
-            plan.main(run_on, dispatch_verdict=handle.verdict_ptr, combined_x=lib.pointer(combined),
-                      combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
-                      x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
-                      rank_prefix_matrix=handle.rank_prefix_ptr,
-                      recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr,
-                      send_head=handle.send_head_ptr, num_tokens=num_tokens)
-            outputs = (combined, combined_weights)
-            event = self._finish(caller, run_on, lib, async_finish,
-                                 (x, topk_weights, *biases, handle.block, *outputs), outputs,
-                                 allocate_on_comm_stream)
-        return combined, combined_weights, event
-
-    def _rows_in_place(self, handle, x_ptr: int, w_ptr: int):
-        """The buffer layout of ``handle``'s dispatch when ``x`` lies where it put ``recv_x`` (a
-        combine that reads the ranks' rows in place), else None."""
-        lay = getattr(handle, "rows_in_buffer", None)  # the handle itself is checked later
-        base = self._nvl.local_ptr
-        if lay is None or x_ptr != base + lay.x_off:
-            return None
-        if w_ptr and w_ptr != base + lay.topk_weights_off:
-            raise ValueError("topk_weights: with x in place (the recv_x of a dispatch with recv_x_in_buffer) the "
-                             "weights are read in place too: pass None or that dispatch's recv_topk_weights. No "
-                             "tokens were moved")
-        return lay
-
-    def _combine_plan(self, x, topk_weights, config, biases, in_place):
-        spec = plans.check_combine(self._context, x, topk_weights, config, biases)
-        if in_place is None:
-            lay, op, num_senders, template_args = spec.layout, plans.OP_COMBINE, \
-                combine_sender_blocks(config.num_sms), (spec.element, self.num_ranks)
-        else:
-            lay, op, num_senders, template_args = in_place, plans.OP_COMBINE_IN_PLACE, 0, \
-                (spec.element, self.num_ranks, "true")
-        main = self._bind("combine_kernel", template_args, grid=config.num_sms,
-                          num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
-                          meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
-                          region_tokens=lay.region_tokens, num_senders=num_senders,
-                          send_chunk=config.num_max_nvl_chunked_send_tokens,
-                          **plans.call_check_arguments(op, spec.row_bytes, spec.row_detail, config, lay))
-        return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0))
 
     # -----------------------------------------------------------------------------------------
 
