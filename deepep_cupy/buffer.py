@@ -509,11 +509,12 @@ class Buffer(DispatchPath, CombinePath):
                 enough SMs some only this rank's own: ``config.peer_blocks_in_place``), so that
                 few SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the
                 next dispatch or combine of this Buffer (copy them to keep them longer, e.g. for a
-                backward pass) and must not be written; passing one to a call of this Buffer raises
-                ``ValueError``. Every rank must pass the same value (``RankMismatchError``). The
-                Buffer needs ``get_nvl_buffer_size_hint(..., recv_x_in_buffer=True)`` bytes for as
-                many tokens; ``num_worst_tokens`` (or a handle's rows) beyond what it holds raise
-                ``ValueError``.
+                backward pass) and must not be written, but for ``recv_x`` overwritten with the
+                rows to combine (:meth:`combine` then reads them where they lie); passing one to
+                any other call of this Buffer raises ``ValueError``. Every rank must pass the same
+                value (``RankMismatchError``). The Buffer needs
+                ``get_nvl_buffer_size_hint(..., recv_x_in_buffer=True)`` bytes for as many tokens;
+                ``num_worst_tokens`` (or a handle's rows) beyond what it holds raise ``ValueError``.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
