@@ -182,6 +182,9 @@ class Buffer(DispatchPath, CombinePath):
         # Whether a plan made views of the NVLink buffer (rows in place): from then on the inputs
         # of every call are checked against it (_refuse_buffer_rows).
         self._rows_in_buffer_used = False
+        # The handle of the dispatch whose rows in place the buffer's areas hold (None once any
+        # other dispatch or a combine that sends has overwritten them): a combine in place reads them.
+        self._rows_in_buffer_of = None
         # Whether some GPU of the group runs several ranks (an in-process group), the same on every
         # rank, unlike StreamOrder.shares_gpu (this rank's GPU): set by _check_group.
         self._group_shares_a_gpu = False

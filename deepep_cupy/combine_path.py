@@ -85,6 +85,8 @@ class CombinePath:
             with self._allocating(lib, allocate_on_comm_stream):
                 combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
                 combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
+            if in_place is None:
+                self._rows_in_buffer_of = None  # its regions overlap the areas of rows in place
             plan.main(run_on, dispatch_verdict=handle.verdict_ptr, combined_x=lib.pointer(combined),
                       combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
                       x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
@@ -104,6 +106,10 @@ class CombinePath:
         base = self._nvl.local_ptr
         if lay is None or x_ptr != base + lay.x_off:
             return None
+        if handle is not self._rows_in_buffer_of:
+            raise ValueError("x: lies where this handle's dispatch put recv_x, but a later dispatch or combine of "
+                             "this Buffer has overwritten those rows since; dispatch in place again, or combine a "
+                             "copy made before that call. No tokens were moved")
         if w_ptr and w_ptr != base + lay.topk_weights_off:
             raise ValueError("topk_weights: with x in place (the recv_x of a dispatch with recv_x_in_buffer) the "
                              "weights are read in place too: pass None or that dispatch's recv_topk_weights. No "

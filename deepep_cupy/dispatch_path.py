@@ -111,8 +111,7 @@ class DispatchPath:
                 outputs = self._dispatch_outputs(lib, plan, rows)
             handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
             handle.publish_on_device(rows, num_local_experts)
-            if plan.windows is not None:
-                handle.rows_in_buffer = spec.layout
+            self._note_rows_in_buffer(plan, handle)
             pointers = self._pointers(lib, outputs)
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
@@ -125,6 +124,16 @@ class DispatchPath:
                                  allocate_on_comm_stream)
         self.last_dispatch_allocation = "fixed"
         return dispatch_result(outputs, [], handle, event)
+
+    def _note_rows_in_buffer(self, plan: Plan, handle: DispatchHandle) -> None:
+        """A dispatch with ``handle`` is about to write the buffer's areas: with rows in place they
+        then hold its rows (the handle keeps their layout, a combine in place reads them there);
+        otherwise what they held is gone."""
+        if plan.windows is not None:
+            handle.rows_in_buffer = plan.spec.layout
+            self._rows_in_buffer_of = handle
+        else:
+            self._rows_in_buffer_of = None
 
     def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int) -> None:
         """notify_dispatch of a fresh dispatch whose host waits for the counts (in the slots)."""
@@ -262,8 +271,7 @@ class DispatchPath:
             with self._allocating(lib, allocate_on_comm_stream):
                 block = lib.empty((words,), "int64", dev)
             handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
-            if plan.windows is not None:
-                handle.rows_in_buffer = spec.layout
+            self._note_rows_in_buffer(plan, handle)
             # The count exchange is a kernel of its own, launched before the outputs are allocated:
             # the host waits for it, so it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
@@ -415,6 +423,7 @@ class DispatchPath:
             with self._allocating(lib, allocate_on_comm_stream):
                 recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
             recv_x_ptr, recv_scales_ptr = self._pointers(lib, (recv_x, recv_scales))
+            self._note_rows_in_buffer(plan, handle)
             plan.main(run_on, dispatch_verdict=handle.verdict_ptr, recv_x=recv_x_ptr,
                       recv_x_scales=recv_scales_ptr, x=x_ptr, x_scales=s_ptr,
                       is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,

@@ -696,6 +696,30 @@ def test_recv_x_in_place_is_refused_with_the_handle_of_a_dispatch_that_copied_it
     assert len(launches.log) == before
 
 
+def test_a_cached_dispatch_in_place_leaves_rows_a_combine_reads_in_place(in_place):
+    buf, launches, _ = in_place
+    w = workload()
+    handle = dispatch(buf, w)[4]  # its rows were copied out, not left in place
+    recv_x = buf.dispatch(w["x"], handle=handle, config=CONFIG, recv_x_in_buffer=True)[0]
+    buf.combine(recv_x, handle, config=CONFIG)
+    assert launches.names()[-1] == "combine_kernel<bf16_t, 2, true>"
+
+
+@pytest.mark.parametrize("later", ["dispatch", "combine that sends"])
+def test_rows_in_place_overwritten_by_a_later_call_are_refused(in_place, later):
+    buf, launches, _ = in_place
+    w = workload()
+    recv_x, _, _, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
+    if later == "dispatch":
+        dispatch(buf, w)
+    else:
+        buf.combine(copy_of(recv_x), handle, config=CONFIG)
+    before = len(launches.log)
+    with pytest.raises(ValueError, match="^x: lies where this handle's dispatch put recv_x, but a later"):
+        buf.combine(recv_x, handle, config=CONFIG)
+    assert len(launches.log) == before
+
+
 def test_rows_in_place_wider_than_the_area_that_holds_them_are_refused(in_place):
     buf, launches, _ = in_place
     fp8 = (on_device(np.zeros((N, H), np.uint8)), on_device(np.ones((N, H // 128), np.float32)))
