@@ -35,8 +35,9 @@ class CombinePath:
                 (``recv_x_in_buffer``), x may be its ``recv_x`` overwritten with rows of x's type
                 (for instance the experts' outputs written there): then nothing is sent, every
                 SM reduces, and each rank reads the others' rows where they lie (every rank must
-                do so: ``RankMismatchError`` otherwise). Rows of a later dispatch in place with the
-                same handle lie there too.
+                do so: ``RankMismatchError`` otherwise). A cached dispatch in place with the
+                handle leaves its rows there too; once another dispatch, or a combine that sends,
+                has overwritten them, x there raises ``ValueError``.
             handle: the handle returned by that dispatch.
             topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``. With
                 x in place: None or that dispatch's ``recv_topk_weights`` (read where it lies).
