@@ -1,12 +1,38 @@
-"""What the measurement scripts run under mpirun share: the reference workload of a rank as CuPy
-arrays, with its layout, and the loop time of a call (imported as ``_mpi_timing``: a script's
-folder is on its path)."""
+"""What the measurement scripts run under mpirun share: the arguments of an SM-count sweep, a rank's
+GPU and Buffer, the reference workload of a rank as CuPy arrays, with its layout, and the loop time
+of a call (imported as ``_mpi_timing``: a script's folder is on its path)."""
+import argparse
+from typing import List, Tuple
+
 import cupy
 import numpy as np
 
+import deepep_cupy as ep
 from deepep_cupy import reference as ref
 
 HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
+
+
+def sweep_arguments(description: str, sms: str, **extra: dict) -> Tuple[argparse.Namespace, List[int]]:
+    """The command line of a sweep over SM counts: ``--sms`` (default ``sms``), ``--rounds``,
+    ``--tokens`` and ``extra`` (option name -> ``add_argument`` keywords); returns ``(args, SM counts)``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--sms", default=sms)
+    for name, options in extra.items():
+        parser.add_argument(name, **options)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    args = parser.parse_args()
+    return args, [int(v) for v in args.sms.split(",")]
+
+
+def rank_buffer(comm, num_sms: int, num_tokens: int, recv_x_in_buffer: bool = False, timeout_s: float = 30):
+    """This rank's GPU (one per rank) made current, and a Buffer sized for ``num_tokens`` tokens of the
+    reference workload per rank at up to ``num_sms`` SMs."""
+    cupy.cuda.Device(comm.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+    hint = ep.get_nvl_buffer_size_hint(HIDDEN * 2, comm.Get_size(), ep.Config(num_sms, 4, 256), num_topk=NUM_TOPK,
+                                       num_max_tokens_per_rank=num_tokens, recv_x_in_buffer=recv_x_in_buffer)
+    return ep.Buffer(comm, hint, timeout_s=timeout_s)
 
 
 def reference_workload(buf, rank: int, num_tokens: int, fp8: bool = False) -> dict:

@@ -9,27 +9,17 @@ views themselves (every block reduces, reading the other ranks' rows over NVLink
 ``--rounds`` times; loop time per call over 20 calls (no L2 flush), max over ranks; ``exact``: the
 in-place outputs equal the sent ones bit for bit.
 """
-import argparse
 
 import cupy
-from _mpi_timing import HIDDEN, NUM_TOPK, loop_us, reference_workload
+from _mpi_timing import loop_us, rank_buffer, reference_workload, sweep_arguments
 from mpi4py import MPI
 
 import deepep_cupy as ep
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--sms", default="8,16,24,32")
-parser.add_argument("--rounds", type=int, default=2)
-parser.add_argument("--tokens", type=int, default=4096)
-args = parser.parse_args()
-
+args, sms_list = sweep_arguments(__doc__, "8,16,24,32")
 comm = MPI.COMM_WORLD
-rank, R = comm.Get_rank(), comm.Get_size()
-cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-sms_list = [int(v) for v in args.sms.split(",")]
-buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(HIDDEN * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=NUM_TOPK,
-                                                  num_max_tokens_per_rank=args.tokens, recv_x_in_buffer=True),
-                timeout_s=30)
+rank = comm.Get_rank()
+buf = rank_buffer(comm, max(sms_list), args.tokens, recv_x_in_buffer=True)
 workload = reference_workload(buf, rank, args.tokens)
 
 

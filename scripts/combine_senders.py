@@ -8,28 +8,19 @@ its combine runs with each number of sender blocks (``num_senders`` of the combi
 call over 20 calls (no L2 flush), max over ranks; ``exact``: the outputs equal those of the
 recommended split.
 """
-import argparse
 
 import cupy
-from _mpi_timing import HIDDEN, NUM_TOPK, loop_us, reference_workload
+from _mpi_timing import loop_us, rank_buffer, reference_workload, sweep_arguments
 from mpi4py import MPI
 
 import deepep_cupy as ep
 from deepep_cupy.config import combine_sender_blocks
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--sms", default="12,16,24")
-parser.add_argument("--senders", default="5,6,7,8,9,10", help="besides the recommended count (fewer than the SMs)")
-parser.add_argument("--rounds", type=int, default=2)
-parser.add_argument("--tokens", type=int, default=4096)
-args = parser.parse_args()
-
+args, sms_list = sweep_arguments(__doc__, "12,16,24", **{"--senders": dict(
+    default="5,6,7,8,9,10", help="besides the recommended count (fewer than the SMs)")})
 comm = MPI.COMM_WORLD
-rank, R = comm.Get_rank(), comm.Get_size()
-cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-sms_list = [int(v) for v in args.sms.split(",")]
-buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(HIDDEN * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=NUM_TOPK,
-                                                  num_max_tokens_per_rank=args.tokens), timeout_s=30)
+rank = comm.Get_rank()
+buf = rank_buffer(comm, max(sms_list), args.tokens)
 workload = reference_workload(buf, rank, args.tokens)
 
 

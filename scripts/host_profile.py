@@ -14,6 +14,7 @@ import time
 
 import cupy
 import numpy as np
+from _mpi_timing import HIDDEN, NUM_EXPERTS, NUM_TOPK, rank_buffer
 from mpi4py import MPI
 
 import deepep_cupy as ep
@@ -29,12 +30,11 @@ parser.add_argument("--top", type=int, default=30)
 args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
-rank, R = comm.Get_rank(), comm.Get_size()
-device = rank % cupy.cuda.runtime.getDeviceCount()
-cupy.cuda.Device(device).use()
-H, K, E, n = 7168, 8, 256, args.tokens
+rank = comm.Get_rank()
+H, K, E, n = HIDDEN, NUM_TOPK, NUM_EXPERTS, args.tokens
 config = ep.Config(24, 4, 256)
-buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, config), timeout_s=20)
+buf = rank_buffer(comm, config.num_sms, n, timeout_s=20)
+device = cupy.cuda.Device().id
 
 rng = np.random.default_rng(rank)
 arrays = device_arrays(args.lib, {

@@ -9,30 +9,20 @@ time per call over 20 calls (no L2 flush) of cached BF16, cached FP8 and fresh B
 of the reference workload, CuPy inputs, max over ranks; ``exact``: every in-place output equals
 the copying dispatch's.
 """
-import argparse
 
 import cupy
-from _mpi_timing import HIDDEN, NUM_TOPK, reference_workload
 from _mpi_timing import loop_us as timed
+from _mpi_timing import rank_buffer, reference_workload, sweep_arguments
 from mpi4py import MPI
 
 import deepep_cupy as ep
 from deepep_cupy.config import peer_blocks_in_place
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--sms", default="16,24,32")
-parser.add_argument("--peer-blocks", default="8,10,12,16", help="besides num_sms and the recommended split")
-parser.add_argument("--rounds", type=int, default=2)
-parser.add_argument("--tokens", type=int, default=4096)
-args = parser.parse_args()
-
+args, sms_list = sweep_arguments(__doc__, "16,24,32", **{"--peer-blocks": dict(
+    default="8,10,12,16", help="besides num_sms and the recommended split")})
 comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()
-cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-sms_list = [int(v) for v in args.sms.split(",")]
-buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(HIDDEN * 2, R, ep.Config(max(sms_list), 4, 256), num_topk=NUM_TOPK,
-                                                  num_max_tokens_per_rank=args.tokens, recv_x_in_buffer=True),
-                timeout_s=30)
+buf = rank_buffer(comm, max(sms_list), args.tokens, recv_x_in_buffer=True)
 workload = reference_workload(buf, rank, args.tokens, fp8=True)
 x, x8 = workload["x"], workload["x8"]
 
