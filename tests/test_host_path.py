@@ -5,6 +5,7 @@ checks, how a fresh dispatch sizes its outputs, and what comes back (tests/host_
 what is faked). The GPU tests check the same calls against the reference on real devices.
 """
 
+import contextlib
 import re
 
 import numpy as np
@@ -580,6 +581,15 @@ def inside(buf, array):
     return buf._nvl.local_ptr <= array.ctypes.data < buf._nvl.local_ptr + buf._nvl.num_bytes
 
 
+@contextlib.contextmanager
+def refused_before_any_launch(launches, match):
+    """The block raises ValueError matching ``match`` and launches nothing."""
+    before = len(launches.log)
+    with pytest.raises(ValueError, match=match):
+        yield
+    assert len(launches.log) == before
+
+
 def test_recv_x_in_buffer_returns_views_of_the_nvlink_buffer_written_by_every_block(in_place):
     buf, launches, lib = in_place
     recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, workload(), recv_x_in_buffer=True)
@@ -641,10 +651,8 @@ def test_an_array_argument_that_lies_in_the_nvlink_buffer_is_refused_by_name(in_
     arg, call = BUFFER_INPUTS[case]
     w = workload()
     out = dispatch(buf, w, recv_x_in_buffer=True)
-    before = len(launches.log)
-    with pytest.raises(ValueError, match="^" + re.escape(f"{arg}: lies in this Buffer's NVLink buffer")):
+    with refused_before_any_launch(launches, "^" + re.escape(f"{arg}: lies in this Buffer's NVLink buffer")):
         call(buf, w, out)
-    assert len(launches.log) == before
 
 
 def test_copies_of_the_outputs_of_a_dispatch_with_rows_in_place_are_accepted(in_place):
@@ -679,10 +687,8 @@ def test_a_combine_of_a_copy_still_sends_its_rows(in_place):
 def test_with_x_in_place_topk_weights_from_elsewhere_are_refused(in_place):
     buf, launches, _ = in_place
     recv_x, _, recv_w, _, handle, _ = dispatch(buf, workload(), recv_x_in_buffer=True)
-    before = len(launches.log)
-    with pytest.raises(ValueError, match="^topk_weights: with x in place"):
+    with refused_before_any_launch(launches, "^topk_weights: with x in place"):
         buf.combine(recv_x, handle, topk_weights=copy_of(recv_w), config=CONFIG)
-    assert len(launches.log) == before
 
 
 def test_recv_x_in_place_is_refused_with_the_handle_of_a_dispatch_that_copied_its_rows(in_place):
@@ -690,10 +696,8 @@ def test_recv_x_in_place_is_refused_with_the_handle_of_a_dispatch_that_copied_it
     w = workload()
     recv_x = dispatch(buf, w, recv_x_in_buffer=True)[0]
     copying_handle = dispatch(buf, w)[4]
-    before = len(launches.log)
-    with pytest.raises(ValueError, match="^x: lies in this Buffer's NVLink buffer"):
+    with refused_before_any_launch(launches, "^x: lies in this Buffer's NVLink buffer"):
         buf.combine(recv_x, copying_handle, config=CONFIG)
-    assert len(launches.log) == before
 
 
 def test_a_cached_dispatch_in_place_leaves_rows_a_combine_reads_in_place(in_place):
@@ -714,10 +718,8 @@ def test_rows_in_place_overwritten_by_a_later_call_are_refused(in_place, later):
         dispatch(buf, w)
     else:
         buf.combine(copy_of(recv_x), handle, config=CONFIG)
-    before = len(launches.log)
-    with pytest.raises(ValueError, match="^x: lies where this handle's dispatch put recv_x, but a later"):
+    with refused_before_any_launch(launches, "^x: lies where this handle's dispatch put recv_x, but a later"):
         buf.combine(recv_x, handle, config=CONFIG)
-    assert len(launches.log) == before
 
 
 def test_rows_in_place_wider_than_the_area_that_holds_them_are_refused(in_place):
@@ -727,22 +729,18 @@ def test_rows_in_place_wider_than_the_area_that_holds_them_are_refused(in_place)
     rows = (lay.src_idx_off - lay.x_off) // (2 * H) + 1  # BF16 rows over the FP8 rows' area
     handle = dispatch(buf, {**workload(), "x": fp8}, recv_x_in_buffer=True, num_worst_tokens=rows)[4]
     x = buf._nvl.memory[lay.x_off:lay.x_off + rows * 2 * H].view(np.uint16).reshape(rows, H)
-    before = len(launches.log)
-    with pytest.raises(ValueError, match=f"^x: {rows} rows of {2 * H} bytes in place overrun"):
+    with refused_before_any_launch(launches, f"^x: {rows} rows of {2 * H} bytes in place overrun"):
         buf.combine(x, handle, config=CONFIG)
-    assert len(launches.log) == before
 
 
 def test_recv_x_in_buffer_is_refused_for_pytorch_tensors_while_ranks_share_a_gpu(in_place, monkeypatch):
     buf, launches, lib = in_place
     buf._group_shares_a_gpu = True
     dispatch(buf, workload(), recv_x_in_buffer=True)  # other libraries' arrays: accepted
-    before = len(launches.log)
     monkeypatch.setattr(lib, "name", "torch")
     buf._plans.clear()
-    with pytest.raises(ValueError, match="PyTorch tensors while ranks share a GPU"):
+    with refused_before_any_launch(launches, "PyTorch tensors while ranks share a GPU"):
         dispatch(buf, workload(), recv_x_in_buffer=True)
-    assert len(launches.log) == before
 
 
 def test_recv_x_in_buffer_must_be_a_bool(in_place):
