@@ -200,8 +200,14 @@ class _TorchLib(ArrayLib):
 
     def read(self, t) -> Tuple[ArrayLib, int, int, tuple]:
         shape = t.shape
-        return (self, t.data_ptr(), shape[0] if shape else -1,
+        return (self, t.data_ptr() or self._address_in_storage(t), shape[0] if shape else -1,
                 (self, t.dtype, shape[1:], t.is_contiguous(), t.get_device()))
+
+    @staticmethod
+    def _address_in_storage(t) -> int:
+        """Where ``t`` starts in its storage: an empty tensor's ``data_ptr()`` is 0, and an empty
+        view of rows in place (a rank that received no tokens) must still be known by its address."""
+        return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
     def describe(self, t, arg: str, device_id: int) -> ArrayInfo:
         if not t.is_cuda:

@@ -103,6 +103,15 @@ def test_a_tensor_is_read_natively():
     assert key[1:] == (torch.bfloat16, torch.Size([8]), True, -1)
 
 
+def test_an_empty_tensor_is_read_at_its_place_in_its_storage():
+    # data_ptr() of an empty tensor is 0: an empty view of rows in place must still be recognised.
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((6, 8), dtype=torch.bfloat16)
+    assert t[3:3].data_ptr() == 0
+    assert tensors.read(t[3:3])[1] == t.data_ptr() + 3 * 8 * 2
+    assert tensors.read(torch.empty((0, 8)))[1] == 0
+
+
 def test_column_major_tensor_strides_are_read_in_elements():
     torch = pytest.importorskip("torch")
     scales = torch.ones((5, 3), dtype=torch.float32).T.contiguous().T
