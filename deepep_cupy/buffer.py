@@ -185,9 +185,6 @@ class Buffer(DispatchPath, CombinePath):
         # The handle of the dispatch whose rows in place the buffer's areas hold (None once any
         # other dispatch or a combine that sends has overwritten them): a combine in place reads them.
         self._rows_in_buffer_of = None
-        # Whether some GPU of the group runs several ranks (an in-process group), the same on every
-        # rank, unlike StreamOrder.shares_gpu (this rank's GPU): set by _check_group.
-        self._group_shares_a_gpu = False
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -288,8 +285,7 @@ class Buffer(DispatchPath, CombinePath):
         if len(set(sizes)) > 1:
             raise RankMismatchError(f"num_nvl_bytes: ranks disagree, got {sizes} (rank order)")
         buses = [e["bus"] for e in everyone]
-        self._group_shares_a_gpu = len(set(buses)) < len(buses)
-        if not self._group.in_process and self._group_shares_a_gpu:
+        if not self._group.in_process and len(set(buses)) < len(buses):
             raise ValueError(
                 f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
                 "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")

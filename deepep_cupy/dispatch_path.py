@@ -20,13 +20,20 @@ from .handle import DispatchHandle, handle_layout, kept_outputs
 from .launch import KernelCall
 from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
-from .tensors import lib_of, read, row_bytes
+from .tensors import read, row_bytes
 
 #: The array arguments of a fresh and of a cached dispatch, as their errors name them (``x[1]``:
 #: the FP8 scales of ``x = (rows, scales)``).
 FRESH_INPUTS = ("x", "x[1]", "num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx",
                 "topk_weights")
 CACHED_INPUTS = FRESH_INPUTS[:2]
+
+
+def checked_in_buffer(recv_x_in_buffer) -> bool:
+    """``recv_x_in_buffer`` checked (a bool)."""
+    if not isinstance(recv_x_in_buffer, (bool, np.bool_)):
+        raise TypeError(f"recv_x_in_buffer: expected a bool, got {recv_x_in_buffer!r}")
+    return bool(recv_x_in_buffer)
 
 
 class DispatchCall(NamedTuple):
@@ -174,7 +181,7 @@ class DispatchPath:
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config,
                     recv_x_in_buffer):
         spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                                          expert_alignment, config, self._checked_in_buffer(recv_x_in_buffer, x))
+                                          expert_alignment, config, checked_in_buffer(recv_x_in_buffer))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
         notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, row_bytes=row_bytes,
@@ -436,7 +443,7 @@ class DispatchPath:
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
     def _cached_plan(self, x, config, recv_x_in_buffer):
-        spec = plans.check_cached_dispatch(self._context, x, config, self._checked_in_buffer(recv_x_in_buffer, x))
+        spec = plans.check_cached_dispatch(self._context, x, config, checked_in_buffer(recv_x_in_buffer))
         # A cached dispatch checks its settings in the transfer kernel; it neither moves top-k nor
         # writes the handle's receive side.
         checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,
@@ -446,14 +453,3 @@ class DispatchPath:
         outputs = plans.received_arrays(spec)
         return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
                     windows=self._output_windows(spec.rows.lib, spec, outputs))
-
-    def _checked_in_buffer(self, recv_x_in_buffer, x) -> bool:
-        """``recv_x_in_buffer`` checked for a dispatch of ``x``."""
-        if not isinstance(recv_x_in_buffer, (bool, np.bool_)):
-            raise TypeError(f"recv_x_in_buffer: expected a bool, got {recv_x_in_buffer!r}")
-        lib = lib_of(plans.split_x(x)[0])
-        if recv_x_in_buffer and self._group_shares_a_gpu and getattr(lib, "name", None) == "torch":
-            raise ValueError("recv_x_in_buffer: not supported for PyTorch tensors while ranks share a GPU (an "
-                             "in-process group with several ranks on one device), only for CuPy arrays; no "
-                             "tokens were moved")
-        return bool(recv_x_in_buffer)

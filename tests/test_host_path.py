@@ -733,16 +733,6 @@ def test_rows_in_place_wider_than_the_area_that_holds_them_are_refused(in_place)
         buf.combine(x, handle, config=CONFIG)
 
 
-def test_recv_x_in_buffer_is_refused_for_pytorch_tensors_while_ranks_share_a_gpu(in_place, monkeypatch):
-    buf, launches, lib = in_place
-    buf._group_shares_a_gpu = True
-    dispatch(buf, workload(), recv_x_in_buffer=True)  # other libraries' arrays: accepted
-    monkeypatch.setattr(lib, "name", "torch")
-    buf._plans.clear()
-    with refused_before_any_launch(launches, "PyTorch tensors while ranks share a GPU"):
-        dispatch(buf, workload(), recv_x_in_buffer=True)
-
-
 def test_recv_x_in_buffer_must_be_a_bool(in_place):
     buf, _, _ = in_place
     with pytest.raises(TypeError, match="recv_x_in_buffer: expected a bool"):

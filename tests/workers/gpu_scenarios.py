@@ -75,6 +75,8 @@ SCENARIOS = [
               framework="torch", dtype="float32", hidden=1024, bias=2, seed=37),
     _scenario("combine_in_place_without_weights_num_sms_8_skewed", recv_in_buffer=True, combine_in_place=True,
               with_weights=False, num_sms=8, routing="skewed", num_tokens=3000, seed=38),
+    _scenario("combine_in_place_torch_a_rank_receiving_nothing", recv_in_buffer=True, combine_in_place=True,
+              framework="torch", routing="avoid_last_rank", seed=39),
     _scenario("reference_workload_bf16", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, seed=20),
     _scenario("reference_workload_fp8", num_tokens=4096, hidden=7168, num_topk=8, num_experts=256,
               dtype="float8_e4m3fn", seed=21),

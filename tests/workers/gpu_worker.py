@@ -204,16 +204,6 @@ def _run_scenario(buf, sc):
     kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   expert_alignment=sc["expert_alignment"], config=config)
     in_buffer = dict(recv_x_in_buffer=True) if sc["recv_in_buffer"] else {}
-    if in_buffer and buf._group_shares_a_gpu and sc["framework"] == "torch":
-        # Refused for PyTorch where ranks share a GPU, before anything moves; the scenario then runs without it.
-        try:
-            buf.dispatch(x, **kwargs, **in_buffer)
-        except ValueError as exc:
-            if "share a GPU" not in str(exc):
-                raise
-        else:
-            raise Mismatch("recv_x_in_buffer: accepted for PyTorch although ranks share a GPU")
-        in_buffer = {}
     kwargs.update(in_buffer)
     if sc["with_topk"]:
         kwargs["topk_idx"] = topk
@@ -237,9 +227,9 @@ def _run_scenario(buf, sc):
         return kept(out, expanded=extra.get("expand", False))
 
     def copied(a):
-        """A copy of ``a``; CuPy's made without a kernel: a kernel's first launch loads its module,
-        which waits for the kernels running on the GPU, among them those of co-located ranks that
-        wait for this one (README, in-process ranks; PyTorch tensors are not kept in place there)."""
+        """A copy of ``a`` made without a kernel (PyTorch's clone of a contiguous tensor is a memory
+        copy): a kernel's first launch loads its module, which waits for the kernels running on the
+        GPU, among them those of co-located ranks that wait for this one (README, in-process ranks)."""
         if sc["framework"] == "torch":
             return a.clone()
         out = cupy.empty_like(a)
@@ -253,13 +243,14 @@ def _run_scenario(buf, sc):
             return out
         recv_x, recv_topk, recv_weights = out[:3]
         arrays = [*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_topk, recv_weights]
+        torch_arrays = sc["framework"] == "torch"
         for i, a in enumerate(arrays):
-            if a is None:
-                continue
-            address = a.data_ptr() if sc["framework"] == "torch" else a.data.ptr
+            if a is None or (a.numel() if torch_arrays else a.size) == 0:
+                continue  # an empty tensor's data_ptr() is 0: nothing to check
+            address = a.data_ptr() if torch_arrays else a.data.ptr
             inside = buf._nvl.local_ptr <= address < buf._nvl.local_ptr + buf._nvl.num_bytes
             # Expanded rows (and scales) are allocated: only the top-k stays in the buffer.
-            if a.size and inside != (not expanded or i >= len(arrays) - 2):
+            if inside != (not expanded or i >= len(arrays) - 2):
                 raise Mismatch(f"recv_x_in_buffer: output {i} {'inside' if inside else 'outside'} the NVLink buffer")
         arrays = [None if a is None else copied(a) for a in arrays]
         rows = tuple(arrays[:2]) if isinstance(recv_x, tuple) else arrays[0]
