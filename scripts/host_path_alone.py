@@ -1,0 +1,192 @@
+"""The host path alone, on one GPU: what each call costs the host, without peers.
+
+    python3 scripts/host_path_alone.py [--libs cupy,torch] [--tokens 128] [--rounds 3] [--breakdown]
+
+Rank 0 of a 2-rank group whose peer is played by this script: the Buffer's host path runs as it
+does under mpirun (real CuPy arrays or PyTorch tensors, real allocations, stream order, mapped
+slots and ``cuLaunchKernel`` calls with the real parameter blocks), but every kernel is an empty
+one and the count exchange's results are written into the slots by the host at notify's launch.
+The count wait then returns at once, so a fresh dispatch's time here is its host work besides
+the wait (issue 11's "<= 40 us"). Prints the median host time per call of each op and library,
+libraries alternating within each round; ``--breakdown`` then times the pieces (each timer adds
+~0.3 us to the piece it wraps). Loop times need the peers: see the benchmark.
+"""
+import argparse
+import collections
+import functools
+import inspect
+import sys
+import time
+from types import SimpleNamespace
+
+import cupy
+import numpy as np
+
+import deepep_cupy as ep
+from deepep_cupy import buffer as buffer_module
+from deepep_cupy import handle as handle_module
+from deepep_cupy import kernels, launch, slots, streams, tensors
+from deepep_cupy import reference as ref
+from deepep_cupy.bench.calls import device_arrays
+from deepep_cupy.comm import Group
+from deepep_cupy.constants import VERDICT_OVER_CAPACITY
+
+R, H, K, E = 2, 7168, 8, 256
+CONFIG = ep.Config(24, 4, 256)
+
+
+class HostPlayedPeer(Group):
+    """Rank 0 of 2; the host path makes no collective calls."""
+    in_process = False
+    rank, size = 0, 2
+
+    def allgather(self, obj):
+        raise AssertionError("no collective calls on the host path")
+
+    barrier = allgather
+
+
+def alone_buffer(num_recv: int, expert_counts) -> ep.Buffer:
+    """A Buffer whose kernels are empty and whose count exchange the host plays (see the docstring)."""
+    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+    empty.compile()
+    kernels.get_kernel = lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=empty.kernel.ptr))
+    buf = ep.Buffer.__new__(ep.Buffer)
+    buf._set_up_host(HostPlayedPeer(), 1 << 30, 30.0, 0, True)
+    buf._nvl = SimpleNamespace(local_ptr=1, num_bytes=1)
+    host_slots = slots.HostSlots(0, 30.0, False)
+    buf._attach(host_slots, streams.StreamOrder.create(0, False), 0)
+    values = host_slots.values
+    real_launch = launch.launch
+
+    def launch_and_play_peer(call, stream_ptr):
+        real_launch(call, stream_ptr)
+        if call.name == "notify_dispatch_kernel":
+            values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(expert_counts)] = expert_counts
+            over = num_recv > call.params.values.recv_capacity
+            values[slots.VERDICT] = VERDICT_OVER_CAPACITY if over else 0
+            values[slots.RECV_COUNT] = num_recv
+
+    launch.launch = launch_and_play_peer
+    return buf
+
+
+def ops_of(buf, lib: str, n: int):
+    rng = np.random.default_rng(n)
+    topk_host = ref.random_routing(rng, n, E, K)
+    arrays = device_arrays(lib, {"topk_idx": topk_host,
+                                 "x": ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32)),
+                                 "topk_weights": rng.random((n, K), dtype=np.float32),
+                                 "x_fp8": rng.integers(0, 0x7F, (n, H), dtype=np.uint8),
+                                 "scales": rng.random((n, H // 128), dtype=np.float32)}, 0)
+    topk, x, weights = arrays["topk_idx"], arrays["x"], arrays["topk_weights"]
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk, topk_weights=weights, config=CONFIG)
+    fp8 = (arrays["x_fp8"], arrays["scales"])
+    recv_x, _, recv_weights, _, handle, _ = buf.dispatch(x, **layout)
+    return {
+        "layout": lambda: buf.get_dispatch_layout(topk, E),
+        "fresh BF16": lambda: buf.dispatch(x, **layout),
+        "fresh FP8": lambda: buf.dispatch(fp8, **layout),
+        "cached BF16": lambda: buf.dispatch(x, handle=handle, config=CONFIG),
+        "combine BF16": lambda: buf.combine(recv_x, handle, topk_weights=recv_weights, config=CONFIG),
+    }
+
+
+def median_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    cupy.cuda.runtime.deviceSynchronize()
+    return float(np.median(samples)) * 1e6
+
+
+def breakdown(fn, calls: int) -> None:
+    totals, counts = collections.Counter(), collections.Counter()
+
+    def timed(owner, name, label):
+        """Wrap ``owner.name`` with a timer; return what undoes it."""
+        own = vars(owner).get(name)
+        original = getattr(owner, name)
+        static = isinstance(inspect.getattr_static(owner, name), staticmethod)
+
+        @functools.wraps(original)
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                totals[label] += time.perf_counter() - t0
+                counts[label] += 1
+        setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+        return lambda: setattr(owner, name, own) if own is not None else delattr(owner, name)
+
+    undo = [timed(launch, "launch", "cuLaunchKernel (+ played peer)"),
+            timed(launch.ParameterBlock, "assign", "parameter block assign"),
+            timed(handle_module.DispatchHandle, "__init__", "DispatchHandle()"),
+            timed(streams.StreamOrder, "begin", "order.begin"),
+            timed(streams.StreamOrder, "finish", "order.finish"),
+            timed(slots.HostSlots, "wait_for_count", "slots.wait_for_count"),
+            timed(slots.HostSlots, "expert_counts", "slots.expert_counts"),
+            timed(buffer_module.Buffer, "_read_fresh", "Buffer._read_fresh (reads, plan lookup)")]
+    for lib in {tensors.library("cupy"), tensors.library("torch")}:
+        for name in ("empty", "trim", "carve", "current_stream", "read", "pointer"):
+            undo.append(timed(type(lib), name, f"{lib.name}.{name}"))
+    whole = median_us(fn, calls)
+    for u in undo:
+        u()
+    scale = 1e6 / (calls + 20)
+    print(f"      whole call with timers: {whole:.1f} us (median)")
+    for label, total in totals.most_common():
+        print(f"      {label:44s} {total * scale:6.2f} us per call ({counts[label] / (calls + 20):.1f} calls)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--libs", default="cupy,torch")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--ops", default="layout,fresh BF16,fresh FP8,cached BF16,combine BF16")
+    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--caller-stream", default="default", choices=("default", "own"),
+                        help="the caller's current stream: the legacy default stream, or a non-blocking one")
+    args = parser.parse_args()
+    cupy.cuda.Device(0).use()
+    if args.caller_stream == "own":
+        import torch
+
+        torch_stream = torch.cuda.Stream()
+        torch.cuda.set_stream(torch_stream)
+        cupy.cuda.ExternalStream(torch_stream.cuda_stream).use()
+    n = args.tokens
+    num_recv = 2 * n  # both ranks send about every token to both (top-8 of 256 over 2 ranks)
+    buf = alone_buffer(num_recv, [num_recv * K // (E // R)] * (E // R))
+    libs = args.libs.split(",")
+    ops = {lib: ops_of(buf, lib, n) for lib in libs}
+    names = args.ops.split(",")
+    results = collections.defaultdict(list)
+    for _ in range(args.rounds):
+        for name in names:
+            for lib in libs:
+                results[name, lib].append(median_us(ops[lib][name], args.calls))
+    print(f"host time per call, median us, {n} tokens, {args.rounds} rounds (python {sys.version.split()[0]}, "
+          f"sum(range(200)) {median_us(lambda: sum(range(200)), 2000):.2f} us):")
+    for name in names:
+        print(f"  {name:14s} " + "   ".join(f"{lib} " + " / ".join(f"{v:.1f}" for v in results[name, lib])
+                                           for lib in libs))
+    if args.breakdown:
+        for name in names:
+            for lib in libs:
+                print(f"  breakdown: {name}, {lib}")
+                breakdown(ops[lib][name], args.calls)
+
+
+if __name__ == "__main__":
+    main()
