@@ -7,13 +7,11 @@ with timers, runs the op back to back, and prints each piece's mean time per cal
 whole call's: what a profile of a 30-us call cannot show.
 """
 import argparse
-import collections
-import functools
-import inspect
 import time
 
 import cupy
 import numpy as np
+from _piece_timers import PieceTimers
 from mpi4py import MPI
 
 import deepep_cupy as ep
@@ -36,23 +34,8 @@ H, K, E, n = 7168, 8, 256, args.tokens
 cfg = ep.Config(24, 4, 256)
 buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, cfg), timeout_s=20)
 
-totals = collections.Counter()
-counts = collections.Counter()
-
-
-def timed(owner, name, label=None):
-    original = getattr(owner, name)
-    static = isinstance(inspect.getattr_static(owner, name), staticmethod)
-
-    @functools.wraps(original)
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            totals[label or name] += time.perf_counter() - t0
-            counts[label or name] += 1
-    setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+timers = PieceTimers()
+timed = timers.wrap
 
 
 rng = np.random.default_rng(rank)
@@ -109,6 +92,7 @@ stream.synchronize()
 if rank == 0:
     print(f"{args.lib} {args.op} {n} tokens: whole call median {np.median(calls) * 1e6:.1f} us, "
           f"mean {np.mean(calls) * 1e6:.1f} us")
-    for name, total in totals.most_common():
-        print(f"   {name:36s} {total / args.iters * 1e6:7.2f} us per call ({counts[name] / args.iters:.1f} calls)")
+    for name, total in timers.totals.most_common():
+        calls_per_call = timers.counts[name] / args.iters
+        print(f"   {name:36s} {total / args.iters * 1e6:7.2f} us per call ({calls_per_call:.1f} calls)")
 buf.destroy()

@@ -13,14 +13,13 @@ libraries alternating within each round; ``--breakdown`` then times the pieces (
 """
 import argparse
 import collections
-import functools
-import inspect
 import sys
 import time
 from types import SimpleNamespace
 
 import cupy
 import numpy as np
+from _piece_timers import PieceTimers
 
 import deepep_cupy as ep
 from deepep_cupy import buffer as buffer_module
@@ -108,25 +107,8 @@ def median_us(fn, calls: int) -> float:
 
 
 def breakdown(fn, calls: int) -> None:
-    totals, counts = collections.Counter(), collections.Counter()
-
-    def timed(owner, name, label):
-        """Wrap ``owner.name`` with a timer; return what undoes it."""
-        own = vars(owner).get(name)
-        original = getattr(owner, name)
-        static = isinstance(inspect.getattr_static(owner, name), staticmethod)
-
-        @functools.wraps(original)
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                totals[label] += time.perf_counter() - t0
-                counts[label] += 1
-        setattr(owner, name, staticmethod(wrapper) if static else wrapper)
-        return lambda: setattr(owner, name, own) if own is not None else delattr(owner, name)
-
+    timers = PieceTimers()
+    timed = timers.wrap
     undo = [timed(launch, "launch", "cuLaunchKernel (+ played peer)"),
             timed(launch.ParameterBlock, "assign", "parameter block assign"),
             timed(handle_module.DispatchHandle, "__init__", "DispatchHandle()"),
@@ -143,8 +125,8 @@ def breakdown(fn, calls: int) -> None:
         u()
     scale = 1e6 / (calls + 20)
     print(f"      whole call with timers: {whole:.1f} us (median)")
-    for label, total in totals.most_common():
-        print(f"      {label:44s} {total * scale:6.2f} us per call ({counts[label] / (calls + 20):.1f} calls)")
+    for label, total in timers.totals.most_common():
+        print(f"      {label:44s} {total * scale:6.2f} us per call ({timers.counts[label] / (calls + 20):.1f} calls)")
 
 
 def main() -> None:
