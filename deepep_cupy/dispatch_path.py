@@ -147,7 +147,7 @@ class DispatchPath:
         call.plan.notify(stream, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
                          is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
                          channel_prefix_matrix=handle.channel_prefix_ptr, recv_capacity=recv_capacity,
-                         topk_idx=call.topk, num_tokens=call.num_tokens, **self._host_counts)
+                         topk_idx=call.topk, num_tokens=call.num_tokens)
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                     config, recv_x_in_buffer) -> DispatchCall:
@@ -188,7 +188,8 @@ class DispatchPath:
                             topk_code=topk_code, num_scales=num_scales, num_sms=num_sms, send_chunk=send_chunk,
                             recv_chunk=recv_chunk, num_topk=spec.num_topk, num_experts=num_experts,
                             num_channels=config.num_channels, expert_alignment=spec.expert_alignment,
-                            zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens)
+                            zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
+                            **self._host_counts)
         main = self._bind_transfer(spec)
         main_with_exchange = self._bind_transfer(spec, exchange=1, row_bytes=row_bytes, topk_code=topk_code,
                                                  num_sms=num_sms, recv_chunk=recv_chunk,
