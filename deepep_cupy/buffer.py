@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import compat, kernels, plans, slots
+from . import compat, kernels, plans, slots, tensors
 from .capacity import ReceiveCapacityGuess
 from .combine_path import CombinePath
 from .comm import Group, as_group
@@ -294,6 +294,15 @@ class Buffer(DispatchPath, CombinePath):
     def comm_stream(self):
         """The ``cupy.cuda.Stream`` the Buffer's kernels run on."""
         return self._order.stream
+
+    def get_comm_stream(self):
+        """The communication stream as DeepEP returns it: a ``torch.cuda.Stream`` naming
+        :attr:`comm_stream` (that stream itself, CuPy's, where PyTorch is not installed)."""
+        try:
+            torch_lib = tensors.library("torch")
+        except ImportError:
+            return self._order.stream
+        return torch_lib.stream(self._order.ptr, self.device_id)
 
     def destroy(self) -> None:
         """Free the NVLink buffer, unmap the peers' and free the host counters (idempotent).

@@ -98,6 +98,17 @@ def test_the_small_names_deepep_scripts_touch_exist():
     assert ep.Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, 2) > 0
 
 
+def test_get_comm_stream_names_the_communication_stream_without_pytorch(fake, monkeypatch):
+    # With PyTorch it is a torch.cuda stream naming the same one (checked by the GPU workers).
+    buf, _, _ = fake
+
+    def no_torch(name):
+        raise ImportError(f"no {name}")
+
+    monkeypatch.setattr(ep.tensors, "library", no_torch)
+    assert buf.get_comm_stream() is buf.comm_stream
+
+
 # --- dispatch and combine arguments ------------------------------------------------------------
 
 def test_rdma_counts_must_be_absent(fake):

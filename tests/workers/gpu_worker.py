@@ -145,6 +145,8 @@ def _run_scenario(buf, sc):
     from deepep_cupy import reference as ref
 
     R, rank = buf.num_ranks, buf.rank
+    if sc["framework"] == "torch" and buf.get_comm_stream().cuda_stream != buf.comm_stream.ptr:
+        raise Mismatch("get_comm_stream: not the communication stream as a torch stream")
     inputs = make_inputs(sc, R)
     mine = inputs[rank]
     config = ep.Config(sc["num_sms"],
