@@ -131,6 +131,22 @@ __device__ __forceinline__ bool grid_sync(void* const* buffer_ptrs, int num_rank
     return __syncthreads_and(ok) != 0;
 }
 
+// The end of a transfer kernel whose ranks write or read each other's areas in place: every block
+// arrives, then block 0 meets the other ranks (its barrier numbered by the call counters, as a
+// check's is), so that no rank's next call touches an area before every rank is done with this
+// one. True on the threads of block 0 once the barrier has passed; false elsewhere and when a
+// wait timed out.
+__device__ __forceinline__ bool end_barrier(void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns,
+                                            int* error_record, int kernel) {
+    if (!grid_sync(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, kernel) || blockIdx.x != 0)
+        return false;
+    CallCounters counters(buffer_ptrs, rank);
+    if (!rank_barrier(buffer_ptrs, num_ranks, rank, counters.first_epoch, timeout_ns, error_record, kernel))
+        return false;
+    counters.advance(1, 0);
+    return true;
+}
+
 // The start of a transfer kernel, on every thread. With `check` (a cached dispatch, a combine),
 // block 0 first runs check_call with `settings` while the other blocks wait for it. Then false
 // when nothing may move: the ranks disagree on this call (the verdict) or a rank gave up on the

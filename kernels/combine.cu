@@ -149,14 +149,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) combine_kernel(
     if constexpr (kInPlace) {
         reduce_in_place<T, kNumRanks>(combined_x, combined_topk_weights, bias_0, bias_1, rank_prefix_matrix, send_head,
                                       num_tokens, hidden_int4, num_topk, buffer_ptrs, rank, x_off, topk_weights_off);
-        if (!grid_sync(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_COMBINE_RECEIVER) ||
-            blockIdx.x != 0)
-            return;
-        CallCounters counters(buffer_ptrs, rank);
-        if (!rank_barrier(buffer_ptrs, kNumRanks, rank, counters.first_epoch, timeout_ns, error_record,
-                          KERNEL_COMBINE_RECEIVER))
-            return;
-        counters.advance(1, 0);
+        end_barrier(buffer_ptrs, kNumRanks, rank, timeout_ns, error_record, KERNEL_COMBINE_RECEIVER);
         return;
     }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

@@ -277,17 +277,10 @@ __device__ __forceinline__ void send_in_place(const InPlaceDispatch& p) {
                 channel > 0 ? p.channel_prefix_matrix[d * p.num_channels + channel - 1] : 0;
         }
 
-    // Every thread's stores are out before its block arrives; once all blocks have, block 0 meets
-    // the other ranks (its barrier numbered by the call counters, as a check's is).
+    // Every thread's stores are out before its block arrives at the end barrier.
     __threadfence_system();
-    if (!grid_sync(p.buffer_ptrs, kNumRanks, p.rank, p.timeout_ns, p.error_record, KERNEL_DISPATCH_RECEIVER) ||
-        blockIdx.x != 0)
+    if (!end_barrier(p.buffer_ptrs, kNumRanks, p.rank, p.timeout_ns, p.error_record, KERNEL_DISPATCH_RECEIVER))
         return;
-    CallCounters counters(p.buffer_ptrs, p.rank);
-    if (!rank_barrier(p.buffer_ptrs, kNumRanks, p.rank, counters.first_epoch, p.timeout_ns, p.error_record,
-                      KERNEL_DISPATCH_RECEIVER))
-        return;
-    counters.advance(1, 0);
     const int num_received = p.rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + p.rank];
     if (p.recv_src_idx != nullptr)
         for (int i = threadIdx.x; i < num_received; i += blockDim.x)
