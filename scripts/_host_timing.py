@@ -1,10 +1,63 @@
-"""Timers wrapped around the pieces of the host path (functions and methods), for the scripts that
-say where a call's host time goes (imported as ``_piece_timers``: a script's folder is on its path)."""
+"""What the scripts that measure a call's host time share: the ops they time on a small workload of
+the reference shapes, the host time of each call, and timers around the host path's pieces
+(imported as ``_host_timing``: a script's folder is on its path)."""
 import collections
 import functools
 import inspect
 import time
-from typing import Callable
+from typing import Callable, Dict
+
+import cupy
+import numpy as np
+from _mpi_timing import HIDDEN, NUM_EXPERTS, NUM_TOPK
+
+from deepep_cupy import reference as ref
+from deepep_cupy.bench.calls import device_arrays
+
+#: What the scripts name the ops they time.
+OPS = ("layout", "fresh", "fresh_fp8", "cached", "combine")
+
+
+def host_ops(buf, lib: str, num_tokens: int, config, seed: int) -> Dict[str, Callable[[], object]]:
+    """``buf``'s calls on ``num_tokens`` tokens of hidden 7168, top-8 of 256 experts (uniform
+    routing seeded by ``seed``) as ``lib``'s arrays, by :data:`OPS` name; the cached dispatch and
+    the combine use the handle of one fresh dispatch made here (a collective call)."""
+    rng = np.random.default_rng(seed)
+    H, K, E, n = HIDDEN, NUM_TOPK, NUM_EXPERTS, num_tokens
+    arrays = device_arrays(lib, {
+        "topk_idx": ref.random_routing(rng, n, E, K),
+        "x": ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32)),
+        "x_fp8": rng.integers(0, 120, (n, H), dtype=np.uint8),
+        "scales": rng.random((n, H // 128), dtype=np.float32),
+        "topk_weights": rng.random((n, K), dtype=np.float32)}, cupy.cuda.Device().id)
+    topk, x, weights = arrays["topk_idx"], arrays["x"], arrays["topk_weights"]
+    x_fp8 = (arrays["x_fp8"], arrays["scales"])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk, topk_weights=weights, config=config)
+    recv_x, _, recv_weights, _, handle, _ = buf.dispatch(x, **layout)
+    return {"layout": lambda: buf.get_dispatch_layout(topk, E),
+            "fresh": lambda: buf.dispatch(x, **layout),
+            "fresh_fp8": lambda: buf.dispatch(x_fp8, **layout),
+            "cached": lambda: buf.dispatch(x, handle=handle, config=config),
+            "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_weights, config=config)}
+
+
+def host_times(fn: Callable[[], object], calls: int, warmup: int = 20, before: Callable[[], None] = None) -> np.ndarray:
+    """Wall seconds of each of ``calls`` calls of ``fn`` back to back, after ``warmup`` calls, the
+    device's work and ``before`` (a barrier of the ranks, under mpirun)."""
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    if before is not None:
+        before()
+    times = np.empty(calls)
+    for i in range(calls):
+        start = time.perf_counter()
+        fn()
+        times[i] = time.perf_counter() - start
+    cupy.cuda.runtime.deviceSynchronize()
+    return times
 
 
 class PieceTimers:
@@ -33,3 +86,9 @@ class PieceTimers:
                 counts[label] += 1
         setattr(owner, name, staticmethod(wrapper) if static else wrapper)
         return lambda: setattr(owner, name, own) if own is not None else delattr(owner, name)
+
+    def print_per_call(self, calls: int, indent: str = "   ") -> None:
+        """Each piece's time and calls per call of the op, over ``calls`` calls, most first."""
+        for label, total in self.totals.most_common():
+            print(f"{indent}{label:44s} {total / calls * 1e6:7.2f} us per call "
+                  f"({self.counts[label] / calls:.1f} calls)")

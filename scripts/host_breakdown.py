@@ -7,64 +7,36 @@ with timers, runs the op back to back, and prints each piece's mean time per cal
 whole call's: what a profile of a 30-us call cannot show.
 """
 import argparse
-import time
 
-import cupy
 import numpy as np
-from _piece_timers import PieceTimers
+from _host_timing import OPS, PieceTimers, host_ops, host_times
+from _mpi_timing import rank_buffer
 from mpi4py import MPI
 
 import deepep_cupy as ep
 from deepep_cupy import buffer as buffer_module
 from deepep_cupy import handle as handle_module
 from deepep_cupy import launch, slots, streams, tensors
-from deepep_cupy import reference as ref
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--lib", default="torch")
+parser.add_argument("--lib", default="torch", choices=("cupy", "torch"))
 parser.add_argument("--tokens", type=int, default=128)
-parser.add_argument("--op", default="fresh", choices=("fresh", "cached", "combine", "layout"))
+parser.add_argument("--op", default="fresh", choices=OPS)
 parser.add_argument("--iters", type=int, default=200)
 args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
-rank, R = comm.Get_rank(), comm.Get_size()
-cupy.cuda.Device(rank).use()
-H, K, E, n = 7168, 8, 256, args.tokens
-cfg = ep.Config(24, 4, 256)
-buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, cfg), timeout_s=20)
-
-timers = PieceTimers()
-timed = timers.wrap
-
-
-rng = np.random.default_rng(rank)
-topk = ref.random_routing(rng, n, E, K)
-x = ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32))
-w = rng.random((n, K), dtype=np.float32)
-if args.lib == "torch":
-    import torch
-    dev = f"cuda:{rank}"
-    topk, w = torch.from_numpy(topk).to(dev), torch.from_numpy(w).to(dev)
-    x = torch.from_numpy(x.view(np.int16)).to(dev).view(torch.bfloat16)
-    lib = tensors.lib_of(x)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-else:
-    topk, x, w = cupy.asarray(topk), cupy.asarray(x), cupy.asarray(w)
-    lib = tensors.lib_of(x)
-    stream = cupy.cuda.get_current_stream()
-
-per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk,
-          topk_weights=w, config=cfg)
-recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kw)
-op = {"fresh": lambda: buf.dispatch(x, **kw), "cached": lambda: buf.dispatch(x, handle=handle, config=cfg),
-      "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg),
-      "layout": lambda: buf.get_dispatch_layout(topk, E)}[args.op]
+rank = comm.Get_rank()
+n = args.tokens
+config = ep.Config(24, 4, 256)
+buf = rank_buffer(comm, config.num_sms, n, timeout_s=20)
+op = host_ops(buf, args.lib, n, config, seed=rank)[args.op]
 for _ in range(20):
     op()
 
-lib_type = type(lib)
+timers = PieceTimers()
+timed = timers.wrap
+lib_type = type(tensors.library(args.lib))
 for name in ("empty", "trim", "current_stream", "read", "pointer"):
     timed(lib_type, name, f"lib.{name}")
 timed(launch, "launch", "cuLaunchKernel")
@@ -81,18 +53,9 @@ timed(buffer_module.Buffer, "_config")
 timed(buffer_module.Buffer, "_exchange_and_transfer")
 timed(buffer_module.Buffer, "_launch_transfer")
 
-stream.synchronize()
-comm.Barrier()
-calls = []
-for _ in range(args.iters):
-    t0 = time.perf_counter()
-    op()
-    calls.append(time.perf_counter() - t0)
-stream.synchronize()
+calls = host_times(op, args.iters, warmup=0, before=comm.Barrier)
 if rank == 0:
     print(f"{args.lib} {args.op} {n} tokens: whole call median {np.median(calls) * 1e6:.1f} us, "
           f"mean {np.mean(calls) * 1e6:.1f} us")
-    for name, total in timers.totals.most_common():
-        calls_per_call = timers.counts[name] / args.iters
-        print(f"   {name:36s} {total / args.iters * 1e6:7.2f} us per call ({calls_per_call:.1f} calls)")
+    timers.print_per_call(args.iters)
 buf.destroy()

@@ -14,24 +14,22 @@ libraries alternating within each round; ``--breakdown`` then times the pieces (
 import argparse
 import collections
 import sys
-import time
 from types import SimpleNamespace
 
 import cupy
 import numpy as np
-from _piece_timers import PieceTimers
+from _host_timing import OPS, PieceTimers, host_ops, host_times
+from _mpi_timing import NUM_EXPERTS, NUM_TOPK
 
 import deepep_cupy as ep
 from deepep_cupy import buffer as buffer_module
 from deepep_cupy import handle as handle_module
 from deepep_cupy import kernels, launch, slots, streams, tensors
-from deepep_cupy import reference as ref
-from deepep_cupy.bench.calls import device_arrays
 from deepep_cupy.comm import Group
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
 
-R, H, K, E = 2, 7168, 8, 256
 CONFIG = ep.Config(24, 4, 256)
+WARMUP = 20
 
 
 class HostPlayedPeer(Group):
@@ -70,40 +68,8 @@ def alone_buffer(num_recv: int, expert_counts) -> ep.Buffer:
     return buf
 
 
-def ops_of(buf, lib: str, n: int):
-    rng = np.random.default_rng(n)
-    topk_host = ref.random_routing(rng, n, E, K)
-    arrays = device_arrays(lib, {"topk_idx": topk_host,
-                                 "x": ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32)),
-                                 "topk_weights": rng.random((n, K), dtype=np.float32),
-                                 "x_fp8": rng.integers(0, 0x7F, (n, H), dtype=np.uint8),
-                                 "scales": rng.random((n, H // 128), dtype=np.float32)}, 0)
-    topk, x, weights = arrays["topk_idx"], arrays["x"], arrays["topk_weights"]
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=topk, topk_weights=weights, config=CONFIG)
-    fp8 = (arrays["x_fp8"], arrays["scales"])
-    recv_x, _, recv_weights, _, handle, _ = buf.dispatch(x, **layout)
-    return {
-        "layout": lambda: buf.get_dispatch_layout(topk, E),
-        "fresh BF16": lambda: buf.dispatch(x, **layout),
-        "fresh FP8": lambda: buf.dispatch(fp8, **layout),
-        "cached BF16": lambda: buf.dispatch(x, handle=handle, config=CONFIG),
-        "combine BF16": lambda: buf.combine(recv_x, handle, topk_weights=recv_weights, config=CONFIG),
-    }
-
-
 def median_us(fn, calls: int) -> float:
-    for _ in range(20):
-        fn()
-    cupy.cuda.runtime.deviceSynchronize()
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    cupy.cuda.runtime.deviceSynchronize()
-    return float(np.median(samples)) * 1e6
+    return float(np.median(host_times(fn, calls, WARMUP))) * 1e6
 
 
 def breakdown(fn, calls: int) -> None:
@@ -123,10 +89,8 @@ def breakdown(fn, calls: int) -> None:
     whole = median_us(fn, calls)
     for u in undo:
         u()
-    scale = 1e6 / (calls + 20)
     print(f"      whole call with timers: {whole:.1f} us (median)")
-    for label, total in timers.totals.most_common():
-        print(f"      {label:44s} {total * scale:6.2f} us per call ({timers.counts[label] / (calls + 20):.1f} calls)")
+    timers.print_per_call(calls + WARMUP, indent="      ")
 
 
 def main() -> None:
@@ -135,7 +99,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--ops", default="layout,fresh BF16,fresh FP8,cached BF16,combine BF16")
+    parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--caller-stream", default="default", choices=("default", "own"),
                         help="the caller's current stream: the legacy default stream, or a non-blocking one")
@@ -149,9 +113,10 @@ def main() -> None:
         cupy.cuda.ExternalStream(torch_stream.cuda_stream).use()
     n = args.tokens
     num_recv = 2 * n  # both ranks send about every token to both (top-8 of 256 over 2 ranks)
-    buf = alone_buffer(num_recv, [num_recv * K // (E // R)] * (E // R))
+    num_local_experts = NUM_EXPERTS // 2
+    buf = alone_buffer(num_recv, [num_recv * NUM_TOPK // num_local_experts] * num_local_experts)
     libs = args.libs.split(",")
-    ops = {lib: ops_of(buf, lib, n) for lib in libs}
+    ops = {lib: host_ops(buf, lib, n, CONFIG, seed=0) for lib in libs}
     names = args.ops.split(",")
     results = collections.defaultdict(list)
     for _ in range(args.rounds):

@@ -10,63 +10,33 @@ methods) show as ``{method ...}`` / ``<built-in ...>`` rows: that is time outsid
 import argparse
 import cProfile
 import pstats
-import time
 
 import cupy
 import numpy as np
-from _mpi_timing import HIDDEN, NUM_EXPERTS, NUM_TOPK, rank_buffer
+from _host_timing import OPS, host_ops, host_times
+from _mpi_timing import rank_buffer
 from mpi4py import MPI
 
 import deepep_cupy as ep
-from deepep_cupy import reference as ref
-from deepep_cupy.bench.calls import device_arrays
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lib", default="cupy", choices=("cupy", "torch"))
 parser.add_argument("--tokens", type=int, default=128)
-parser.add_argument("--op", default="fresh,fresh_fp8,cached,combine,layout")
+parser.add_argument("--op", default=",".join(OPS))
 parser.add_argument("--calls", type=int, default=1000)
 parser.add_argument("--top", type=int, default=30)
 args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-H, K, E, n = HIDDEN, NUM_TOPK, NUM_EXPERTS, args.tokens
+n = args.tokens
 config = ep.Config(24, 4, 256)
 buf = rank_buffer(comm, config.num_sms, n, timeout_s=20)
-device = cupy.cuda.Device().id
-
-rng = np.random.default_rng(rank)
-arrays = device_arrays(args.lib, {
-    "topk_idx": ref.random_routing(rng, n, E, K),
-    "x": ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32)),
-    "x_fp8": rng.integers(0, 120, (n, H), dtype=np.uint8),
-    "scales": rng.random((n, H // 128), dtype=np.float32),
-    "topk_weights": rng.random((n, K), dtype=np.float32)}, device)
-topk, x, weights = arrays["topk_idx"], arrays["x"], arrays["topk_weights"]
-x8 = (arrays["x_fp8"], arrays["scales"])
-per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-              topk_idx=topk, topk_weights=weights, config=config)
-recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **layout)
-ops = {"fresh": lambda: buf.dispatch(x, **layout),
-       "fresh_fp8": lambda: buf.dispatch(x8, **layout),
-       "cached": lambda: buf.dispatch(x, handle=handle, config=config),
-       "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=config),
-       "layout": lambda: buf.get_dispatch_layout(topk, E)}
+ops = host_ops(buf, args.lib, n, config, seed=rank)
 
 for name in args.op.split(","):
     op = ops[name]
-    for _ in range(50):
-        op()
-    cupy.cuda.runtime.deviceSynchronize()
-    comm.Barrier()
-    times = []
-    for _ in range(args.calls):
-        start = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - start)
-    cupy.cuda.runtime.deviceSynchronize()
+    times = host_times(op, args.calls, warmup=50, before=comm.Barrier)
     comm.Barrier()
     profiler = cProfile.Profile()
     profiler.enable()
