@@ -9,8 +9,9 @@ from typing import Callable, Dict
 
 import cupy
 import numpy as np
-from _mpi_timing import HIDDEN, NUM_EXPERTS, NUM_TOPK
+from _mpi_timing import HIDDEN, NUM_EXPERTS, NUM_TOPK, rank_buffer
 
+import deepep_cupy as ep
 from deepep_cupy import reference as ref
 from deepep_cupy.bench.calls import device_arrays
 
@@ -41,6 +42,13 @@ def host_ops(buf, lib: str, num_tokens: int, config, seed: int) -> Dict[str, Cal
             "fresh_fp8": lambda: buf.dispatch(x_fp8, **layout),
             "cached": lambda: buf.dispatch(x, handle=handle, config=config),
             "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_weights, config=config)}
+
+
+def rank_host_ops(comm, lib: str, num_tokens: int):
+    """Under mpirun: this rank's Buffer (on its own GPU, 24 SMs) and its :func:`host_ops`."""
+    config = ep.Config(24, 4, 256)
+    buf = rank_buffer(comm, config.num_sms, num_tokens, timeout_s=20)
+    return buf, host_ops(buf, lib, num_tokens, config, seed=comm.Get_rank())
 
 
 def host_times(fn: Callable[[], object], calls: int, warmup: int = 20, before: Callable[[], None] = None) -> np.ndarray:

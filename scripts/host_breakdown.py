@@ -9,11 +9,9 @@ whole call's: what a profile of a 30-us call cannot show.
 import argparse
 
 import numpy as np
-from _host_timing import OPS, PieceTimers, host_ops, host_times
-from _mpi_timing import rank_buffer
+from _host_timing import OPS, PieceTimers, host_times, rank_host_ops
 from mpi4py import MPI
 
-import deepep_cupy as ep
 from deepep_cupy import buffer as buffer_module
 from deepep_cupy import handle as handle_module
 from deepep_cupy import launch, slots, streams, tensors
@@ -28,9 +26,8 @@ args = parser.parse_args()
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 n = args.tokens
-config = ep.Config(24, 4, 256)
-buf = rank_buffer(comm, config.num_sms, n, timeout_s=20)
-op = host_ops(buf, args.lib, n, config, seed=rank)[args.op]
+buf, ops = rank_host_ops(comm, args.lib, n)
+op = ops[args.op]
 for _ in range(20):
     op()
 

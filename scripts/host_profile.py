@@ -13,11 +13,8 @@ import pstats
 
 import cupy
 import numpy as np
-from _host_timing import OPS, host_ops, host_times
-from _mpi_timing import rank_buffer
+from _host_timing import OPS, host_times, rank_host_ops
 from mpi4py import MPI
-
-import deepep_cupy as ep
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lib", default="cupy", choices=("cupy", "torch"))
@@ -30,9 +27,7 @@ args = parser.parse_args()
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 n = args.tokens
-config = ep.Config(24, 4, 256)
-buf = rank_buffer(comm, config.num_sms, n, timeout_s=20)
-ops = host_ops(buf, args.lib, n, config, seed=rank)
+buf, ops = rank_host_ops(comm, args.lib, n)
 
 for name in args.op.split(","):
     op = ops[name]
