@@ -73,6 +73,28 @@ def test_source_compiles_for_sm90(file_name):
     assert cubin_size > 0, f"{file_name}: empty CUBIN"
 
 
+#: Kernels outside the library, compiled by the benchmark or a probe script with cupy.RawModule /
+#: RawKernel (extern "C", so each is named as written).
+SCRIPT_KERNELS = {
+    "bench_copy.cu": ["copy_int4"],
+    "bench_gather.cu": ["gather_rows_int4"],
+    "probe_sm_rates.cu": ["fan_out_registers", "fan_out_bulk", "sum_registers", "sum_bulk"],
+}
+
+
+@pytest.mark.parametrize("file_name", sorted(SCRIPT_KERNELS))
+def test_benchmark_and_probe_kernels_compile_for_sm90(file_name):
+    nvrtc = _nvrtc()
+    lowered, cubin_size = _compile(nvrtc, file_name, kernels.read_source(file_name), SCRIPT_KERNELS[file_name])
+    assert lowered == {name: name for name in SCRIPT_KERNELS[file_name]}
+    assert cubin_size > 0, f"{file_name}: empty CUBIN"
+
+
+def test_every_kernel_file_is_compiled_by_a_test():
+    on_disk = {path.name for path in kernels.kernel_dir().glob("*.cu")}
+    assert on_disk == set(kernels.SOURCES) | set(SCRIPT_KERNELS)
+
+
 def test_every_source_file_exists():
     folder = kernels.kernel_dir()
     missing = [name for name in kernels.SOURCES if not (folder / name).is_file()]
