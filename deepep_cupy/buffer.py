@@ -388,11 +388,13 @@ class Buffer(DispatchPath, CombinePath):
         return config
 
     def _bind(self, kernel: str, template_args: Tuple[object, ...] = (), *, grid: int, shared_mem: int = 0,
-              **fixed) -> KernelCall:
-        """A kernel call with the Buffer's shared arguments (those the kernel names) and ``fixed`` bound."""
+              per_call: Tuple[str, ...] = (), **fixed) -> KernelCall:
+        """A kernel call with the Buffer's shared arguments (those the kernel names) and ``fixed``
+        bound, launched by ``run`` with ``per_call``'s values (launch.KernelCall)."""
         names = {name for name, _ in parameter_struct(kernel)._fields_}
         shared = {name: value for name, value in self._shared_args.items() if name in names}
-        return KernelCall(kernel, template_args, grid=grid, shared_mem=shared_mem, **shared, **fixed)
+        return KernelCall(kernel, template_args, grid=grid, shared_mem=shared_mem, per_call=per_call, **shared,
+                          **fixed)
 
     def _plan(self, key: tuple, build, *args) -> plans.Plan:
         """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan."""
@@ -449,9 +451,8 @@ class Buffer(DispatchPath, CombinePath):
                 per_rank = lib.empty((R,), "int32", dev)
                 per_expert = lib.empty((num_experts,), "int32", dev)
                 in_rank = lib.empty((num_tokens, R), "bool", dev)
-            plan.main(run_on, topk_idx=topk_ptr, num_tokens_per_rank=lib.pointer(per_rank),
-                      num_tokens_per_expert=lib.pointer(per_expert), is_token_in_rank=lib.pointer(in_rank),
-                      num_tokens=num_tokens)
+            plan.main.run(run_on, topk_ptr, lib.pointer(per_rank), lib.pointer(per_expert), lib.pointer(in_rank),
+                          num_tokens)
             outputs = (per_rank, per_expert, in_rank)
             event = self._finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
                                  allocate_on_comm_stream)
@@ -460,6 +461,8 @@ class Buffer(DispatchPath, CombinePath):
     def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
         spec = plans.check_layout(self._context, topk_idx, num_experts)
         main = self._bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self.num_ranks),
+                          per_call=("topk_idx", "num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
+                                    "num_tokens"),
                           num_topk=spec.num_topk, num_experts=spec.num_experts)
         return plans.Plan(spec, None, main)
 

@@ -17,6 +17,9 @@ from .handle import DispatchHandle
 from .tensors import ABSENT, read
 
 ABSENT_ROWS = ABSENT[2]
+#: combine_kernel's parameters that change per call, in the order ``run`` takes them.
+COMBINE_PER_CALL = ("combined_x", "combined_topk_weights", "x", "topk_weights", "bias_0", "bias_1",
+                    "rank_prefix_matrix", "recv_channel_prefix_matrix", "send_head", "num_tokens", "dispatch_verdict")
 #: The array arguments of combine, as its errors name them.
 COMBINE_INPUTS = ("x", "topk_weights", "bias[0]", "bias[1]")
 
@@ -88,12 +91,10 @@ class CombinePath:
                 combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
             if in_place is None:
                 self._rows_in_buffer_of = None  # its regions overlap the areas of rows in place
-            plan.main(run_on, dispatch_verdict=handle.verdict_ptr, combined_x=lib.pointer(combined),
-                      combined_topk_weights=0 if combined_weights is None else lib.pointer(combined_weights),
-                      x=x_ptr, topk_weights=w_ptr, bias_0=b0_ptr, bias_1=b1_ptr,
-                      rank_prefix_matrix=handle.rank_prefix_ptr,
-                      recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr,
-                      send_head=handle.send_head_ptr, num_tokens=num_tokens)
+            weights_ptr = 0 if combined_weights is None else lib.pointer(combined_weights)
+            plan.main.run(run_on, lib.pointer(combined), weights_ptr, x_ptr, w_ptr, b0_ptr, b1_ptr,
+                          handle.rank_prefix_ptr, handle.recv_channel_prefix_ptr, handle.send_head_ptr, num_tokens,
+                          handle.verdict_ptr)
             outputs = (combined, combined_weights)
             event = self._finish(caller, run_on, lib, async_finish,
                                  (x, topk_weights, *biases, handle.block, *outputs), outputs,
@@ -125,7 +126,7 @@ class CombinePath:
         else:
             lay, op, num_senders, template_args = in_place, plans.OP_COMBINE_IN_PLACE, 0, \
                 (spec.element, self.num_ranks, "true")
-        main = self._bind("combine_kernel", template_args, grid=config.num_sms,
+        main = self._bind("combine_kernel", template_args, grid=config.num_sms, per_call=COMBINE_PER_CALL,
                           num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
                           meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
                           region_tokens=lay.region_tokens, num_senders=num_senders,

@@ -28,6 +28,20 @@ FRESH_INPUTS = ("x", "x[1]", "num_tokens_per_rank", "is_token_in_rank", "num_tok
                 "topk_weights")
 CACHED_INPUTS = FRESH_INPUTS[:2]
 
+#: dispatch_kernel's parameters that change per call, in the order ``run`` takes them: a fresh
+#: dispatch's transfer; then, when it makes the count exchange itself, the exchange's; a cached one's.
+TRANSFER_PER_CALL = ("recv_x", "recv_x_scales", "recv_src_idx", "recv_topk_idx", "recv_topk_weights",
+                     "recv_channel_prefix_matrix", "send_head", "x", "x_scales", "topk_idx", "topk_weights",
+                     "is_token_in_rank", "channel_prefix_matrix", "rank_prefix_matrix", "num_tokens",
+                     "scale_token_stride", "scale_hidden_stride")
+EXCHANGE_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "recv_capacity", "recv_counter", "mismatch_flag",
+                     "recv_expert_counter")
+CACHED_PER_CALL = ("recv_x", "recv_x_scales", "x", "x_scales", "is_token_in_rank", "channel_prefix_matrix",
+                   "rank_prefix_matrix", "num_tokens", "scale_token_stride", "scale_hidden_stride", "dispatch_verdict")
+#: notify_dispatch_kernel's.
+NOTIFY_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "rank_prefix_matrix",
+                   "channel_prefix_matrix", "recv_capacity", "topk_idx", "num_tokens")
+
 
 def checked_in_buffer(recv_x_in_buffer) -> bool:
     """``recv_x_in_buffer`` checked (a bool)."""
@@ -123,9 +137,9 @@ class DispatchPath:
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
                 launch.fill_bytes(pointers[2], 0xFF, rows * spec.num_topk * 8, run_on)
-            self._launch_transfer(run_on, call, pointers, handle, dict(
-                recv_capacity=rows, recv_counter=handle.recv_count_ptr, mismatch_flag=handle.verdict_ptr,
-                recv_expert_counter=handle.recv_expert_counts_ptr, report_refusal=1))
+            self._launch_transfer(run_on, call, pointers, handle, exchange=(
+                call.per_rank, call.per_expert, rows, handle.recv_count_ptr, handle.verdict_ptr,
+                handle.recv_expert_counts_ptr))
             allocated = (block, *outputs)
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
@@ -144,10 +158,8 @@ class DispatchPath:
 
     def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int) -> None:
         """notify_dispatch of a fresh dispatch whose host waits for the counts (in the slots)."""
-        call.plan.notify(stream, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert,
-                         is_token_in_rank=call.in_rank, rank_prefix_matrix=handle.rank_prefix_ptr,
-                         channel_prefix_matrix=handle.channel_prefix_ptr, recv_capacity=recv_capacity,
-                         topk_idx=call.topk, num_tokens=call.num_tokens)
+        call.plan.notify.run(stream, call.per_rank, call.per_expert, call.in_rank, handle.rank_prefix_ptr,
+                             handle.channel_prefix_ptr, recv_capacity, call.topk, call.num_tokens)
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                     config, recv_x_in_buffer) -> DispatchCall:
@@ -184,17 +196,18 @@ class DispatchPath:
                                           expert_alignment, config, checked_in_buffer(recv_x_in_buffer))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
-        notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, row_bytes=row_bytes,
+        notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, per_call=NOTIFY_PER_CALL,
+                            row_bytes=row_bytes,
                             topk_code=topk_code, num_scales=num_scales, num_sms=num_sms, send_chunk=send_chunk,
                             recv_chunk=recv_chunk, num_topk=spec.num_topk, num_experts=num_experts,
                             num_channels=config.num_channels, expert_alignment=spec.expert_alignment,
                             zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
                             **self._host_counts)
-        main = self._bind_transfer(spec)
-        main_with_exchange = self._bind_transfer(spec, exchange=1, row_bytes=row_bytes, topk_code=topk_code,
-                                                 num_sms=num_sms, recv_chunk=recv_chunk,
-                                                 expert_alignment=spec.expert_alignment, zero_off=lay.meta_off,
-                                                 zero_count=lay.zero_count)
+        main = self._bind_transfer(spec, TRANSFER_PER_CALL)
+        main_with_exchange = self._bind_transfer(spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, exchange=1,
+                                                 row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms,
+                                                 recv_chunk=recv_chunk, expert_alignment=spec.expert_alignment,
+                                                 zero_off=lay.meta_off, zero_count=lay.zero_count, report_refusal=1)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
         lib = spec.rows.lib
@@ -226,10 +239,10 @@ class DispatchPath:
                              "deepep_cupy.get_nvl_buffer_size_hint(..., recv_x_in_buffer=True) bytes. No tokens "
                              "were moved")
 
-    def _bind_transfer(self, spec: plans.DispatchSpec, **fixed) -> KernelCall:
-        """dispatch_kernel for ``spec``, with neither a settings check nor a count exchange of its own
-        unless ``fixed`` binds one (``check_op``: a cached dispatch; ``exchange``: a fresh one's
-        counts, whose per-call values each launch then gives)."""
+    def _bind_transfer(self, spec: plans.DispatchSpec, per_call: Tuple[str, ...], **fixed) -> KernelCall:
+        """dispatch_kernel for ``spec``, launched with ``per_call``'s values, with neither a settings
+        check nor a count exchange of its own unless ``fixed`` binds one (``check_op``: a cached
+        dispatch; ``exchange``: a fresh one's counts, whose per-call values each launch then gives)."""
         lay, config = spec.layout, spec.config
         checks = dict(check_op=0, row_bytes=0, row_detail=0, num_sms=0, recv_chunk=0, zero_off=0, zero_count=0,
                       dispatch_verdict=None, exchange=0, topk_code=0, expert_alignment=0)
@@ -237,13 +250,13 @@ class DispatchPath:
             checks.update(num_tokens_per_rank=None, num_tokens_per_expert=None, recv_capacity=0, recv_counter=None,
                           mismatch_flag=None, recv_expert_counter=None, report_refusal=0)
         checks.update(fixed)
+        checks = {name: value for name, value in checks.items() if name not in per_call}
         template_args = (self.num_ranks, "true") if spec.rows.scales_strided else (self.num_ranks,)
         if spec.rows_in_buffer:
             template_args = (self.num_ranks, "true" if spec.rows.scales_strided else "false", "true")
-        return self._bind("dispatch_kernel", template_args, grid=config.num_sms,
-                          hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
-                          scale_token_stride=spec.rows.scale_strides[0], scale_hidden_stride=spec.rows.scale_strides[1],
-                          num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
+        return self._bind("dispatch_kernel", template_args, grid=config.num_sms, per_call=per_call,
+                          hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk, num_experts=spec.num_experts,
+                          num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
                           x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
                           topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
                           region_tokens=lay.region_tokens, num_channels=config.num_channels,
@@ -382,25 +395,19 @@ class DispatchPath:
         return [0 if a is None else lib.pointer(a) for a in arrays]
 
     def _launch_transfer(self, stream: int, call: DispatchCall, pointers, handle: DispatchHandle,
-                         exchange: Optional[dict] = None) -> None:
+                         exchange: tuple = ()) -> None:
         """The transfer of a fresh dispatch, after notify_dispatch, writing its outputs at ``pointers``
         (device addresses of ``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]``, 0 for
-        none); with ``exchange`` (the capacity and where to publish the counts, as for
-        notify_dispatch) it makes the count exchange itself first, in the same launch (a dispatch
-        whose host does not wait for the counts: ``num_worst_tokens``)."""
+        none); with ``exchange`` (the values of EXCHANGE_PER_CALL: the counts, the capacity and
+        where to publish the counts, as for notify_dispatch) it makes the count exchange itself
+        first, in the same launch (a dispatch whose host does not wait for the counts:
+        ``num_worst_tokens``)."""
         recv_x, recv_scales, recv_topk, recv_weights = pointers
-        if exchange is None:
-            kernel, counts = call.plan.main, {}
-        else:
-            kernel = call.plan.main_with_exchange
-            counts = dict(exchange, num_tokens_per_rank=call.per_rank, num_tokens_per_expert=call.per_expert)
-        kernel(stream, **counts, recv_x=recv_x, recv_x_scales=recv_scales, recv_src_idx=handle.recv_src_idx_ptr,
-               recv_topk_idx=recv_topk, recv_topk_weights=recv_weights,
-               recv_channel_prefix_matrix=handle.recv_channel_prefix_ptr, send_head=handle.send_head_ptr,
-               x=call.x, x_scales=call.x_scales, topk_idx=call.topk, topk_weights=call.weights,
-               is_token_in_rank=call.in_rank, channel_prefix_matrix=handle.channel_prefix_ptr,
-               rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=call.num_tokens,
-               scale_token_stride=call.scale_strides[0], scale_hidden_stride=call.scale_strides[1])
+        kernel = call.plan.main_with_exchange if exchange else call.plan.main
+        kernel.run(stream, recv_x, recv_scales, handle.recv_src_idx_ptr, recv_topk, recv_weights,
+                   handle.recv_channel_prefix_ptr, handle.send_head_ptr, call.x, call.x_scales, call.topk,
+                   call.weights, call.in_rank, handle.channel_prefix_ptr, handle.rank_prefix_ptr, call.num_tokens,
+                   *call.scale_strides, *exchange)
 
     def _verdict_error(self, verdict: int, call: DispatchCall) -> Exception:
         spec = call.plan.spec
@@ -432,11 +439,8 @@ class DispatchPath:
                 recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
             recv_x_ptr, recv_scales_ptr = self._pointers(lib, (recv_x, recv_scales))
             self._note_rows_in_buffer(plan, handle)
-            plan.main(run_on, dispatch_verdict=handle.verdict_ptr, recv_x=recv_x_ptr,
-                      recv_x_scales=recv_scales_ptr, x=x_ptr, x_scales=s_ptr,
-                      is_token_in_rank=handle.in_rank_ptr, channel_prefix_matrix=handle.channel_prefix_ptr,
-                      rank_prefix_matrix=handle.rank_prefix_ptr, num_tokens=n,
-                      scale_token_stride=scale_strides[0], scale_hidden_stride=scale_strides[1])
+            plan.main.run(run_on, recv_x_ptr, recv_scales_ptr, x_ptr, s_ptr, handle.in_rank_ptr,
+                          handle.channel_prefix_ptr, handle.rank_prefix_ptr, n, *scale_strides, handle.verdict_ptr)
             outputs = (recv_x, recv_scales)
             event = self._finish(caller, run_on, lib, async_finish,
                                  (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
@@ -449,8 +453,9 @@ class DispatchPath:
         # writes the handle's receive side.
         checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,
                                             config, spec.layout)
-        main = self._bind_transfer(spec, **checks, recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None,
-                                   recv_channel_prefix_matrix=None, send_head=None, topk_idx=None, topk_weights=None)
+        main = self._bind_transfer(spec, CACHED_PER_CALL, **checks, recv_src_idx=None, recv_topk_idx=None,
+                                   recv_topk_weights=None, recv_channel_prefix_matrix=None, send_head=None,
+                                   topk_idx=None, topk_weights=None)
         outputs = plans.received_arrays(spec)
         return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
                     windows=self._output_windows(spec.rows.lib, spec, outputs))

@@ -8,6 +8,11 @@ between calls written then (the peer buffer table, rank, timeout, error record, 
 offsets); a call assigns only what changes (pointers, counts) and launches. The driver copies the
 parameters when the launch is issued, so the block can be rewritten right after.
 
+A call site that launches on every operation names its changing parameters once (``per_call``)
+and passes their values in that order to :meth:`KernelCall.run`, which writes each run of
+neighbouring ones into the struct with one ``struct.pack_into``: a tenth of the host time of
+assigning them one by one by name.
+
 One :class:`KernelCall` must not be used by two threads at once: each rank owns its plans.
 """
 
@@ -16,11 +21,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Dict, List, Tuple
+import struct
+from typing import Dict, List, Sequence, Tuple
 
 from . import kernels
 
 _FIELD_TYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+_PACK_CODES = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +75,30 @@ class ParameterBlock:
     def as_bytes(self) -> bytes:
         return ctypes.string_at(ctypes.addressof(self.values), ctypes.sizeof(self.values))
 
+    def packers(self, names: Sequence[str]) -> Tuple[Tuple[struct.Struct, int, int, int], ...]:
+        """``(packer, byte offset, first, end)`` per run of neighbouring parameters among ``names``
+        (given in declaration order): ``packer.pack_into(struct bytes, offset, *values[first:end])``
+        writes the run, padding between its fields left as it is."""
+        kinds = dict(kernels.SIGNATURES[self.kernel])
+        order = [self.names.index(name) for name in names]
+        if order != sorted(order) or len(set(order)) != len(order):
+            raise TypeError(f"deepep_cupy: {self.kernel}: per-call parameters must be named once each, in "
+                            f"declaration order: {list(names)}")
+        struct_type = type(self.values)
+        runs = []
+        for i, (name, position) in enumerate(zip(names, order)):
+            field = getattr(struct_type, name)
+            if runs and position == runs[-1]["last"] + 1:
+                run = runs[-1]
+                gap = field.offset - run["end_offset"]
+                run["format"] += f"{gap}x" if gap else ""
+            else:
+                run = {"offset": field.offset, "format": "=", "first": i}
+                runs.append(run)
+            run["format"] += _PACK_CODES[kinds[name]]
+            run["last"], run["end"], run["end_offset"] = position, i + 1, field.offset + field.size
+        return tuple((struct.Struct(run["format"]), run["offset"], run["first"], run["end"]) for run in runs)
+
 
 class KernelCall:
     """One compiled kernel instance bound to a grid, a block size and its fixed arguments.
@@ -76,12 +107,22 @@ class KernelCall:
         kernel: the kernel's name; ``template_args`` pick its instance.
         grid: blocks per launch.
         shared_mem: dynamic shared memory bytes.
+        per_call: the parameters :meth:`run` takes, in declaration order; with ``fixed`` they must
+            name every parameter.
         fixed: arguments that never change for this call site.
     """
 
     def __init__(self, kernel: str, template_args: Tuple[object, ...] = (), *, grid: int, shared_mem: int = 0,
-                 **fixed):
+                 per_call: Sequence[str] = (), **fixed):
         self.params = ParameterBlock(kernel, **fixed)
+        if per_call:
+            missing = self.params.missing(dict.fromkeys(per_call))
+            if missing or self.params.fixed & set(per_call):
+                raise TypeError(f"deepep_cupy: {kernel}: per-call parameters {list(per_call)} leave {missing} unset "
+                                f"or repeat fixed ones {sorted(self.params.fixed & set(per_call))}")
+        self.per_call = tuple(per_call)
+        self._packers = self.params.packers(self.per_call)
+        self._bytes = memoryview(self.params.values).cast("B")
         self.name = kernels.name_expression(kernel, template_args)
         self.function_ptr = kernels.get_kernel(self.name).kernel.ptr
         self.grid = grid
@@ -103,6 +144,14 @@ class KernelCall:
                 raise TypeError(f"deepep_cupy: {self.name} launched without {missing}")
             self._checked = True
         self.params.assign(values)
+        launch(self, stream_ptr)
+
+    def run(self, stream_ptr: int, *values: int) -> None:
+        """Launch on ``stream_ptr`` with ``values`` for :attr:`per_call`, in its order (ints: 0 for a
+        null pointer)."""
+        view = self._bytes
+        for packer, offset, first, end in self._packers:
+            packer.pack_into(view, offset, *values[first:end])
         launch(self, stream_ptr)
 
 

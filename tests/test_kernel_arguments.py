@@ -3,11 +3,12 @@
 import ctypes
 import re
 import struct
+from types import SimpleNamespace
 
 import pytest
 
-from deepep_cupy import kernels
-from deepep_cupy.launch import ParameterBlock, parameter_struct
+from deepep_cupy import kernels, launch
+from deepep_cupy.launch import KernelCall, ParameterBlock, parameter_struct
 
 
 def _declared_parameters(kernel):
@@ -85,6 +86,45 @@ def test_an_unknown_fixed_argument_is_refused(monkeypatch):
     monkeypatch.setitem(kernels.SIGNATURES, "k6", (("alpha", "i32"),))
     with pytest.raises(TypeError, match=r"k6 has no parameters \['delta'\]"):
         ParameterBlock("k6", delta=2)
+
+
+def test_per_call_values_are_packed_into_their_fields_around_fixed_ones(monkeypatch):
+    kinds = (("p", "ptr"), ("n", "i32"), ("q", "ptr"), ("fixed", "i32"), ("w", "f32"), ("d", "i64"))
+    monkeypatch.setitem(kernels.SIGNATURES, "k7", kinds)
+    block = ParameterBlock("k7", fixed=-5)
+    per_call = ("p", "n", "q", "w", "d")
+    view = memoryview(block.values).cast("B")
+    for packer, offset, first, end in block.packers(per_call):
+        packer.pack_into(view, offset, *(0xABCDEF0123, 7, 0, 2.5, -2 ** 40)[first:end])
+    assert struct.unpack("@QiQifq", block.as_bytes()) == (0xABCDEF0123, 7, 0, -5, 2.5, -2 ** 40)
+    # p, n, q are one run (with the padding after n), w and d another.
+    assert [(offset, first, end) for _, offset, first, end in block.packers(per_call)] == [(0, 0, 3), (28, 3, 5)]
+
+
+def test_per_call_parameters_must_follow_the_declaration_order(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k8", (("a", "ptr"), ("b", "i32")))
+    with pytest.raises(TypeError, match="declaration order"):
+        ParameterBlock("k8").packers(("b", "a"))
+
+
+def test_a_call_site_whose_per_call_parameters_leave_one_unset_is_refused_when_bound(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k9", (("a", "ptr"), ("b", "i32"), ("c", "i32")))
+    monkeypatch.setattr(kernels, "get_kernel", lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=0)))
+    with pytest.raises(TypeError, match=r"leave \['c'\] unset"):
+        KernelCall("k9", grid=1, per_call=("a", "b"))
+    with pytest.raises(TypeError, match=r"repeat fixed ones \['b'\]"):
+        KernelCall("k9", grid=1, per_call=("a", "b"), b=1, c=2)
+
+
+def test_run_launches_with_the_per_call_values_written(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k10", (("a", "ptr"), ("b", "i32"), ("c", "i32")))
+    monkeypatch.setattr(kernels, "get_kernel", lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=0)))
+    monkeypatch.setattr(kernels, "block_threads", lambda kernel: 32)
+    launched = []
+    monkeypatch.setattr(launch, "launch", lambda call, stream: launched.append((stream, call.params.as_bytes())))
+    call = KernelCall("k10", grid=1, per_call=("a", "c"), b=3)
+    call.run(0x77, 0x1234, 9)
+    assert launched == [(0x77, struct.pack("@Qii", 0x1234, 3, 9))]
 
 
 def test_name_expressions_of_template_instances():
