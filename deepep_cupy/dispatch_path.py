@@ -137,7 +137,7 @@ class DispatchPath:
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
                 launch.fill_bytes(pointers[2], 0xFF, rows * spec.num_topk * 8, run_on)
-            self._launch_transfer(run_on, call, pointers, handle, exchange=(
+            self._launch_transfer(run_on, call, pointers, handle, exchange=(  # EXCHANGE_PER_CALL
                 call.per_rank, call.per_expert, rows, handle.recv_count_ptr, handle.verdict_ptr,
                 handle.recv_expert_counts_ptr))
             allocated = (block, *outputs)
@@ -197,10 +197,10 @@ class DispatchPath:
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
         notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, per_call=NOTIFY_PER_CALL,
-                            row_bytes=row_bytes,
-                            topk_code=topk_code, num_scales=num_scales, num_sms=num_sms, send_chunk=send_chunk,
-                            recv_chunk=recv_chunk, num_topk=spec.num_topk, num_experts=num_experts,
-                            num_channels=config.num_channels, expert_alignment=spec.expert_alignment,
+                            row_bytes=row_bytes, topk_code=topk_code, num_scales=num_scales, num_sms=num_sms,
+                            send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
+                            num_experts=num_experts, num_channels=config.num_channels,
+                            expert_alignment=spec.expert_alignment,
                             zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
                             **self._host_counts)
         main = self._bind_transfer(spec, TRANSFER_PER_CALL)
