@@ -95,7 +95,8 @@ def main():
         table = variants(module, row_bytes, not args.one_destination)
         for name, (run, kind) in table.items():
             for array in (d0, d1, out):
-                array.fill(0)
+                with array.device:
+                    array.fill(0)
             run(8, a, b, d0, d1, out)
             cupy.cuda.runtime.deviceSynchronize()
             if kind == "fan":
