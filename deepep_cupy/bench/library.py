@@ -318,17 +318,18 @@ def _library_sm_sweep(ep, buf, group, args, x, x_fp8, layout_kw, stream, flush) 
             ops[f"cached dispatch FP8 {IN_PLACE}"] = (
                 lambda: buf.dispatch(x_fp8, handle=handle, config=config, recv_x_in_buffer=True), "fp8")
         point = {"num_sms": num_sms}
-        for name, (fn, dtype) in ops.items():
+
+        def measure(name, fn, dtype):
             group.barrier()
             times = time_op(fn, args.tune_warmup, args.tune_iters, stream, flush)
             point[name] = op_stats(times, dispatch_bytes(total, H, dtype), dispatch_bytes(cross, H, dtype))
+
+        for name, (fn, dtype) in ops.items():
+            measure(name, fn, dtype)
         # Last: the calls above overwrite the rows this one leaves in the buffer.
         in_x, _, in_w, _, in_handle, _ = buf.dispatch(x, config=config, recv_x_in_buffer=True, **layout_kw)
-        group.barrier()
-        times = time_op(lambda: buf.combine(in_x, in_handle, topk_weights=in_w, config=config), args.tune_warmup,
-                        args.tune_iters, stream, flush)
-        point[f"combine BF16 {IN_PLACE}"] = op_stats(times, dispatch_bytes(total, H, "bf16"),
-                                                     dispatch_bytes(cross, H, "bf16"))
+        measure(f"combine BF16 {IN_PLACE}", lambda: buf.combine(in_x, in_handle, topk_weights=in_w, config=config),
+                "bf16")
         points.append(point)
     return {"points": points}
 
