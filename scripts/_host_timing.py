@@ -51,6 +51,19 @@ def rank_host_ops(comm, lib: str, num_tokens: int):
     return buf, host_ops(buf, lib, num_tokens, config, seed=comm.Get_rank())
 
 
+def rank_host_ops_from_command_line(parser, default_lib: str):
+    """Under mpirun: ``parser``'s arguments with ``--lib`` and ``--tokens`` added, MPI's world
+    communicator, and this rank's :func:`rank_host_ops` for them: ``(args, comm, buf, ops)``."""
+    from mpi4py import MPI
+
+    parser.add_argument("--lib", default=default_lib, choices=("cupy", "torch"))
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    buf, ops = rank_host_ops(comm, args.lib, args.tokens)
+    return args, comm, buf, ops
+
+
 def host_times(fn: Callable[[], object], calls: int, warmup: int = 20, before: Callable[[], None] = None) -> np.ndarray:
     """Wall seconds of each of ``calls`` calls of ``fn`` back to back, after ``warmup`` calls, the
     device's work and ``before`` (a barrier of the ranks, under mpirun)."""
@@ -94,6 +107,26 @@ class PieceTimers:
                 counts[label] += 1
         setattr(owner, name, staticmethod(wrapper) if static else wrapper)
         return lambda: setattr(owner, name, own) if own is not None else delattr(owner, name)
+
+    def wrap_host_path(self, libs, launch_label: str = "cuLaunchKernel") -> list:
+        """Time the pieces of the host path every op goes through (the array libraries ``libs``'
+        methods, launches, the handle, the slots, the stream order, a fresh dispatch's reads);
+        return what undoes it."""
+        from deepep_cupy import buffer, handle, launch, slots, streams
+
+        undo = [self.wrap(launch, "launch", launch_label),
+                self.wrap(launch.KernelCall, "run", "KernelCall.run (packing + launch)"),
+                self.wrap(handle.DispatchHandle, "__init__", "DispatchHandle()"),
+                self.wrap(slots.HostSlots, "start_dispatch", "slots.start_dispatch"),
+                self.wrap(slots.HostSlots, "wait_for_count", "slots.wait_for_count"),
+                self.wrap(slots.HostSlots, "expert_counts", "slots.expert_counts"),
+                self.wrap(streams.StreamOrder, "begin", "order.begin"),
+                self.wrap(streams.StreamOrder, "finish", "order.finish"),
+                self.wrap(buffer.Buffer, "_read_fresh", "Buffer._read_fresh (reads, plan lookup)")]
+        for lib in libs:
+            for name in ("empty", "trim", "carve", "current_stream", "read", "pointer"):
+                undo.append(self.wrap(type(lib), name, f"{lib.name}.{name}"))
+        return undo
 
     def print_per_call(self, calls: int, indent: str = "   ") -> None:
         """Each piece's time and calls per call of the op, over ``calls`` calls, most first."""

@@ -22,8 +22,6 @@ from _host_timing import OPS, PieceTimers, host_ops, host_times
 from _mpi_timing import NUM_EXPERTS, NUM_TOPK
 
 import deepep_cupy as ep
-from deepep_cupy import buffer as buffer_module
-from deepep_cupy import handle as handle_module
 from deepep_cupy import kernels, launch, slots, streams, tensors
 from deepep_cupy.comm import Group
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
@@ -74,18 +72,8 @@ def median_us(fn, calls: int) -> float:
 
 def breakdown(fn, calls: int) -> None:
     timers = PieceTimers()
-    timed = timers.wrap
-    undo = [timed(launch, "launch", "cuLaunchKernel (+ played peer)"),
-            timed(launch.ParameterBlock, "assign", "parameter block assign"),
-            timed(handle_module.DispatchHandle, "__init__", "DispatchHandle()"),
-            timed(streams.StreamOrder, "begin", "order.begin"),
-            timed(streams.StreamOrder, "finish", "order.finish"),
-            timed(slots.HostSlots, "wait_for_count", "slots.wait_for_count"),
-            timed(slots.HostSlots, "expert_counts", "slots.expert_counts"),
-            timed(buffer_module.Buffer, "_read_fresh", "Buffer._read_fresh (reads, plan lookup)")]
-    for lib in {tensors.library("cupy"), tensors.library("torch")}:
-        for name in ("empty", "trim", "carve", "current_stream", "read", "pointer"):
-            undo.append(timed(type(lib), name, f"{lib.name}.{name}"))
+    undo = timers.wrap_host_path({tensors.library("cupy"), tensors.library("torch")},
+                                 launch_label="cuLaunchKernel (+ played peer)")
     whole = median_us(fn, calls)
     for u in undo:
         u()

@@ -13,21 +13,14 @@ import pstats
 
 import cupy
 import numpy as np
-from _host_timing import OPS, host_times, rank_host_ops
-from mpi4py import MPI
+from _host_timing import OPS, host_times, rank_host_ops_from_command_line
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--lib", default="cupy", choices=("cupy", "torch"))
-parser.add_argument("--tokens", type=int, default=128)
 parser.add_argument("--op", default=",".join(OPS))
 parser.add_argument("--calls", type=int, default=1000)
 parser.add_argument("--top", type=int, default=30)
-args = parser.parse_args()
-
-comm = MPI.COMM_WORLD
-rank = comm.Get_rank()
-n = args.tokens
-buf, ops = rank_host_ops(comm, args.lib, n)
+args, comm, buf, ops = rank_host_ops_from_command_line(parser, default_lib="cupy")
+rank, n = comm.Get_rank(), args.tokens
 
 for name in args.op.split(","):
     op = ops[name]
