@@ -26,14 +26,15 @@ from typing import Dict, List, Sequence, Tuple
 
 from . import kernels
 
-_FIELD_TYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
-_PACK_CODES = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
+#: Per parameter kind: its ctypes field type and its ``struct`` code (standard size, as ``=`` packs).
+_FIELD_TYPES = {"ptr": (ctypes.c_uint64, "Q"), "i32": (ctypes.c_int32, "i"), "i64": (ctypes.c_int64, "q"),
+                "f32": (ctypes.c_float, "f")}
 
 
 @functools.lru_cache(maxsize=None)
 def parameter_struct(kernel: str) -> type:
     """A ``ctypes.Structure`` type with one field per parameter of ``kernel``, in order."""
-    fields = [(name, _FIELD_TYPES[kind]) for name, kind in kernels.SIGNATURES[kernel]]
+    fields = [(name, _FIELD_TYPES[kind][0]) for name, kind in kernels.SIGNATURES[kernel]]
     return type(f"{kernel}_parameters", (ctypes.Structure,), {"_fields_": fields})
 
 
@@ -95,7 +96,7 @@ class ParameterBlock:
             else:
                 run = {"offset": field.offset, "format": "=", "first": i}
                 runs.append(run)
-            run["format"] += _PACK_CODES[kinds[name]]
+            run["format"] += _FIELD_TYPES[kinds[name]][1]
             run["last"], run["end"], run["end_offset"] = position, i + 1, field.offset + field.size
         return tuple((struct.Struct(run["format"]), run["offset"], run["first"], run["end"]) for run in runs)
 
