@@ -185,6 +185,10 @@ class Buffer(DispatchPath, CombinePath):
         # The handle of the dispatch whose rows in place the buffer's areas hold (None once any
         # other dispatch or a combine that sends has overwritten them): a combine in place reads them.
         self._rows_in_buffer_of = None
+        # A fresh dispatch with rows in place may make its count exchange in the transfer kernel
+        # (one launch): not for in-process ranks, which wait for the counts through an event
+        # recorded after a count exchange of its own (DispatchPath._exchange_and_transfer).
+        self._exchange_in_transfer = not self._group.in_process
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)

@@ -36,6 +36,8 @@ TRANSFER_PER_CALL = ("recv_x", "recv_x_scales", "recv_src_idx", "recv_topk_idx",
                      "scale_token_stride", "scale_hidden_stride")
 EXCHANGE_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "recv_capacity", "recv_counter", "mismatch_flag",
                      "recv_expert_counter")
+#: ... when it makes the exchange for a host that waits for the counts (in the slots the plan binds).
+HOST_EXCHANGE_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "recv_capacity")
 CACHED_PER_CALL = ("recv_x", "recv_x_scales", "x", "x_scales", "is_token_in_rank", "channel_prefix_matrix",
                    "rank_prefix_matrix", "num_tokens", "scale_token_stride", "scale_hidden_stride", "dispatch_verdict")
 #: notify_dispatch_kernel's.
@@ -137,9 +139,9 @@ class DispatchPath:
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
                 launch.fill_bytes(pointers[2], 0xFF, rows * spec.num_topk * 8, run_on)
-            self._launch_transfer(run_on, call, pointers, handle, exchange=(  # EXCHANGE_PER_CALL
-                call.per_rank, call.per_expert, rows, handle.recv_count_ptr, handle.verdict_ptr,
-                handle.recv_expert_counts_ptr))
+            self._launch_transfer(run_on, plan.main_with_exchange, call, pointers, handle,  # EXCHANGE_PER_CALL
+                                  call.per_rank, call.per_expert, rows, handle.recv_count_ptr, handle.verdict_ptr,
+                                  handle.recv_expert_counts_ptr)
             allocated = (block, *outputs)
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
@@ -204,16 +206,20 @@ class DispatchPath:
                             zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
                             **self._host_counts)
         main = self._bind_transfer(spec, TRANSFER_PER_CALL)
-        main_with_exchange = self._bind_transfer(spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, exchange=1,
-                                                 row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms,
-                                                 recv_chunk=recv_chunk, expert_alignment=spec.expert_alignment,
-                                                 zero_off=lay.meta_off, zero_count=lay.zero_count, report_refusal=1)
+        exchange = dict(exchange=1, row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms, recv_chunk=recv_chunk,
+                        expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
+        main_with_exchange = self._bind_transfer(spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, **exchange,
+                                                 report_refusal=1)
+        # With rows in place the transfer takes no output addresses: it can make the count exchange
+        # itself, launched before the host allocates anything (_exchange_and_transfer).
+        main_for_host = None if not spec.rows_in_buffer else self._bind_transfer(
+            spec, TRANSFER_PER_CALL + HOST_EXCHANGE_PER_CALL, **exchange, **self._host_counts)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
         lib = spec.rows.lib
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
-                    self._output_windows(lib, spec, outputs))
+                    self._output_windows(lib, spec, outputs), main_for_host)
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
         """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
@@ -273,6 +279,12 @@ class DispatchPath:
         moved). Without, the host waits for the counts and allocates exactly. With ``expand`` the
         rows come back grouped per local expert (:meth:`_expand`).
 
+        The count exchange is launched first, as notify_dispatch, then the transfer once the outputs
+        are allocated. With rows in place, which allocates no outputs and passes the transfer no
+        addresses, ranks with processes of their own launch the transfer alone, making the count
+        exchange itself (``plan.main_for_host``); in-process ranks do not, as their host waits for
+        the counts through an event recorded after notify_dispatch (HostSlots.wait_for_count).
+
         Allocated ahead by a library that carves (``plan.kept_outputs``: CuPy), the outputs besides
         ``recv_x`` lie in the handle's allocation: two allocations per call, and one view per output
         once the count is known (``recv_x`` trimmed, the others carved out of the handle's
@@ -293,29 +305,23 @@ class DispatchPath:
                 block = lib.empty((words,), "int64", dev)
             handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
             self._note_rows_in_buffer(plan, handle)
-            # The count exchange is a kernel of its own, launched before the outputs are allocated:
-            # the host waits for it, so it starts as early as it can (docs/PERF_NOTES.md).
+            # The count exchange starts before the outputs are allocated: the host waits for it, so
+            # it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
-            self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead)
-            if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
-                self._order.record_notify_done(run_on)
-            if rows_ahead is not None:
-                if plan.windows is not None:
-                    # In place the kernel writes the Buffer's areas and takes no output addresses:
-                    # the views are made once, at the count.
-                    pointers = [0, 0, 0, 0]
-                else:
-                    with self._allocating(lib, allocate_on_comm_stream):
-                        if kept is None:
-                            outputs = self._dispatch_outputs(lib, plan, rows_ahead)
-                            pointers = self._pointers(lib, outputs)
-                        else:
-                            x_tail, x_dtype = plan.outputs[0]
-                            outputs = [lib.empty((rows_ahead, *x_tail), x_dtype, dev)]
-                            pointers = [lib.pointer(outputs[0]),
-                                        *kept.pointers(handle.base_ptr + kept_offset, rows_ahead)]
-                self._launch_transfer(run_on, call, pointers, handle)
-            num_recv = self._slots.wait_for_count(self._order.notify_done)
+            kernel_done = None
+            if rows_ahead is not None and plan.main_for_host is not None and self._exchange_in_transfer:
+                self._launch_transfer(run_on, plan.main_for_host, call, (0, 0, 0, 0), handle,  # HOST_EXCHANGE_PER_CALL
+                                      call.per_rank, call.per_expert, rows_ahead)
+            else:
+                self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead)
+                if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
+                    self._order.record_notify_done(run_on)
+                    kernel_done = self._order.notify_done
+                if rows_ahead is not None:
+                    outputs, pointers = self._outputs_ahead(lib, plan, handle, rows_ahead, kept_offset,
+                                                            allocate_on_comm_stream)
+                    self._launch_transfer(run_on, plan.main, call, pointers, handle)
+            num_recv = self._slots.wait_for_count(kernel_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
                 self._order.abandon(run_on)  # the transfer launched ahead moved nothing
@@ -328,7 +334,7 @@ class DispatchPath:
                     outputs = self._dispatch_outputs(lib, plan, num_recv)
                     src_idx = lib.empty((num_recv,), "int32", dev)
                 handle.use_separate_src_idx(src_idx)
-                self._launch_transfer(run_on, call, self._pointers(lib, outputs), handle)
+                self._launch_transfer(run_on, plan.main, call, self._pointers(lib, outputs), handle)
                 allocated = (block, src_idx, *outputs)
             elif plan.windows is not None:
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
@@ -349,6 +355,22 @@ class DispatchPath:
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
+
+    def _outputs_ahead(self, lib, plan: Plan, handle: DispatchHandle, rows: int, kept_offset: int,
+                       on_comm_stream: bool) -> Tuple[Optional[list], list]:
+        """``(outputs, their addresses)`` of a dispatch allocating ``rows`` rows ahead of its count
+        (see :meth:`_exchange_and_transfer`); in place, no outputs (the views are made once, at the
+        count) and null addresses: the kernel writes the Buffer's areas."""
+        if plan.windows is not None:
+            return None, [0, 0, 0, 0]
+        kept = plan.kept_outputs
+        with self._allocating(lib, on_comm_stream):
+            if kept is None:
+                outputs = self._dispatch_outputs(lib, plan, rows)
+                return outputs, self._pointers(lib, outputs)
+            x_tail, x_dtype = plan.outputs[0]
+            recv_x = lib.empty((rows, *x_tail), x_dtype, self.device_id)
+        return [recv_x], [lib.pointer(recv_x), *kept.pointers(handle.base_ptr + kept_offset, rows)]
 
     def _expand(self, stream: int, lib, spec: plans.DispatchSpec, outputs, per_expert_list, handle: DispatchHandle):
         """Launch expand_kernel behind the transfer: ``recv_x`` (and its scales) regrouped per local
@@ -394,16 +416,14 @@ class DispatchPath:
         """Device addresses of ``arrays`` (0 for None)."""
         return [0 if a is None else lib.pointer(a) for a in arrays]
 
-    def _launch_transfer(self, stream: int, call: DispatchCall, pointers, handle: DispatchHandle,
-                         exchange: tuple = ()) -> None:
-        """The transfer of a fresh dispatch, after notify_dispatch, writing its outputs at ``pointers``
-        (device addresses of ``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]``, 0 for
-        none); with ``exchange`` (the values of EXCHANGE_PER_CALL: the counts, the capacity and
-        where to publish the counts, as for notify_dispatch) it makes the count exchange itself
-        first, in the same launch (a dispatch whose host does not wait for the counts:
-        ``num_worst_tokens``)."""
+    @staticmethod
+    def _launch_transfer(stream: int, kernel: KernelCall, call: DispatchCall, pointers, handle: DispatchHandle,
+                         *exchange: int) -> None:
+        """The transfer of a fresh dispatch (``kernel``: one of its plan's), writing its outputs at
+        ``pointers`` (device addresses of ``[recv_x, recv_scales, recv_topk_idx,
+        recv_topk_weights]``, 0 for none); ``exchange``: the values of the kernel's per-call
+        parameters after TRANSFER_PER_CALL, when it makes the count exchange itself."""
         recv_x, recv_scales, recv_topk, recv_weights = pointers
-        kernel = call.plan.main_with_exchange if exchange else call.plan.main
         kernel.run(stream, recv_x, recv_scales, handle.recv_src_idx_ptr, recv_topk, recv_weights,
                    handle.recv_channel_prefix_ptr, handle.send_head_ptr, call.x, call.x_scales, call.topk,
                    call.weights, call.in_rank, handle.channel_prefix_ptr, handle.rank_prefix_ptr, call.num_tokens,

@@ -326,7 +326,9 @@ class Plan(NamedTuple):
     its array library does not carve them: ``ArrayLib.carves_outputs``); ``windows``: per output,
     an array of its type over every row of its area in this rank's NVLink buffer, of which a
     dispatch writing its rows in place returns the first rows (None for a dispatch that allocates
-    its outputs)."""
+    its outputs); ``main_for_host``: a fresh dispatch's ``main`` making the count exchange itself for
+    a host that waits for the counts in its slots (one launch, where ``notify`` and ``main`` are
+    two; only with rows in place, None otherwise)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
@@ -335,3 +337,4 @@ class Plan(NamedTuple):
     main_with_exchange: Optional[Any] = None  # a launch.KernelCall
     kept_outputs: Optional[Any] = None  # a handle.KeptOutputs
     windows: Optional[tuple] = None
+    main_for_host: Optional[Any] = None  # a launch.KernelCall

@@ -16,7 +16,7 @@ from deepep_cupy import reference as ref
 from deepep_cupy.bench.calls import device_arrays
 
 #: What the scripts name the ops they time.
-OPS = ("layout", "fresh", "fresh_fp8", "cached", "combine")
+OPS = ("layout", "fresh", "fresh_fp8", "fresh_in_place", "cached", "combine")
 
 
 def host_ops(buf, lib: str, num_tokens: int, config, seed: int) -> Dict[str, Callable[[], object]]:
@@ -40,6 +40,7 @@ def host_ops(buf, lib: str, num_tokens: int, config, seed: int) -> Dict[str, Cal
     return {"layout": lambda: buf.get_dispatch_layout(topk, E),
             "fresh": lambda: buf.dispatch(x, **layout),
             "fresh_fp8": lambda: buf.dispatch(x_fp8, **layout),
+            "fresh_in_place": lambda: buf.dispatch(x, **layout, recv_x_in_buffer=True),
             "cached": lambda: buf.dispatch(x, handle=handle, config=config),
             "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_weights, config=config)}
 
@@ -47,7 +48,7 @@ def host_ops(buf, lib: str, num_tokens: int, config, seed: int) -> Dict[str, Cal
 def rank_host_ops(comm, lib: str, num_tokens: int):
     """Under mpirun: this rank's Buffer (on its own GPU, 24 SMs) and its :func:`host_ops`."""
     config = ep.Config(24, 4, 256)
-    buf = rank_buffer(comm, config.num_sms, num_tokens, timeout_s=20)
+    buf = rank_buffer(comm, config.num_sms, num_tokens, recv_x_in_buffer=True, timeout_s=20)
     return buf, host_ops(buf, lib, num_tokens, config, seed=comm.Get_rank())
 
 

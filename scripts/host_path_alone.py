@@ -5,8 +5,8 @@
 Rank 0 of a 2-rank group whose peer is played by this script: the Buffer's host path runs as it
 does under mpirun (real CuPy arrays or PyTorch tensors, real allocations, stream order, mapped
 slots and ``cuLaunchKernel`` calls with the real parameter blocks), but every kernel is an empty
-one and the count exchange's results are written into the slots by the host at notify's launch.
-The count wait then returns at once, so a fresh dispatch's time here is its host work besides
+one and the count exchange's results are written into the slots by the host when the kernel making
+it is launched. The count wait then returns at once, so a fresh dispatch's time here is its host work besides
 the wait (issue 11's "<= 40 us"). Prints the median host time per call of each op and library,
 libraries alternating within each round; ``--breakdown`` then times the pieces (each timer adds
 ~0.3 us to the piece it wraps). Loop times need the peers: see the benchmark.
@@ -28,6 +28,7 @@ from deepep_cupy.constants import VERDICT_OVER_CAPACITY
 
 CONFIG = ep.Config(24, 4, 256)
 WARMUP = 20
+NVL_BYTES = 1 << 30
 
 
 class HostPlayedPeer(Group):
@@ -47,16 +48,20 @@ def alone_buffer(num_recv: int, expert_counts) -> ep.Buffer:
     empty.compile()
     kernels.get_kernel = lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=empty.kernel.ptr))
     buf = ep.Buffer.__new__(ep.Buffer)
-    buf._set_up_host(HostPlayedPeer(), 1 << 30, 30.0, 0, True)
-    buf._nvl = SimpleNamespace(local_ptr=1, num_bytes=1)
+    memory = cupy.empty(NVL_BYTES, cupy.uint8)  # a dispatch with rows in place returns views of it
+    buf._set_up_host(HostPlayedPeer(), NVL_BYTES, 30.0, 0, True)
+    buf._nvl = SimpleNamespace(local_ptr=memory.data.ptr, num_bytes=NVL_BYTES, memory=memory)
     host_slots = slots.HostSlots(0, 30.0, False)
     buf._attach(host_slots, streams.StreamOrder.create(0, False), 0)
     values = host_slots.values
     real_launch = launch.launch
 
+    counts_to_host = host_slots.device_ptr(slots.RECV_COUNT)
+
     def launch_and_play_peer(call, stream_ptr):
         real_launch(call, stream_ptr)
-        if call.name == "notify_dispatch_kernel":
+        # notify_dispatch, or a transfer making the count exchange for its host.
+        if getattr(call.params.values, "recv_counter", 0) == counts_to_host:
             values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(expert_counts)] = expert_counts
             over = num_recv > call.params.values.recv_capacity
             values[slots.VERDICT] = VERDICT_OVER_CAPACITY if over else 0

@@ -316,7 +316,7 @@ class _Router:
 
     def __call__(self, call, stream_ptr):
         for buf, launches in self.routes:
-            if any(call in (p.main, p.notify, p.main_with_exchange) for p in buf._plans.values()) or \
+            if any(call in (p.main, p.notify, p.main_with_exchange, p.main_for_host) for p in buf._plans.values()) or \
                     any(call is c for c in buf._expand_calls.values()):
                 return launches(call, stream_ptr)
         raise AssertionError(f"a launch of {call.name} from no fake Buffer's plan")

@@ -69,6 +69,18 @@ def test_in_process_matches_reference(local_runs, num_ranks, scenario):
 
 
 @pytest.mark.gpu(1)
+def test_a_fresh_dispatch_in_one_launch_matches_reference():
+    # The path of ranks with processes of their own (with rows in place, the count exchange in
+    # the transfer kernel), taken here by in-process ranks.
+    run = run_worker(["--ranks", "2", "--exchange-in-transfer", *gpu_args()])
+    assert run.returncode == 0, describe(run)
+    results = by_scenario(run)
+    assert set(results) == set(NAMES), describe(run)
+    failed = [(name, e["rank"], e["error"]) for name, entries in results.items() for e in entries if not e["ok"]]
+    assert not failed, failed
+
+
+@pytest.mark.gpu(1)
 @pytest.mark.parametrize("num_ranks", RANK_COUNTS)
 def test_in_process_worker_exits_cleanly(local_runs, num_ranks):
     run = local_runs(num_ranks)

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from host_fakes import CALLER_STREAM, COMM_STREAM, fake_buffer, on_device, recording_order
+from host_fakes import CALLER_STREAM, COMM_STREAM, FakeGroup, fake_buffer, on_device, recording_order
 
 import deepep_cupy as ep
 from deepep_cupy import launch, plans, slots
@@ -568,13 +568,17 @@ def test_a_cached_dispatch_does_not_expand(fake):
 
 # --- recv_x_in_buffer ------------------------------------------------------------------------
 
-@pytest.fixture
-def in_place(monkeypatch):
+def in_place_buffer(monkeypatch):
     """A fake Buffer whose NVLink buffer is host memory, sized for the workload with rows in place."""
     nvl_bytes = ep.get_nvl_buffer_size_hint(H * 2, R, CONFIG, num_topk=K, num_max_tokens_per_rank=N,
                                             recv_x_in_buffer=True)
     return fake_buffer(monkeypatch, num_nvl_bytes=nvl_bytes, nvl_memory=True, received=(100,),
                        expert_counts=list(range(E // R)))
+
+
+@pytest.fixture
+def in_place(monkeypatch):
+    return in_place_buffer(monkeypatch)
 
 
 def inside(buf, array):
@@ -601,6 +605,46 @@ def test_recv_x_in_buffer_returns_views_of_the_nvlink_buffer_written_by_every_bl
     assert (p["recv_x"], p["recv_topk_idx"], p["recv_topk_weights"]) == \
         (recv_x.ctypes.data, recv_topk.ctypes.data, recv_w.ctypes.data)
     assert not any(shape == (100, H) for shape, _ in lib.allocations), "recv_x was allocated"
+
+
+def test_a_dispatch_with_rows_in_place_allocating_ahead_is_one_launch_making_the_count_exchange(in_place):
+    buf, launches, _ = in_place
+    w = workload()
+    dispatch(buf, w, recv_x_in_buffer=True)
+    before = len(launches.log)
+    recv_x, _, _, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
+    assert buf.last_dispatch_allocation == "ahead"
+    assert launches.names()[before:] == ["dispatch_kernel<2, false, true>"]
+    p = launches.last("dispatch_kernel<2, false, true>")
+    assert p["exchange"] == 1 and p["report_refusal"] == 0 and p["check_op"] == 0
+    assert p["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
+    assert p["mismatch_flag"] == buf._slots.device_ptr(slots.VERDICT)
+    assert p["recv_expert_counter"] == buf._slots.device_ptr(slots.EXPERT_COUNTS)
+    assert p["recv_capacity"] == int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    assert p["rank_prefix_matrix"] == handle[0].ctypes.data and inside(buf, recv_x)
+
+
+def test_a_dispatch_allocating_its_outputs_ahead_launches_notify_dispatch_before_them(fake):
+    # The transfer needs the outputs' addresses, which exist only once the count exchange runs.
+    buf, launches, _ = fake
+    w = workload()
+    dispatch(buf, w)
+    before = len(launches.log)
+    dispatch(buf, w)
+    assert buf.last_dispatch_allocation == "ahead"
+    assert launches.names()[before:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+
+
+def test_in_process_ranks_with_rows_in_place_exchange_the_counts_in_notify_dispatch(monkeypatch):
+    monkeypatch.setattr(FakeGroup, "in_process", True)
+    monkeypatch.setattr(FakeGroup, "ranks_on_device", lambda self, device_id: 1, raising=False)
+    buf, launches, _ = in_place_buffer(monkeypatch)
+    w = workload()
+    dispatch(buf, w, recv_x_in_buffer=True)
+    before = len(launches.log)
+    dispatch(buf, w, recv_x_in_buffer=True)
+    assert buf.last_dispatch_allocation == "ahead"
+    assert launches.names()[before:] == ["notify_dispatch_kernel", "dispatch_kernel<2, false, true>"]
 
 
 def test_from_16_sms_an_in_place_dispatch_writes_its_own_rows_on_blocks_of_their_own(monkeypatch):

@@ -190,7 +190,12 @@ def rank_main(group, scenarios, args, shared=None):
     on_device = group.ranks_on_device(device) if hasattr(group, "ranks_on_device") else 1
 
     def new_buffer():
-        return ep.Buffer(group, nvl_bytes, timeout_s=args.timeout)
+        buf = ep.Buffer(group, nvl_bytes, timeout_s=args.timeout)
+        # The path of ranks with processes of their own (a fresh dispatch with rows in place in
+        # one launch), which in-process ranks then take, polling their slots for the counts.
+        if args.exchange_in_transfer:
+            buf._exchange_in_transfer = True
+        return buf
 
     buf = new_buffer()
     failures = 0
@@ -315,6 +320,9 @@ def parse_args(argv):
                         help="Buffer timeout in seconds (kernels and host waits)")
     parser.add_argument("--group-timeout", type=float, default=300.0, help="in-process collective timeout")
     parser.add_argument("--inject-failure", type=int, default=None, metavar="RANK")
+    parser.add_argument("--exchange-in-transfer", action="store_true",
+                        help="in-process ranks too make the count exchange of a fresh dispatch with rows in place "
+                             "in its transfer kernel")
     args = parser.parse_args(argv)
     if not args.mpi and not args.ranks:
         parser.error("--ranks N is required (or --mpi under mpiexec)")

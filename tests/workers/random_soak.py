@@ -64,6 +64,9 @@ def parse_args(argv):
     parser.add_argument("--records", action="store_true", help="print a CASE record for every case")
     parser.add_argument("--list", action="store_true",
                         help="print the cases (as drawn for --gpus GPUs, default 2, of 132 SMs) and run nothing")
+    parser.add_argument("--exchange-in-transfer", action="store_true",
+                        help="in-process ranks too make the count exchange of a fresh dispatch with rows in place "
+                             "in its transfer kernel")
     args = parser.parse_args(argv)
     if args.cases < 1:
         parser.error(f"--cases: expected at least 1, got {args.cases}")
@@ -183,7 +186,12 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
     rank = group.rank
 
     def new_buffer():
-        return ep.Buffer(group, nvl_bytes, timeout_s=args.timeout)
+        buf = ep.Buffer(group, nvl_bytes, timeout_s=args.timeout)
+        # The path of ranks with processes of their own (a fresh dispatch with rows in place in
+        # one launch), which in-process ranks then take, polling their slots for the counts.
+        if args.exchange_in_transfer:
+            buf._exchange_in_transfer = True
+        return buf
 
     buf = new_buffer()
     try:
