@@ -343,8 +343,8 @@ class DispatchPath:
                 # The views share the allocations' memory: handing those to the stream order and
                 # the allocators covers them.
                 allocated = (block, *outputs)
-                trim = lib.trim
-                outputs = [None if a is None else trim(a, num_recv) for a in outputs]
+                shrink = lib.shrink
+                outputs = [None if a is None else shrink(a, num_recv) for a in outputs]
                 if kept is not None:
                     outputs += lib.carve(block, kept.views(kept_offset, rows_ahead, num_recv))
             handle.num_recv_tokens = num_recv

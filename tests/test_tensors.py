@@ -170,6 +170,15 @@ def test_rows_of_a_cupy_window_are_one_array_on_its_memory():
     assert lib.rows_in(window, 5, (), "float32").shape == (5,)
 
 
+def test_a_torch_allocation_shrinks_to_its_first_rows_in_place_and_keeps_its_memory():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
+    address, first_rows = t.data_ptr(), t[:3].clone()
+    shrunk = tensors.library("torch").shrink(t, 3)
+    assert shrunk.shape == (3, 4) and shrunk.is_contiguous() and shrunk.data_ptr() == address
+    assert torch.equal(shrunk, first_rows) and shrunk.untyped_storage().nbytes() == 8 * 4 * 4
+
+
 def test_a_trimmed_cupy_array_is_its_first_rows_on_the_same_memory():
     pytest.importorskip("cupy")
     host = np.zeros(256, np.uint8)  # an address only, as above
