@@ -288,9 +288,9 @@ class DispatchPath:
         Allocated ahead by a library that carves (``plan.kept_outputs``: CuPy), the outputs besides
         ``recv_x`` lie in the handle's allocation: two allocations per call, and one view per output
         once the count is known (``recv_x`` trimmed, the others carved out of the handle's
-        allocation). Otherwise each output is allocated and trimmed. With rows in place
-        (``plan.windows``) nothing is allocated but the handle: the outputs are views of the
-        Buffer's areas, made once the count is known.
+        allocation). Otherwise each output is allocated and cut to the count (``ArrayLib.shrink``).
+        With rows in place (``plan.windows``) nothing is allocated but the handle: the outputs are
+        views of the Buffer's areas, made once the count is known.
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec, kept = plan.spec, plan.kept_outputs
@@ -340,8 +340,8 @@ class DispatchPath:
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
                 allocated = (block,)
             else:
-                # The views share the allocations' memory: handing those to the stream order and
-                # the allocators covers them.
+                # What is returned lies in these allocations (views of them, or they themselves cut
+                # to the count): handing them to the stream order and the allocators covers it.
                 allocated = (block, *outputs)
                 shrink = lib.shrink
                 outputs = [None if a is None else shrink(a, num_recv) for a in outputs]

@@ -95,8 +95,8 @@ class ArrayLib:
         return array[:rows]
 
     def shrink(self, array, rows: int):
-        """The first ``rows`` rows of ``array``, an allocation of the running call that nothing else
-        refers to yet: :meth:`trim`, or ``array`` itself cut to them where that costs less."""
+        """The first ``rows`` rows of ``array``, an allocation the running call made and has not
+        handed out yet: :meth:`trim`, or ``array`` itself cut to them where that costs less."""
         return self.trim(array, rows)
 
     #: Whether a fresh dispatch allocated ahead returns its small outputs as views carved out of
