@@ -6,8 +6,8 @@ Stamps each call's start, the moment the count exchange is launched (notify_disp
 transfer kernel that makes it itself), the start and end of the wait for the receive count, and
 the return; prints per rank the medians over ``--calls`` calls back to back, in us. What the host
 does before that launch and after the count is on the call's critical path; what it does between
-the launch and the wait (allocating ahead, launching the transfer or publishing the outputs) is
-hidden while it takes less than the count exchange ("exchange -> count").
+the launch and the wait (allocating ahead, launching the transfer) is hidden while it takes less
+than the count exchange ("exchange -> count").
 """
 import argparse
 import time

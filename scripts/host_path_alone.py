@@ -5,9 +5,9 @@
 Rank 0 of a 2-rank group whose peer is played by this script: the Buffer's host path runs as it
 does under mpirun (real CuPy arrays or PyTorch tensors, real allocations, stream order, mapped
 slots and ``cuLaunchKernel`` calls with the real parameter blocks), but every kernel is an empty
-one and the count exchange's results are written into the slots by the host when the kernel making
-it is launched. The count wait then returns at once, so a fresh dispatch's time here is its host work besides
-the wait (issue 11's "<= 40 us"). Prints the median host time per call of each op and library,
+one and the count exchange's results are written into the slots by the host when the kernel
+making it is launched. The count wait then returns at once, so a fresh dispatch's time here is
+its host work besides the wait (issue 11's "<= 40 us"). Prints the median host time per call of each op and library,
 libraries alternating within each round; ``--breakdown`` then times the pieces (each timer adds
 ~0.3 us to the piece it wraps). Loop times need the peers: see the benchmark.
 """

@@ -625,7 +625,8 @@ def test_a_dispatch_with_rows_in_place_allocating_ahead_is_one_launch_making_the
 
 
 def test_a_dispatch_allocating_its_outputs_ahead_launches_notify_dispatch_before_them(fake):
-    # The transfer needs the outputs' addresses, which exist only once the count exchange runs.
+    # The transfer takes the outputs' addresses: the exchange is launched first, so that it runs
+    # while the host allocates them.
     buf, launches, _ = fake
     w = workload()
     dispatch(buf, w)
