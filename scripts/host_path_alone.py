@@ -7,9 +7,10 @@ does under mpirun (real CuPy arrays or PyTorch tensors, real allocations, stream
 slots and ``cuLaunchKernel`` calls with the real parameter blocks), but every kernel is an empty
 one and the count exchange's results are written into the slots by the host when the kernel
 making it is launched. The count wait then returns at once, so a fresh dispatch's time here is
-its host work besides the wait (issue 11's "<= 40 us"). Prints the median host time per call of each op and library,
-libraries alternating within each round; ``--breakdown`` then times the pieces (each timer adds
-~0.3 us to the piece it wraps). Loop times need the peers: see the benchmark.
+its host work besides the wait (issue 11's "<= 40 us"). Prints the median host time per call of
+each op and library, libraries alternating within each round; ``--breakdown`` then times the
+pieces (each timer adds ~0.3 us to the piece it wraps). Loop times need the peers: see the
+benchmark.
 """
 import argparse
 import collections
