@@ -308,7 +308,8 @@ class DispatchPath:
             # The count exchange starts before the outputs are allocated: the host waits for it, so
             # it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
-            kernel_done = None
+            kernel_done = event = None
+            outputs = None
             if rows_ahead is not None and plan.main_for_host is not None and self._exchange_in_transfer:
                 self._launch_transfer(run_on, plan.main_for_host, call, (0, 0, 0, 0), handle,  # HOST_EXCHANGE_PER_CALL
                                       call.per_rank, call.per_expert, rows_ahead)
@@ -321,6 +322,15 @@ class DispatchPath:
                     outputs, pointers = self._outputs_ahead(lib, plan, handle, rows_ahead, kept_offset,
                                                             allocate_on_comm_stream)
                     self._launch_transfer(run_on, plan.main, call, pointers, handle)
+            if rows_ahead is not None:
+                # What is returned lies in these allocations (views of them, or they themselves cut
+                # to the count): handing them to the stream order and the allocators covers it.
+                allocated = (block,) if outputs is None else (block, *outputs)
+                if not expand:
+                    # Every kernel of the call is queued: the call is handed over while the count
+                    # exchange runs, which the host waits for anyway (docs/PERF_NOTES.md).
+                    event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                                         allocate_on_comm_stream)
             num_recv = self._slots.wait_for_count(kernel_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
@@ -338,11 +348,7 @@ class DispatchPath:
                 allocated = (block, src_idx, *outputs)
             elif plan.windows is not None:
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
-                allocated = (block,)
             else:
-                # What is returned lies in these allocations (views of them, or they themselves cut
-                # to the count): handing them to the stream order and the allocators covers it.
-                allocated = (block, *outputs)
                 shrink = lib.shrink
                 outputs = [None if a is None else shrink(a, num_recv) for a in outputs]
                 if kept is not None:
@@ -352,8 +358,9 @@ class DispatchPath:
                 with self._allocating(lib, allocate_on_comm_stream):
                     outputs, expanded = self._expand(run_on, lib, plan.spec, outputs, per_expert_list, handle)
                 allocated = (*allocated, *expanded)
-            event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                 allocate_on_comm_stream)
+            if event is None:
+                event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                                     allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
 
     def _outputs_ahead(self, lib, plan: Plan, handle: DispatchHandle, rows: int, kept_offset: int,

@@ -11,6 +11,13 @@ its host work besides the wait (issue 11's "<= 40 us"). Prints the median host t
 each op and library, libraries alternating within each round; ``--breakdown`` then times the
 pieces (each timer adds ~0.3 us to the piece it wraps). Loop times need the peers: see the
 benchmark.
+
+``--exchange-us E`` instead plays the peer on the GPU, as a model of the loop: the kernel that
+makes the count exchange spins E us (from its start) before it writes the counts into the slots,
+and every transfer kernel spins ``--transfer-us`` more; a call's time then includes the wait for
+the count, as it would with a peer whose exchange takes E us (2 x H200: about 17 at 128 tokens,
+scripts/fresh_host_timeline.py). Use it to compare host-path variants that move work across the
+wait; measured loop times still need two GPUs.
 """
 import argparse
 import collections
@@ -43,11 +50,71 @@ class HostPlayedPeer(Group):
     barrier = allgather
 
 
-def alone_buffer(num_recv: int, expert_counts) -> ep.Buffer:
-    """A Buffer whose kernels are empty and whose count exchange the host plays (see the docstring)."""
-    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
-    empty.compile()
-    kernels.get_kernel = lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=empty.kernel.ptr))
+C_TYPES = {"ptr": "void*", "i32": "int", "i64": "long long", "f32": "float"}
+PLAYED_SOURCE = """
+__device__ __forceinline__ unsigned long long now_ns() {{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}}
+extern "C" __global__ void played({parameters}) {{
+    if (blockIdx.x != 0 || threadIdx.x != 0)
+        return;
+    const unsigned long long start = now_ns();
+{exchange}    while (now_ns() - start < {total_ns}ull)
+        ;
+}}
+"""
+PLAYED_EXCHANGE = """    if ({condition}) {{
+        while (now_ns() - start < {exchange_ns}ull)
+            ;
+        for (int e = 0; e < {num_local_experts}; ++e)
+            ((volatile int*)recv_expert_counter)[e] = {expert_count};
+        *(volatile int*)mismatch_flag = {num_recv} > recv_capacity ? {over_capacity} : 0;
+        __threadfence_system();
+        *(volatile int*)recv_counter = {num_recv};
+    }}
+"""
+
+
+def played_source(kernel: str, num_recv: int, expert_counts, exchange_us: float, transfer_us: float) -> str:
+    """A stand-in for ``kernel`` (``extern "C" played``) with its parameter list: the kernel that
+    makes the count exchange writes ``num_recv`` and ``expert_counts`` into the slots after
+    ``exchange_us``, and a transfer spins ``transfer_us`` more."""
+    makes_exchange = {"notify_dispatch_kernel": "true", "dispatch_kernel": "exchange && recv_counter"}.get(kernel)
+    transfer = transfer_us if kernel in ("dispatch_kernel", "combine_kernel") else 0.0
+    exchange = "" if makes_exchange is None else PLAYED_EXCHANGE.format(
+        condition=makes_exchange, exchange_ns=int(exchange_us * 1e3), num_local_experts=len(expert_counts),
+        expert_count=expert_counts[0], num_recv=num_recv, over_capacity=VERDICT_OVER_CAPACITY)
+    return PLAYED_SOURCE.format(
+        parameters=", ".join(f"{C_TYPES[kind]} {name}" for name, kind in kernels.SIGNATURES[kernel]),
+        exchange=exchange, total_ns=int(((exchange_us if makes_exchange else 0) + transfer) * 1e3))
+
+
+def played_kernel(*args):
+    """:func:`played_source` compiled."""
+    function = cupy.RawKernel(played_source(*args), "played")
+    function.compile()
+    return function
+
+
+def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfer_us: float = 0.0) -> ep.Buffer:
+    """A Buffer whose kernels are empty and whose count exchange the host plays; with
+    ``exchange_us``, whose kernels play the peer on the GPU (see the docstring)."""
+    if exchange_us:
+        played = {}
+
+        def get_kernel(name):
+            base = name.split("<")[0]
+            if base not in played:
+                played[base] = played_kernel(base, num_recv, expert_counts, exchange_us, transfer_us)
+            return played[base]
+
+        kernels.get_kernel = get_kernel
+    else:
+        empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+        empty.compile()
+        kernels.get_kernel = lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=empty.kernel.ptr))
     buf = ep.Buffer.__new__(ep.Buffer)
     memory = cupy.empty(NVL_BYTES, cupy.uint8)  # a dispatch with rows in place returns views of it
     buf._set_up_host(HostPlayedPeer(), NVL_BYTES, 30.0, 0, True)
@@ -62,7 +129,7 @@ def alone_buffer(num_recv: int, expert_counts) -> ep.Buffer:
     def launch_and_play_peer(call, stream_ptr):
         real_launch(call, stream_ptr)
         # notify_dispatch, or a transfer making the count exchange for its host.
-        if getattr(call.params.values, "recv_counter", 0) == counts_to_host:
+        if not exchange_us and getattr(call.params.values, "recv_counter", 0) == counts_to_host:
             values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(expert_counts)] = expert_counts
             over = num_recv > call.params.values.recv_capacity
             values[slots.VERDICT] = VERDICT_OVER_CAPACITY if over else 0
@@ -95,6 +162,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--exchange-us", type=float, default=0.0,
+                        help="play the peer on the GPU: the count exchange takes this long (0: the host plays it)")
+    parser.add_argument("--transfer-us", type=float, default=0.0, help="with --exchange-us: each transfer's time")
     parser.add_argument("--caller-stream", default="default", choices=("default", "own"),
                         help="the caller's current stream: the legacy default stream, or a non-blocking one")
     args = parser.parse_args()
@@ -108,7 +178,8 @@ def main() -> None:
     n = args.tokens
     num_recv = 2 * n  # both ranks send about every token to both (top-8 of 256 over 2 ranks)
     num_local_experts = NUM_EXPERTS // 2
-    buf = alone_buffer(num_recv, [num_recv * NUM_TOPK // num_local_experts] * num_local_experts)
+    buf = alone_buffer(num_recv, [num_recv * NUM_TOPK // num_local_experts] * num_local_experts, args.exchange_us,
+                       args.transfer_us)
     libs = args.libs.split(",")
     ops = {lib: host_ops(buf, lib, n, CONFIG, seed=0) for lib in libs}
     names = args.ops.split(",")
@@ -117,7 +188,9 @@ def main() -> None:
         for name in names:
             for lib in libs:
                 results[name, lib].append(median_us(ops[lib][name], args.calls))
-    print(f"host time per call, median us, {n} tokens, {args.rounds} rounds (python {sys.version.split()[0]}, "
+    what = (f"modelled loop (exchange {args.exchange_us:g} us, transfer {args.transfer_us:g} us)" if args.exchange_us
+            else "host time")
+    print(f"{what} per call, median us, {n} tokens, {args.rounds} rounds (python {sys.version.split()[0]}, "
           f"sum(range(200)) {median_us(lambda: sum(range(200)), 2000):.2f} us):")
     for name in names:
         print(f"  {name:14s} " + "   ".join(f"{lib} " + " / ".join(f"{v:.1f}" for v in results[name, lib])

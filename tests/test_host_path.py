@@ -481,6 +481,47 @@ def test_a_late_ranks_dispatch_raises_that_a_peer_gave_up(monkeypatch):
     assert info.value.peer == 0
 
 
+def _timeline_with_count_waits(monkeypatch, **launch_script):
+    """A fake Buffer recording its launches, stream-order calls and count waits in one timeline."""
+    timeline = []
+    buf, launches, lib = fake_buffer(monkeypatch, order=recording_order(timeline), timeline=timeline,
+                                     **launch_script)
+    wait_for_count = buf._slots.wait_for_count
+
+    def recorded_wait(kernel_done=None):
+        timeline.append(("count wait",))
+        return wait_for_count(kernel_done)
+
+    buf._slots.wait_for_count = recorded_wait
+    return buf, timeline
+
+
+def test_a_dispatch_allocating_ahead_is_handed_over_before_its_host_waits_for_the_count(monkeypatch):
+    # Its last kernel is queued: the event recording the call's end goes in while the exchange runs.
+    buf, timeline = _timeline_with_count_waits(monkeypatch, received=(100,), expert_counts=list(range(E // R)))
+    w = workload()
+    dispatch(buf, w)
+    timeline.clear()
+    dispatch(buf, w)
+    assert buf.last_dispatch_allocation == "ahead"
+    names = [entry[0] for entry in timeline]
+    assert names.index("record") > max(i for i, name in enumerate(names) if name == "launch")
+    assert names.index("record") < names.index("count wait"), timeline
+
+
+@pytest.mark.parametrize("case", ["allocating exactly", "expanding"])
+def test_a_dispatch_launching_after_the_count_is_handed_over_after_it(monkeypatch, case):
+    buf, timeline = _timeline_with_count_waits(monkeypatch, received=(100,), expert_counts=[4] * (E // R))
+    w = workload()
+    if case == "expanding":
+        dispatch(buf, w)
+        timeline.clear()
+    dispatch(buf, w, expand=case == "expanding")
+    names = [entry[0] for entry in timeline]
+    assert names.index("count wait") < names.index("record"), timeline
+    assert max(i for i, name in enumerate(names) if name == "launch") < names.index("record")
+
+
 def test_destroy_after_a_failed_dispatch_waits_for_the_kernels_it_launched(monkeypatch):
     timeline = []
     buf, launches, _ = fake_buffer(monkeypatch, order=recording_order(timeline), received=(100, -1),
