@@ -590,6 +590,6 @@ class Buffer(DispatchPath, CombinePath):
         self._slots.raise_if_failed()
         with self._on_device:
             stream = self._order.begin_on_comm_stream()
-            self._bind("barrier_kernel", grid=1)(stream)
+            self._bind("barrier_kernel", grid=1).run(stream)
             self._order.synchronize()
             self._slots.raise_if_failed()

@@ -40,6 +40,9 @@ EXCHANGE_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "recv_capac
 HOST_EXCHANGE_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "recv_capacity")
 CACHED_PER_CALL = ("recv_x", "recv_x_scales", "x", "x_scales", "is_token_in_rank", "channel_prefix_matrix",
                    "rank_prefix_matrix", "num_tokens", "scale_token_stride", "scale_hidden_stride", "dispatch_verdict")
+#: expand_kernel's.
+EXPAND_PER_CALL = ("expanded_x", "expanded_scales", "expanded_rows", "recv_x", "recv_scales", "recv_topk_idx",
+                   "num_recv")
 #: notify_dispatch_kernel's.
 NOTIFY_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "rank_prefix_matrix",
                    "channel_prefix_matrix", "recv_capacity", "topk_idx", "num_tokens")
@@ -390,20 +393,18 @@ class DispatchPath:
         kernel = self._expand_calls.get(key)
         if kernel is None:
             kernel = self._expand_calls[key] = self._bind(
-                "expand_kernel", grid=max(1, num_local_experts), hidden_int4=spec.rows.row_bytes // 16,
-                num_topk=spec.num_topk, num_scales=spec.rows.num_scales, num_local_experts=num_local_experts,
-                expert_alignment=spec.expert_alignment)
+                "expand_kernel", grid=max(1, num_local_experts), per_call=EXPAND_PER_CALL,
+                hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk, num_scales=spec.rows.num_scales,
+                num_local_experts=num_local_experts, expert_alignment=spec.expert_alignment)
         total = sum(per_expert_list)
         expanded_x = lib.empty((total, spec.rows.hidden), spec.rows.dtype_name, self.device_id)
         expanded_scales = None if recv_scales is None else lib.empty((total,) + spec.rows.scales_tail, "float32",
                                                                      self.device_id)
         expanded_rows = lib.empty((total,), "int32", self.device_id)
         if num_local_experts:
-            kernel(stream, expanded_x=lib.pointer(expanded_x),
-                   expanded_scales=0 if expanded_scales is None else lib.pointer(expanded_scales),
-                   expanded_rows=lib.pointer(expanded_rows), recv_x=lib.pointer(recv_x),
-                   recv_scales=0 if recv_scales is None else lib.pointer(recv_scales),
-                   recv_topk_idx=lib.pointer(recv_topk), num_recv=handle.num_recv_tokens)
+            expanded_ptrs = self._pointers(lib, (expanded_x, expanded_scales, expanded_rows, recv_x, recv_scales,
+                                                 recv_topk))
+            kernel.run(stream, *expanded_ptrs, handle.num_recv_tokens)
         handle.expanded_rows = expanded_rows
         handle.expert_offsets = [0, *np.cumsum(per_expert_list).tolist()]
         return [expanded_x, expanded_scales, recv_topk, recv_weights], (expanded_x, expanded_scales, expanded_rows)

@@ -5,11 +5,11 @@
 (each field at its natural alignment, which is the CUDA ABI) and the pointer table next to it.
 It is made once per kernel instance and operation plan, with every argument that does not change
 between calls written then (the peer buffer table, rank, timeout, error record, shapes, buffer
-offsets); a call assigns only what changes (pointers, counts) and launches. The driver copies the
+offsets); a call writes only what changes (pointers, counts) and launches. The driver copies the
 parameters when the launch is issued, so the block can be rewritten right after.
 
-A call site that launches on every operation names its changing parameters once (``per_call``)
-and passes their values in that order to :meth:`KernelCall.run`, which writes each run of
+A call site names its changing parameters once (``per_call``), when it binds the kernel, and
+passes their values in that order to :meth:`KernelCall.run`, which writes each run of
 neighbouring ones into the struct with one ``struct.pack_into``: a tenth of the host time of
 assigning them one by one by name.
 
@@ -116,11 +116,10 @@ class KernelCall:
     def __init__(self, kernel: str, template_args: Tuple[object, ...] = (), *, grid: int, shared_mem: int = 0,
                  per_call: Sequence[str] = (), **fixed):
         self.params = ParameterBlock(kernel, **fixed)
-        if per_call:
-            missing = self.params.missing(dict.fromkeys(per_call))
-            if missing or self.params.fixed & set(per_call):
-                raise TypeError(f"deepep_cupy: {kernel}: per-call parameters {list(per_call)} leave {missing} unset "
-                                f"or repeat fixed ones {sorted(self.params.fixed & set(per_call))}")
+        missing = self.params.missing(dict.fromkeys(per_call))
+        if missing or self.params.fixed & set(per_call):
+            raise TypeError(f"deepep_cupy: {kernel}: per-call parameters {list(per_call)} leave {missing} unset "
+                            f"or repeat fixed ones {sorted(self.params.fixed & set(per_call))}")
         self.per_call = tuple(per_call)
         self._packers = self.params.packers(self.per_call)
         self._bytes = memoryview(self.params.values).cast("B")
@@ -132,20 +131,6 @@ class KernelCall:
         # cuLaunchKernel's arguments before the stream, and after it.
         self.geometry = (self.function_ptr, grid, 1, 1, self.block, 1, 1, shared_mem)
         self.parameters = (self.params.table_address, 0)
-        self._checked = False
-
-    def __call__(self, stream_ptr: int, **values) -> None:
-        """Launch on ``stream_ptr`` with ``values`` for the parameters that change per call.
-
-        The first launch checks that ``values`` and the fixed arguments name every parameter.
-        """
-        if not self._checked:
-            missing = self.params.missing(values)
-            if missing:
-                raise TypeError(f"deepep_cupy: {self.name} launched without {missing}")
-            self._checked = True
-        self.params.assign(values)
-        launch(self, stream_ptr)
 
     def run(self, stream_ptr: int, *values: int) -> None:
         """Launch on ``stream_ptr`` with ``values`` for :attr:`per_call`, in its order (ints: 0 for a

@@ -51,7 +51,7 @@ def test_a_fresh_dispatch_exchanges_counts_then_moves_tokens(fake):
 
 
 def test_every_operation_sets_every_kernel_parameter(fake):
-    # KernelCall refuses a first launch that leaves a parameter unset: run every kind of call.
+    # KernelCall refuses a binding that leaves a parameter unset: make every kind of call.
     buf, launches, _ = fake
     w = workload()
     buf.get_dispatch_layout(w["topk_idx"], E)

@@ -116,6 +116,18 @@ def test_a_call_site_whose_per_call_parameters_leave_one_unset_is_refused_when_b
         KernelCall("k9", grid=1, per_call=("a", "b"), b=1, c=2)
 
 
+def test_a_call_site_with_every_parameter_fixed_runs_without_values_and_must_fix_them_all(monkeypatch):
+    monkeypatch.setitem(kernels.SIGNATURES, "k11", (("a", "ptr"), ("b", "i32")))
+    monkeypatch.setattr(kernels, "get_kernel", lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=0)))
+    monkeypatch.setattr(kernels, "block_threads", lambda kernel: 32)
+    launched = []
+    monkeypatch.setattr(launch, "launch", lambda call, stream: launched.append((stream, call.params.as_bytes())))
+    KernelCall("k11", grid=1, a=0x55, b=7).run(0x9)
+    assert launched == [(0x9, struct.pack("@Qi4x", 0x55, 7))]
+    with pytest.raises(TypeError, match=r"leave \['b'\] unset"):
+        KernelCall("k11", grid=1, a=0x55)
+
+
 def test_run_launches_with_the_per_call_values_written(monkeypatch):
     monkeypatch.setitem(kernels.SIGNATURES, "k10", (("a", "ptr"), ("b", "i32"), ("c", "i32")))
     monkeypatch.setattr(kernels, "get_kernel", lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=0)))
