@@ -101,6 +101,11 @@ def played_kernel(*args):
 def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfer_us: float = 0.0) -> ep.Buffer:
     """A Buffer whose kernels are empty and whose count exchange the host plays; with
     ``exchange_us``, whose kernels play the peer on the GPU (see the docstring)."""
+    buf = ep.Buffer.__new__(ep.Buffer)
+    memory = cupy.empty(NVL_BYTES, cupy.uint8)  # a dispatch with rows in place returns views of it
+    buf._set_up_host(HostPlayedPeer(), NVL_BYTES, 30.0, 0, True)
+    buf._nvl = SimpleNamespace(local_ptr=memory.data.ptr, num_bytes=NVL_BYTES, memory=memory)
+    host_slots = slots.HostSlots(0, 30.0, False)
     if exchange_us:
         played = {}
 
@@ -115,28 +120,26 @@ def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfe
         empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
         empty.compile()
         kernels.get_kernel = lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=empty.kernel.ptr))
-    buf = ep.Buffer.__new__(ep.Buffer)
-    memory = cupy.empty(NVL_BYTES, cupy.uint8)  # a dispatch with rows in place returns views of it
-    buf._set_up_host(HostPlayedPeer(), NVL_BYTES, 30.0, 0, True)
-    buf._nvl = SimpleNamespace(local_ptr=memory.data.ptr, num_bytes=NVL_BYTES, memory=memory)
-    host_slots = slots.HostSlots(0, 30.0, False)
+        launch.launch = host_playing_the_peer(launch.launch, host_slots, num_recv, expert_counts)
     buf._attach(host_slots, streams.StreamOrder.create(0, False), 0)
-    values = host_slots.values
-    real_launch = launch.launch
+    return buf
 
-    counts_to_host = host_slots.device_ptr(slots.RECV_COUNT)
+
+def host_playing_the_peer(real_launch, host_slots: slots.HostSlots, num_recv: int, expert_counts):
+    """``real_launch``, after which the host writes the count exchange's results into the slots
+    when the kernel launched is the one making it (notify_dispatch, or a transfer making it for
+    its host)."""
+    values, counts_to_host = host_slots.values, host_slots.device_ptr(slots.RECV_COUNT)
 
     def launch_and_play_peer(call, stream_ptr):
         real_launch(call, stream_ptr)
-        # notify_dispatch, or a transfer making the count exchange for its host.
-        if not exchange_us and getattr(call.params.values, "recv_counter", 0) == counts_to_host:
+        if getattr(call.params.values, "recv_counter", 0) == counts_to_host:
             values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(expert_counts)] = expert_counts
             over = num_recv > call.params.values.recv_capacity
             values[slots.VERDICT] = VERDICT_OVER_CAPACITY if over else 0
             values[slots.RECV_COUNT] = num_recv
 
-    launch.launch = launch_and_play_peer
-    return buf
+    return launch_and_play_peer
 
 
 def median_us(fn, calls: int) -> float:
