@@ -33,6 +33,7 @@ from .events import EventOverlap
 from .handle import DispatchHandle
 from .ipc import NvlBuffer
 from .launch import KernelCall, parameter_struct
+from .next_outputs import NextOutputs
 from .slots import ERROR_RECORD, HostSlots
 from .sm_budget import check_sm_budget
 from .streams import StreamOrder
@@ -125,8 +126,11 @@ class Buffer(DispatchPath, CombinePath):
             (scaled by the token count, plus 1/8 and 64 rows) so that the transfer starts before
             the host has this call's counts; the arrays returned are exact-size views of those
             allocations. A call that receives more than that is redone with exact sizes (one more
-            count exchange), as is the first. False: the host waits for the counts and allocates
-            exactly (no spare rows, one host round trip more on the GPU's critical path).
+            count exchange), as is the first. While it waits for its counts, a dispatch with the
+            previous one's token count allocates the next one's outputs (up to 64 MiB, held until
+            then), so that the next launches its transfer at once. False: the host waits for the
+            counts and allocates exactly (no spare rows, one host round trip more on the GPU's
+            critical path).
 
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).
@@ -185,9 +189,10 @@ class Buffer(DispatchPath, CombinePath):
         # The handle of the dispatch whose rows in place the buffer's areas hold (None once any
         # other dispatch or a combine that sends has overwritten them): a combine in place reads them.
         self._rows_in_buffer_of = None
-        # A fresh dispatch with rows in place may make its count exchange in the transfer kernel
-        # (one launch): not for in-process ranks, which wait for the counts through an event
-        # recorded after a count exchange of its own (DispatchPath._exchange_and_transfer).
+        # A fresh dispatch with rows in place or with outputs ready may make its count exchange in
+        # the transfer kernel (one launch): not for in-process ranks, which wait for the counts
+        # through an event recorded after a count exchange of its own
+        # (DispatchPath._exchange_and_transfer).
         self._exchange_in_transfer = not self._group.in_process
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
@@ -203,6 +208,7 @@ class Buffer(DispatchPath, CombinePath):
         self._slots: Optional[HostSlots] = None
         self._order: Optional[StreamOrder] = None
         self._capacity_guess = ReceiveCapacityGuess()
+        self._next_outputs = NextOutputs()
         self._plans: Dict[tuple, plans.Plan] = {}
         self._expand_calls: Dict[tuple, KernelCall] = {}
         self._default_configs: Dict[tuple, Config] = {}
@@ -346,6 +352,7 @@ class Buffer(DispatchPath, CombinePath):
                 self._slots.free()
                 self._slots.failed = "the Buffer was destroyed"
             self._plans.clear()
+            self._next_outputs.drop()
 
     def __enter__(self) -> "Buffer":
         return self

@@ -16,8 +16,10 @@ import numpy as np
 from . import launch, plans
 from .config import peer_blocks_in_place, sender_blocks
 from .constants import VERDICT_OVER_CAPACITY
-from .handle import DispatchHandle, handle_layout, kept_outputs
+from .handle import WORD_BYTES, DispatchHandle, handle_layout, kept_outputs
 from .launch import KernelCall
+from .next_outputs import MAX_BYTES as NEXT_OUTPUTS_MAX_BYTES
+from .next_outputs import ReadyOutputs, prepared_rows
 from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
 from .tensors import read, row_bytes
@@ -46,6 +48,18 @@ EXPAND_PER_CALL = ("expanded_x", "expanded_scales", "expanded_rows", "recv_x", "
 #: notify_dispatch_kernel's.
 NOTIFY_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "rank_prefix_matrix",
                    "channel_prefix_matrix", "recv_capacity", "topk_idx", "num_tokens")
+
+
+#: Output addresses of a dispatch that allocates no outputs (rows in place).
+NO_OUTPUTS = (0, 0, 0, 0)
+
+
+def allocated_row_bytes(outputs, carved: bool, rows_in_buffer: bool) -> int:
+    """Bytes per row of the outputs (``plans.received_arrays``) a fresh dispatch allocating ahead
+    allocates besides its handle's: none with rows in place, ``recv_x``'s when the others are
+    carved out of the handle's allocation, all of them otherwise."""
+    allocated = () if rows_in_buffer else outputs[:1] if carved else outputs
+    return sum(row_bytes(*out) for out in allocated if out is not None)
 
 
 def checked_in_buffer(recv_x_in_buffer) -> bool:
@@ -213,16 +227,15 @@ class DispatchPath:
                         expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
         main_with_exchange = self._bind_transfer(spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, **exchange,
                                                  report_refusal=1)
-        # With rows in place the transfer takes no output addresses: it can make the count exchange
-        # itself, launched before the host allocates anything (_exchange_and_transfer).
-        main_for_host = None if not spec.rows_in_buffer else self._bind_transfer(
-            spec, TRANSFER_PER_CALL + HOST_EXCHANGE_PER_CALL, **exchange, **self._host_counts)
+        main_for_host = self._bind_transfer(spec, TRANSFER_PER_CALL + HOST_EXCHANGE_PER_CALL, **exchange,
+                                            **self._host_counts)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
         lib = spec.rows.lib
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
-                    self._output_windows(lib, spec, outputs), main_for_host)
+                    self._output_windows(lib, spec, outputs), main_for_host,
+                    allocated_row_bytes(outputs, kept is not None, spec.rows_in_buffer))
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
         """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
@@ -277,16 +290,19 @@ class DispatchPath:
                                async_finish: bool, allocate_on_comm_stream: bool, expand: bool = False):
         """The count exchange and the transfer of one fresh dispatch whose host waits for the counts.
 
-        With ``rows_ahead`` the outputs get that many rows and the transfer is launched before the
-        host has the counts; returns None when some rank receives more than its rows (nothing was
-        moved). Without, the host waits for the counts and allocates exactly. With ``expand`` the
-        rows come back grouped per local expert (:meth:`_expand`).
+        With ``rows_ahead`` the outputs get that many rows (or more) and the transfer is launched
+        before the host has the counts; returns None when some rank receives more than its rows
+        (nothing was moved). Without, the host waits for the counts and allocates exactly. With
+        ``expand`` the rows come back grouped per local expert (:meth:`_expand`).
 
-        The count exchange is launched first, as notify_dispatch, then the transfer once the outputs
-        are allocated. With rows in place, which allocates no outputs and passes the transfer no
-        addresses, ranks with processes of their own launch the transfer alone, making the count
-        exchange itself (``plan.main_for_host``); in-process ranks do not, as their host waits for
-        the counts through an event recorded after notify_dispatch (HostSlots.wait_for_count).
+        Allocating ahead, the call takes the allocations the previous call made for it
+        (``next_outputs.py``) or makes them. When it has them before its first launch (taken, or
+        none needed: rows in place), ranks with processes of their own launch the transfer alone,
+        making the count exchange itself (``plan.main_for_host``). Otherwise the count exchange is
+        launched first, as notify_dispatch, then the transfer once the outputs exist; in-process
+        ranks always take that way, as their host waits for the counts through an event recorded
+        after notify_dispatch (HostSlots.wait_for_count). While the host waits for the counts, a
+        steady loop's call allocates the next call's outputs.
 
         Allocated ahead by a library that carves (``plan.kept_outputs``: CuPy), the outputs besides
         ``recv_x`` lie in the handle's allocation: two allocations per call, and one view per output
@@ -298,23 +314,33 @@ class DispatchPath:
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec, kept = plan.spec, plan.kept_outputs
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, 0 if kept is None else kept.row_bytes)
         with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             if self._order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
-            with self._allocating(lib, allocate_on_comm_stream):
-                block = lib.empty((words,), "int64", dev)
+            ready = None if rows_ahead is None else self._next_outputs.take(plan, call.num_tokens, caller,
+                                                                            allocate_on_comm_stream, rows_ahead)
+            if ready is not None:
+                rows_ahead, block, kept_offset = ready.rows, ready.block, ready.kept_offset
+            else:
+                words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, 0 if kept is None else kept.row_bytes)
+                with self._allocating(lib, allocate_on_comm_stream):
+                    block = lib.empty((words,), "int64", dev)
             handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
             self._note_rows_in_buffer(plan, handle)
-            # The count exchange starts before the outputs are allocated: the host waits for it, so
-            # it starts as early as it can (docs/PERF_NOTES.md).
+            # The count exchange starts before anything else is allocated: the host waits for it,
+            # so it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
             kernel_done = event = None
             outputs = None
-            if rows_ahead is not None and plan.main_for_host is not None and self._exchange_in_transfer:
-                self._launch_transfer(run_on, plan.main_for_host, call, (0, 0, 0, 0), handle,  # HOST_EXCHANGE_PER_CALL
+            if rows_ahead is not None and self._exchange_in_transfer and (ready is not None
+                                                                          or plan.windows is not None):
+                if ready is not None:
+                    outputs, pointers = ready.outputs, ready.pointers
+                else:
+                    pointers = NO_OUTPUTS
+                self._launch_transfer(run_on, plan.main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
                                       call.per_rank, call.per_expert, rows_ahead)
             else:
                 self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead)
@@ -322,8 +348,11 @@ class DispatchPath:
                     self._order.record_notify_done(run_on)
                     kernel_done = self._order.notify_done
                 if rows_ahead is not None:
-                    outputs, pointers = self._outputs_ahead(lib, plan, handle, rows_ahead, kept_offset,
-                                                            allocate_on_comm_stream)
+                    if ready is not None:
+                        outputs, pointers = ready.outputs, ready.pointers
+                    else:
+                        outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows_ahead,
+                                                                allocate_on_comm_stream)
                     self._launch_transfer(run_on, plan.main, call, pointers, handle)
             if rows_ahead is not None:
                 # What is returned lies in these allocations (views of them, or they themselves cut
@@ -334,6 +363,9 @@ class DispatchPath:
                     # exchange runs, which the host waits for anyway (docs/PERF_NOTES.md).
                     event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                          allocate_on_comm_stream)
+                if self._capacity_guess.is_steady(call.num_tokens):
+                    self._prepare_next(lib, plan, layout, call.num_tokens, rows_ahead, caller,
+                                       allocate_on_comm_stream)
             num_recv = self._slots.wait_for_count(kernel_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
@@ -366,13 +398,14 @@ class DispatchPath:
                                      allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
 
-    def _outputs_ahead(self, lib, plan: Plan, handle: DispatchHandle, rows: int, kept_offset: int,
+    def _outputs_ahead(self, lib, plan: Plan, kept_ptr: int, rows: int,
                        on_comm_stream: bool) -> Tuple[Optional[list], list]:
         """``(outputs, their addresses)`` of a dispatch allocating ``rows`` rows ahead of its count
-        (see :meth:`_exchange_and_transfer`); in place, no outputs (the views are made once, at the
-        count) and null addresses: the kernel writes the Buffer's areas."""
+        (see :meth:`_exchange_and_transfer`), whose handle's allocation keeps its other outputs from
+        ``kept_ptr`` on; in place, no outputs (the views are made once, at the count) and null
+        addresses: the kernel writes the Buffer's areas."""
         if plan.windows is not None:
-            return None, [0, 0, 0, 0]
+            return None, NO_OUTPUTS
         kept = plan.kept_outputs
         with self._allocating(lib, on_comm_stream):
             if kept is None:
@@ -380,7 +413,22 @@ class DispatchPath:
                 return outputs, self._pointers(lib, outputs)
             x_tail, x_dtype = plan.outputs[0]
             recv_x = lib.empty((rows, *x_tail), x_dtype, self.device_id)
-        return [recv_x], [lib.pointer(recv_x), *kept.pointers(handle.base_ptr + kept_offset, rows)]
+        return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
+
+    def _prepare_next(self, lib, plan: Plan, layout, num_tokens: int, rows_ahead: int, caller: int,
+                      on_comm_stream: bool) -> None:
+        """Allocate the next call's outputs (``next_outputs.py``) for a call like this one, unless
+        they would take more than ``next_outputs.MAX_BYTES``."""
+        rows = prepared_rows(rows_ahead)
+        kept = plan.kept_outputs
+        words, kept_offset = layout.with_kept_outputs(rows, 0 if kept is None else kept.row_bytes)
+        if WORD_BYTES * words + rows * plan.allocated_row_bytes > NEXT_OUTPUTS_MAX_BYTES:
+            return
+        with self._allocating(lib, on_comm_stream):
+            block = lib.empty((words,), "int64", self.device_id)
+        outputs, pointers = self._outputs_ahead(lib, plan, lib.pointer(block) + kept_offset, rows, on_comm_stream)
+        self._next_outputs.keep(ReadyOutputs(plan, num_tokens, caller, on_comm_stream, rows, block, kept_offset,
+                                             outputs, pointers))
 
     def _expand(self, stream: int, lib, spec: plans.DispatchSpec, outputs, per_expert_list, handle: DispatchHandle):
         """Launch expand_kernel behind the transfer: ``recv_x`` (and its scales) regrouped per local

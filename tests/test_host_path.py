@@ -13,7 +13,7 @@ import pytest
 from host_fakes import CALLER_STREAM, COMM_STREAM, FakeGroup, fake_buffer, on_device, recording_order
 
 import deepep_cupy as ep
-from deepep_cupy import launch, plans, slots
+from deepep_cupy import dispatch_path, launch, next_outputs, plans, slots
 from deepep_cupy import reference as ref
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
 from deepep_cupy.constants import ERROR_PEER_ABORTED, ERROR_TIMEOUT, KERNEL_STAGES, VERDICT_OVER_CAPACITY
@@ -204,8 +204,9 @@ def test_a_dispatch_allocated_ahead_makes_two_allocations_and_carves_its_small_o
     recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w)
     assert buf.last_dispatch_allocation == "ahead"
     rows = int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
-    # The handle's words (its ints, then top-k ids, weights and scales of `rows` rows), and recv_x.
-    assert [dtype for _, dtype in lib.allocations] == ["int64", "bfloat16" if x_kind == "bf16" else "float8_e4m3fn"]
+    # The handle's words (its ints, then top-k ids, weights and scales of `rows` rows), and recv_x;
+    # then the same for the next call (see the tests of prepared outputs below).
+    assert [dtype for _, dtype in lib.allocations] == ["int64", "bfloat16" if x_kind == "bf16" else "float8_e4m3fn"] * 2
     recv_rows, recv_scales = recv_x if x_kind != "bf16" else (recv_x, None)
     assert recv_rows.shape == (90, H) and recv_rows.base is not None and recv_rows.flags.c_contiguous
     assert recv_topk.shape == (90, K) and recv_topk.dtype == np.int64
@@ -244,7 +245,7 @@ def test_a_library_that_does_not_carve_allocates_and_trims_each_output(monkeypat
     del lib.allocations[:]
     recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w)
     assert buf.last_dispatch_allocation == "ahead"
-    assert [dtype for _, dtype in lib.allocations] == ["int64", "bfloat16", "int64", "float32"]
+    assert [dtype for _, dtype in lib.allocations] == ["int64", "bfloat16", "int64", "float32"] * 2  # and the next's
     assert recv_x.shape == (90, H) and recv_topk.shape == (90, K) and recv_w.shape == (90, K)
     assert not any(np.shares_memory(a, handle.block) for a in (recv_x, recv_topk, recv_w))
     p = launches.last("dispatch_kernel<2>")
@@ -258,7 +259,7 @@ def test_a_dispatch_without_top_k_carves_nothing(monkeypatch):
     del lib.allocations[:]
     recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w, topk_idx=None, topk_weights=None)
     assert recv_topk is None and recv_w is None and recv_x.shape == (90, H)
-    assert len(lib.allocations) == 2
+    assert len(lib.allocations) == 2 * 2  # its own and the next call's
 
 
 def test_the_layout_returns_counts_and_membership(fake):
@@ -396,6 +397,87 @@ def test_without_allocate_ahead_every_dispatch_waits_for_the_counts(monkeypatch)
     dispatch(buf, workload())
     assert buf.last_dispatch_allocation == "exact"
     assert [p["recv_capacity"] for name, p in launches.log if name.startswith("notify")] == [2 ** 31 - 1] * 2
+
+
+# --- the next call's outputs, allocated while a call waits for its counts ---------------------
+
+def steady(monkeypatch, received=(100,), **options):
+    """A fake Buffer after two dispatches of ``workload()``: the second, like the first, allocated
+    the third's outputs. Returns ``(buffer, launches, lib, launches so far, allocations so far)``."""
+    buf, launches, lib = fake_buffer(monkeypatch, received=received, **options)
+    dispatch(buf, workload())
+    dispatch(buf, workload())
+    return buf, launches, lib, len(launches.log), len(lib.allocations)
+
+
+def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatch):
+    buf, launches, lib = fake_buffer(monkeypatch, received=(100,))
+    dispatch(buf, workload())
+    assert buf._next_outputs.ready is None  # the first has no count to size them from
+    dispatch(buf, workload())
+    ready = buf._next_outputs.ready
+    rows_ahead = int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    assert ready.rows == next_outputs.prepared_rows(rows_ahead) > rows_ahead
+    assert lib.allocations[-1] == ((ready.rows, H), "bfloat16") and ready.pointers[0] == ready.outputs[0].ctypes.data
+
+
+def test_a_dispatch_with_its_outputs_ready_is_one_launch_writing_them(monkeypatch):
+    buf, launches, lib, launched, allocated = steady(monkeypatch)
+    ready = buf._next_outputs.ready
+    recv_x, recv_topk, _, _, handle, _ = dispatch(buf, workload())
+    assert launches.names()[launched:] == ["dispatch_kernel<2>"]
+    p = launches.last("dispatch_kernel<2>")
+    assert p["exchange"] == 1 and p["recv_capacity"] == ready.rows
+    assert p["recv_x"] == ready.pointers[0] == recv_x.ctypes.data and handle.block is ready.block
+    assert p["recv_topk_idx"] == ready.pointers[2] == recv_topk.ctypes.data
+    assert recv_x.shape == (100, H) and buf.last_dispatch_allocation == "ahead"
+    assert len(lib.allocations) - allocated == 2  # only the next call's
+
+
+def test_in_process_ranks_move_tokens_into_ready_outputs_behind_notify_dispatch(monkeypatch):
+    buf, launches, lib, launched, _ = steady(monkeypatch)
+    buf._exchange_in_transfer = False  # as for ranks that are threads of one process
+    ready = buf._next_outputs.ready
+    recv_x = dispatch(buf, workload())[0]
+    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.last("dispatch_kernel<2>")["recv_x"] == ready.pointers[0] == recv_x.ctypes.data
+
+
+def test_a_dispatch_with_another_token_count_neither_uses_nor_prepares_outputs(monkeypatch):
+    buf, launches, lib, launched, allocated = steady(monkeypatch)
+    dispatch(buf, workload(num_tokens=N // 2))
+    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert len(lib.allocations) - allocated == 2 and buf._next_outputs.ready is None
+
+
+@pytest.mark.parametrize("change", [dict(allocate_on_comm_stream=True), dict(topk_weights=None)])
+def test_outputs_ready_for_another_stream_or_plan_are_not_used(monkeypatch, change):
+    buf, launches, _, launched, _ = steady(monkeypatch)
+    ready = buf._next_outputs.ready
+    recv_x = dispatch(buf, workload(), **change)[0]
+    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert recv_x.ctypes.data != ready.pointers[0]
+
+
+def test_outputs_above_the_byte_limit_are_not_prepared(monkeypatch):
+    monkeypatch.setattr(dispatch_path, "NEXT_OUTPUTS_MAX_BYTES", 1 << 10)
+    buf, launches, _, launched, _ = steady(monkeypatch)
+    assert buf._next_outputs.ready is None
+    dispatch(buf, workload())
+    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+
+
+def test_a_dispatch_outgrowing_its_ready_outputs_is_redone_with_exact_sizes(monkeypatch):
+    buf, launches, _, launched, _ = steady(monkeypatch, received=(100, 100, 400, 400))
+    recv_x = dispatch(buf, workload())[0]
+    assert launches.names()[launched:] == ["dispatch_kernel<2>", "notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert buf.last_dispatch_allocation == "retried" and recv_x.shape == (400, H)
+
+
+def test_destroy_lets_go_of_ready_outputs(monkeypatch):
+    buf, _, _, _, _ = steady(monkeypatch)
+    buf._release()
+    assert buf._next_outputs.ready is None
 
 
 # --- verdicts of the count exchange ----------------------------------------------------------
@@ -844,7 +926,7 @@ def test_an_in_place_dispatch_allocated_ahead_allocates_only_its_handle_and_view
     before = len(lib.allocations)
     recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, w, recv_x_in_buffer=True)
     assert buf.last_dispatch_allocation == "ahead"
-    assert [dtype for _, dtype in lib.allocations[before:]] == ["int64"]  # the handle's block
+    assert [dtype for _, dtype in lib.allocations[before:]] == ["int64"] * 2  # the handle's block, and the next's
     p = launches.last("dispatch_kernel<2, false, true>")
     assert p["recv_x"] == p["recv_topk_idx"] == p["recv_topk_weights"] == 0  # the kernel takes none in place
     assert recv_x.shape == (100, H) and recv_topk.shape == recv_w.shape == (100, K)

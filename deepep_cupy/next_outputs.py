@@ -1,0 +1,72 @@
+"""The allocations a fresh dispatch makes for the next one while it waits for its own counts.
+
+A dispatch that allocates ahead of its receive count (``capacity.py``) needs its outputs before
+its transfer can be launched. Allocated during the call, they cost either a second launch (the
+count exchange first, as notify_dispatch, then the transfer once they exist) or a later start of
+the count exchange, which the host then waits for. In a steady loop the next dispatch has this
+one's token count and about its receive count, so a dispatch allocates the next one's outputs
+while its host would otherwise wait for the count: the next dispatch finds them ready and
+launches one kernel that makes the count exchange and the transfer.
+
+Ready outputs are kept only for a call like the one that made them (same plan, token count,
+stream and allocation stream) and only up to :data:`MAX_BYTES`: large calls, whose GPU time
+dwarfs the host's, allocate their own. A call whose token count differs from the previous one's
+prepares nothing, so a loop of varying sizes does not pay for allocations it never uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+#: The most bytes a Buffer holds between two dispatches for the next one's outputs.
+MAX_BYTES = 64 << 20
+
+
+def prepared_rows(rows_ahead: int) -> int:
+    """Rows of the outputs prepared for the next call, made by a call that allocated
+    ``rows_ahead``: the next call's guess follows this call's count, which varies from call to
+    call, so they get an eighth more."""
+    return rows_ahead + rows_ahead // 8
+
+
+class ReadyOutputs(NamedTuple):
+    """A fresh dispatch's allocations, made ahead of the call that uses them.
+
+    ``plan``, ``num_tokens``, ``caller``, ``on_comm_stream``: the call they are for (its plan, its
+    token count, the caller's stream and whether it allocates on the communication stream);
+    ``rows``: the rows they hold; ``block``: the handle's allocation (with the
+    outputs it keeps, ``kept_offset`` bytes in); ``outputs``: the outputs allocated apart (None with
+    rows in place); ``pointers``: the addresses of ``[recv_x, recv_scales, recv_topk_idx,
+    recv_topk_weights]`` (0 for none)."""
+    plan: Any
+    num_tokens: int
+    caller: int
+    on_comm_stream: bool
+    rows: int
+    block: Any
+    kept_offset: int
+    outputs: Optional[list]
+    pointers: list
+
+
+class NextOutputs:
+    """The one set of :class:`ReadyOutputs` a Buffer holds between fresh dispatches."""
+
+    def __init__(self) -> None:
+        self.ready: Optional[ReadyOutputs] = None
+
+    def take(self, plan: Any, num_tokens: int, caller: int, on_comm_stream: bool,
+             rows: int) -> Optional[ReadyOutputs]:
+        """The ready outputs when they are for this call (see :class:`ReadyOutputs`) and hold at
+        least ``rows`` rows; None otherwise. Either way none are left."""
+        ready, self.ready = self.ready, None
+        if ready is None or ready.plan is not plan or ready.num_tokens != num_tokens or ready.caller != caller \
+                or ready.on_comm_stream != on_comm_stream or ready.rows < rows:
+            return None
+        return ready
+
+    def keep(self, ready: ReadyOutputs) -> None:
+        self.ready = ready
+
+    def drop(self) -> None:
+        self.ready = None
