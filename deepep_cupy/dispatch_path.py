@@ -322,12 +322,14 @@ class DispatchPath:
             ready = None if rows_ahead is None else self._next_outputs.take(plan, call.num_tokens, caller,
                                                                             allocate_on_comm_stream, rows_ahead)
             if ready is not None:
-                rows_ahead, block, kept_offset = ready.rows, ready.block, ready.kept_offset
+                rows_ahead, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
+                handle.route(call.in_rank_array, call.in_rank)
             else:
                 words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, 0 if kept is None else kept.row_bytes)
                 with self._allocating(lib, allocate_on_comm_stream):
                     block = lib.empty((words,), "int64", dev)
-            handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
+                handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
+            block = handle.block
             self._note_rows_in_buffer(plan, handle)
             # The count exchange starts before anything else is allocated: the host waits for it,
             # so it starts as early as it can (docs/PERF_NOTES.md).
@@ -426,8 +428,9 @@ class DispatchPath:
             return
         with self._allocating(lib, on_comm_stream):
             block = lib.empty((words,), "int64", self.device_id)
-        outputs, pointers = self._outputs_ahead(lib, plan, lib.pointer(block) + kept_offset, rows, on_comm_stream)
-        self._next_outputs.keep(ReadyOutputs(plan, num_tokens, caller, on_comm_stream, rows, block, kept_offset,
+        handle = DispatchHandle(lib, block, layout, 0, None, 0, id(self))
+        outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows, on_comm_stream)
+        self._next_outputs.keep(ReadyOutputs(plan, num_tokens, caller, on_comm_stream, rows, handle, kept_offset,
                                              outputs, pointers))
 
     def _expand(self, stream: int, lib, spec: plans.DispatchSpec, outputs, per_expert_list, handle: DispatchHandle):

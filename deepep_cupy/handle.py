@@ -173,6 +173,11 @@ class DispatchHandle:
         self._items = None
         self._ints = None
 
+    def route(self, is_token_in_rank: Any, in_rank_ptr: int) -> None:
+        """Give a handle made ahead of its dispatch (``next_outputs.py``) the dispatch's routing."""
+        self.is_token_in_rank = is_token_in_rank
+        self.in_rank_ptr = in_rank_ptr
+
     def publish_on_device(self, rows: int, num_local_experts: int) -> None:
         """The dispatch has ``rows`` output rows (``num_worst_tokens``) and writes its verdict and
         counts into the handle's allocation (sized by ``total_ints(rows, num_local_experts)``)

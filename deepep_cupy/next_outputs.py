@@ -34,16 +34,16 @@ class ReadyOutputs(NamedTuple):
 
     ``plan``, ``num_tokens``, ``caller``, ``on_comm_stream``: the call they are for (its plan, its
     token count, the caller's stream and whether it allocates on the communication stream);
-    ``rows``: the rows they hold; ``block``: the handle's allocation (with the
-    outputs it keeps, ``kept_offset`` bytes in); ``outputs``: the outputs allocated apart (None with
-    rows in place); ``pointers``: the addresses of ``[recv_x, recv_scales, recv_topk_idx,
-    recv_topk_weights]`` (0 for none)."""
+    ``rows``: the rows they hold; ``handle``: the call's handle, on its allocation (with the
+    outputs it keeps, ``kept_offset`` bytes in), its routing yet to be given; ``outputs``: the
+    outputs allocated apart (None with rows in place); ``pointers``: the addresses of ``[recv_x,
+    recv_scales, recv_topk_idx, recv_topk_weights]`` (0 for none)."""
     plan: Any
     num_tokens: int
     caller: int
     on_comm_stream: bool
     rows: int
-    block: Any
+    handle: Any  # a handle.DispatchHandle
     kept_offset: int
     outputs: Optional[list]
     pointers: list

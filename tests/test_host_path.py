@@ -424,11 +424,13 @@ def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatc
 def test_a_dispatch_with_its_outputs_ready_is_one_launch_writing_them(monkeypatch):
     buf, launches, lib, launched, allocated = steady(monkeypatch)
     ready = buf._next_outputs.ready
-    recv_x, recv_topk, _, _, handle, _ = dispatch(buf, workload())
+    w = workload()
+    recv_x, recv_topk, _, _, handle, _ = dispatch(buf, w)
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
     p = launches.last("dispatch_kernel<2>")
     assert p["exchange"] == 1 and p["recv_capacity"] == ready.rows
-    assert p["recv_x"] == ready.pointers[0] == recv_x.ctypes.data and handle.block is ready.block
+    assert p["recv_x"] == ready.pointers[0] == recv_x.ctypes.data and handle is ready.handle
+    assert handle[4] is w["is_token_in_rank"] and handle.in_rank_ptr == p["is_token_in_rank"]
     assert p["recv_topk_idx"] == ready.pointers[2] == recv_topk.ctypes.data
     assert recv_x.shape == (100, H) and buf.last_dispatch_allocation == "ahead"
     assert len(lib.allocations) - allocated == 2  # only the next call's
