@@ -126,11 +126,11 @@ class Buffer(DispatchPath, CombinePath):
             (scaled by the token count, plus 1/8 and 64 rows) so that the transfer starts before
             the host has this call's counts; the arrays returned are exact-size views of those
             allocations. A call that receives more than that is redone with exact sizes (one more
-            count exchange), as is the first. While it waits for its counts, a dispatch with the
-            previous one's token count allocates the next one's outputs (up to 64 MiB, held until
-            then), so that the next launches its transfer at once. False: the host waits for the
-            counts and allocates exactly (no spare rows, one host round trip more on the GPU's
-            critical path).
+            count exchange), as is the first. While it waits for its counts, a dispatch like the
+            previous one (same arguments' kinds and token count) allocates the next one's outputs
+            (up to 64 MiB, held until then), so that the next launches its transfer at once.
+            False: the host waits for the counts and allocates exactly (no spare rows, one host
+            round trip more on the GPU's critical path).
 
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).

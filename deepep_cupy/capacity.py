@@ -32,10 +32,6 @@ class ReceiveCapacityGuess:
         expected = last_received if last_tokens in (0, num_tokens) else last_received * num_tokens / last_tokens
         return int(expected * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
 
-    def is_steady(self, num_tokens: int) -> bool:
-        """Whether the last dispatch had ``num_tokens`` tokens too."""
-        return self._last is not None and self._last[0] == num_tokens
-
     def observe(self, num_tokens: int, num_received: int) -> None:
         """Remember what a dispatch of ``num_tokens`` tokens received."""
         self._last = (int(num_tokens), int(num_received))

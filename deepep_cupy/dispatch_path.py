@@ -319,8 +319,7 @@ class DispatchPath:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
-            ready = None if rows_ahead is None else self._next_outputs.take(plan, call.num_tokens, caller,
-                                                                            allocate_on_comm_stream, rows_ahead)
+            ready = self._next_outputs.take(plan, call.num_tokens, caller, allocate_on_comm_stream, rows_ahead)
             if ready is not None:
                 rows_ahead, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
                 handle.route(call.in_rank_array, call.in_rank)
@@ -331,8 +330,8 @@ class DispatchPath:
                 handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
             block = handle.block
             self._note_rows_in_buffer(plan, handle)
-            # The count exchange starts before anything else is allocated: the host waits for it,
-            # so it starts as early as it can (docs/PERF_NOTES.md).
+            # The count exchange starts before the outputs are allocated: the host waits for it, so
+            # it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
             kernel_done = event = None
             outputs = None
@@ -365,9 +364,8 @@ class DispatchPath:
                     # exchange runs, which the host waits for anyway (docs/PERF_NOTES.md).
                     event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                          allocate_on_comm_stream)
-                if self._capacity_guess.is_steady(call.num_tokens):
-                    self._prepare_next(lib, plan, layout, call.num_tokens, rows_ahead, caller,
-                                       allocate_on_comm_stream)
+                if self._next_outputs.steady:
+                    self._prepare_next(lib, plan, layout, rows_ahead, caller, allocate_on_comm_stream)
             num_recv = self._slots.wait_for_count(kernel_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
@@ -417,8 +415,7 @@ class DispatchPath:
             recv_x = lib.empty((rows, *x_tail), x_dtype, self.device_id)
         return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
 
-    def _prepare_next(self, lib, plan: Plan, layout, num_tokens: int, rows_ahead: int, caller: int,
-                      on_comm_stream: bool) -> None:
+    def _prepare_next(self, lib, plan: Plan, layout, rows_ahead: int, caller: int, on_comm_stream: bool) -> None:
         """Allocate the next call's outputs (``next_outputs.py``) for a call like this one, unless
         they would take more than ``next_outputs.MAX_BYTES``."""
         rows = prepared_rows(rows_ahead)
@@ -430,8 +427,7 @@ class DispatchPath:
             block = lib.empty((words,), "int64", self.device_id)
         handle = DispatchHandle(lib, block, layout, 0, None, 0, id(self))
         outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows, on_comm_stream)
-        self._next_outputs.keep(ReadyOutputs(plan, num_tokens, caller, on_comm_stream, rows, handle, kept_offset,
-                                             outputs, pointers))
+        self._next_outputs.keep(ReadyOutputs(caller, on_comm_stream, rows, handle, kept_offset, outputs, pointers))
 
     def _expand(self, stream: int, lib, spec: plans.DispatchSpec, outputs, per_expert_list, handle: DispatchHandle):
         """Launch expand_kernel behind the transfer: ``recv_x`` (and its scales) regrouped per local

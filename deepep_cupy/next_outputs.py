@@ -10,8 +10,9 @@ launches one kernel that makes the count exchange and the transfer.
 
 Ready outputs are kept only for a call like the one that made them (same plan, token count,
 stream and allocation stream) and only up to :data:`MAX_BYTES`: large calls, whose GPU time
-dwarfs the host's, allocate their own. A call whose token count differs from the previous one's
-prepares nothing, so a loop of varying sizes does not pay for allocations it never uses.
+dwarfs the host's, allocate their own. A call whose plan or token count differs from the
+previous call's prepares nothing, so a loop of varying sizes (or one alternating between two
+kinds of calls) does not pay for allocations it never uses.
 """
 
 from __future__ import annotations
@@ -32,14 +33,12 @@ def prepared_rows(rows_ahead: int) -> int:
 class ReadyOutputs(NamedTuple):
     """A fresh dispatch's allocations, made ahead of the call that uses them.
 
-    ``plan``, ``num_tokens``, ``caller``, ``on_comm_stream``: the call they are for (its plan, its
-    token count, the caller's stream and whether it allocates on the communication stream);
-    ``rows``: the rows they hold; ``handle``: the call's handle, on its allocation (with the
+    Made by a call for one with its plan and token count; ``caller``, ``on_comm_stream``: the
+    caller's stream and whether the allocations are the communication stream's; ``rows``: the rows
+    they hold; ``handle``: the call's handle, on its allocation (with the
     outputs it keeps, ``kept_offset`` bytes in), its routing yet to be given; ``outputs``: the
     outputs allocated apart (None with rows in place); ``pointers``: the addresses of ``[recv_x,
     recv_scales, recv_topk_idx, recv_topk_weights]`` (0 for none)."""
-    plan: Any
-    num_tokens: int
     caller: int
     on_comm_stream: bool
     rows: int
@@ -54,13 +53,23 @@ class NextOutputs:
 
     def __init__(self) -> None:
         self.ready: Optional[ReadyOutputs] = None
+        #: Whether the last fresh dispatch had the plan and the token count of the one before it:
+        #: only such a call prepares the next one's outputs.
+        self.steady = False
+        self._last_call: tuple = (None, -1)
 
     def take(self, plan: Any, num_tokens: int, caller: int, on_comm_stream: bool,
-             rows: int) -> Optional[ReadyOutputs]:
-        """The ready outputs when they are for this call (see :class:`ReadyOutputs`) and hold at
-        least ``rows`` rows; None otherwise. Either way none are left."""
+             rows: Optional[int]) -> Optional[ReadyOutputs]:
+        """For every fresh dispatch: the ready outputs when they are for this call (see
+        :class:`ReadyOutputs`) and hold at least ``rows`` rows (None: a call allocating exactly,
+        which takes none); None otherwise. Either way none are left, and :attr:`steady` tells
+        whether this call is like the one before."""
+        last_plan, last_tokens = self._last_call
+        self.steady = last_plan is plan and last_tokens == num_tokens
+        self._last_call = (plan, num_tokens)
         ready, self.ready = self.ready, None
-        if ready is None or ready.plan is not plan or ready.num_tokens != num_tokens or ready.caller != caller \
+        # Ready outputs are made by the call before (a take clears them), for a call like it.
+        if ready is None or rows is None or not self.steady or ready.caller != caller \
                 or ready.on_comm_stream != on_comm_stream or ready.rows < rows:
             return None
         return ready
@@ -70,3 +79,4 @@ class NextOutputs:
 
     def drop(self) -> None:
         self.ready = None
+        self._last_call = (None, -1)

@@ -461,6 +461,16 @@ def test_outputs_ready_for_another_stream_or_plan_are_not_used(monkeypatch, chan
     assert recv_x.ctypes.data != ready.pointers[0]
 
 
+def test_dispatches_alternating_between_two_plans_prepare_nothing(monkeypatch):
+    buf, launches, lib, launched, _ = steady(monkeypatch)
+    for _ in range(2):
+        dispatch(buf, workload(), topk_weights=None)
+        assert buf._next_outputs.ready is None
+        dispatch(buf, workload())
+        assert buf._next_outputs.ready is None
+    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"] * 4
+
+
 def test_outputs_above_the_byte_limit_are_not_prepared(monkeypatch):
     monkeypatch.setattr(dispatch_path, "NEXT_OUTPUTS_MAX_BYTES", 1 << 10)
     buf, launches, _, launched, _ = steady(monkeypatch)
