@@ -307,6 +307,21 @@ def _run_scenario(buf, sc):
         check_allocation("second dispatch", "exact" if sc["allocation"] == "exact" else "ahead")
         check_fresh(again, "second dispatch")
         del again
+        if sc["allocation"] != "exact":
+            # The second, like the first, made the third's outputs while it waited for its counts
+            # (next_outputs.py); the third moves its tokens into them (in one launch where ranks
+            # have processes of their own, or where a test forces that path).
+            from deepep_cupy import next_outputs
+
+            received = want["recv_x"]
+            row_bytes = received.nbytes // max(1, len(received))
+            # Within the library's limit for such allocations (with room for the other outputs).
+            if buf._next_outputs.ready is None and (1.3 * len(received) + 80) * 2 * row_bytes < next_outputs.MAX_BYTES:
+                raise Mismatch("second dispatch: no outputs made for the next one")
+            third = fresh_dispatch()
+            check_allocation("third dispatch", "ahead")
+            check_fresh(third, "third dispatch")
+            del third
     finally:
         buf.allocate_ahead = True
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = out
