@@ -16,8 +16,9 @@ import numpy as np
 from . import launch, plans
 from .config import peer_blocks_in_place, sender_blocks
 from .constants import VERDICT_OVER_CAPACITY
-from .handle import WORD_BYTES, DispatchHandle, handle_layout, kept_outputs
+from .handle import DispatchHandle, KeptOutputs, handle_layout, kept_outputs
 from .launch import KernelCall
+from .layout import INT_BYTES
 from .next_outputs import MAX_BYTES as NEXT_OUTPUTS_MAX_BYTES
 from .next_outputs import ReadyOutputs, prepared_rows
 from .plans import Plan
@@ -54,12 +55,14 @@ NOTIFY_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_
 NO_OUTPUTS = (0, 0, 0, 0)
 
 
-def allocated_row_bytes(outputs, carved: bool, rows_in_buffer: bool) -> int:
-    """Bytes per row of the outputs (``plans.received_arrays``) a fresh dispatch allocating ahead
-    allocates besides its handle's: none with rows in place, ``recv_x``'s when the others are
-    carved out of the handle's allocation, all of them otherwise."""
-    allocated = () if rows_in_buffer else outputs[:1] if carved else outputs
-    return sum(row_bytes(*out) for out in allocated if out is not None)
+def ahead_row_bytes(outputs, kept: Optional[KeptOutputs], rows_in_buffer: bool) -> int:
+    """Bytes per received row that a fresh dispatch allocating ahead allocates: its handle's source
+    index, the outputs the handle's allocation keeps (``kept``) and those allocated apart (of
+    ``outputs``, ``plans.received_arrays``: none with rows in place, ``recv_x`` alone when the
+    others are kept)."""
+    apart = () if rows_in_buffer else outputs[:1] if kept is not None else outputs
+    return INT_BYTES + (0 if kept is None else kept.row_bytes) + sum(row_bytes(*out) for out in apart
+                                                                     if out is not None)
 
 
 def checked_in_buffer(recv_x_in_buffer) -> bool:
@@ -235,7 +238,7 @@ class DispatchPath:
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
                     self._output_windows(lib, spec, outputs), main_for_host,
-                    allocated_row_bytes(outputs, kept is not None, spec.rows_in_buffer))
+                    ahead_row_bytes(outputs, kept, spec.rows_in_buffer))
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
         """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
@@ -320,27 +323,23 @@ class DispatchPath:
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
             ready = self._next_outputs.take(plan, call.num_tokens, caller, allocate_on_comm_stream, rows_ahead)
+            outputs = pointers = None  # of outputs allocated ahead: known before the first launch, or after it
             if ready is not None:
                 rows_ahead, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
                 handle.route(call.in_rank_array, call.in_rank)
+                outputs, pointers = ready.outputs, ready.pointers
             else:
-                words, kept_offset = layout.with_kept_outputs(rows_ahead or 0, 0 if kept is None else kept.row_bytes)
-                with self._allocating(lib, allocate_on_comm_stream):
-                    block = lib.empty((words,), "int64", dev)
-                handle = DispatchHandle(lib, block, layout, 0, call.in_rank_array, call.in_rank, id(self))
+                handle, kept_offset = self._allocate_handle(lib, plan, layout, rows_ahead or 0, allocate_on_comm_stream,
+                                                         call.in_rank_array, call.in_rank)
+                if plan.windows is not None:
+                    pointers = NO_OUTPUTS
             block = handle.block
             self._note_rows_in_buffer(plan, handle)
             # The count exchange starts before the outputs are allocated: the host waits for it, so
             # it starts as early as it can (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
             kernel_done = event = None
-            outputs = None
-            if rows_ahead is not None and self._exchange_in_transfer and (ready is not None
-                                                                          or plan.windows is not None):
-                if ready is not None:
-                    outputs, pointers = ready.outputs, ready.pointers
-                else:
-                    pointers = NO_OUTPUTS
+            if rows_ahead is not None and pointers is not None and self._exchange_in_transfer:
                 self._launch_transfer(run_on, plan.main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
                                       call.per_rank, call.per_expert, rows_ahead)
             else:
@@ -349,9 +348,7 @@ class DispatchPath:
                     self._order.record_notify_done(run_on)
                     kernel_done = self._order.notify_done
                 if rows_ahead is not None:
-                    if ready is not None:
-                        outputs, pointers = ready.outputs, ready.pointers
-                    else:
+                    if pointers is None:
                         outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows_ahead,
                                                                 allocate_on_comm_stream)
                     self._launch_transfer(run_on, plan.main, call, pointers, handle)
@@ -415,17 +412,24 @@ class DispatchPath:
             recv_x = lib.empty((rows, *x_tail), x_dtype, self.device_id)
         return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
 
-    def _prepare_next(self, lib, plan: Plan, layout, rows_ahead: int, caller: int, on_comm_stream: bool) -> None:
-        """Allocate the next call's outputs (``next_outputs.py``) for a call like this one, unless
-        they would take more than ``next_outputs.MAX_BYTES``."""
-        rows = prepared_rows(rows_ahead)
+    def _allocate_handle(self, lib, plan: Plan, layout, rows: int, on_comm_stream: bool, in_rank_array=None,
+                      in_rank_ptr: int = 0) -> Tuple[DispatchHandle, int]:
+        """``(handle, byte offset of the outputs it keeps)`` of a fresh dispatch, on a new allocation
+        with room for ``rows`` received rows (0 for a dispatch whose host waits for the counts: its
+        source indices get an allocation of their own) and the outputs ``plan.kept_outputs`` names."""
         kept = plan.kept_outputs
         words, kept_offset = layout.with_kept_outputs(rows, 0 if kept is None else kept.row_bytes)
-        if WORD_BYTES * words + rows * plan.allocated_row_bytes > NEXT_OUTPUTS_MAX_BYTES:
-            return
         with self._allocating(lib, on_comm_stream):
             block = lib.empty((words,), "int64", self.device_id)
-        handle = DispatchHandle(lib, block, layout, 0, None, 0, id(self))
+        return DispatchHandle(lib, block, layout, 0, in_rank_array, in_rank_ptr, id(self)), kept_offset
+
+    def _prepare_next(self, lib, plan: Plan, layout, rows_ahead: int, caller: int, on_comm_stream: bool) -> None:
+        """Allocate the next call's handle and outputs (``next_outputs.py``) for a call like this
+        one, unless they would take more than ``next_outputs.MAX_BYTES``."""
+        rows = prepared_rows(rows_ahead)
+        if INT_BYTES * layout.recv_src_idx + rows * plan.ahead_row_bytes > NEXT_OUTPUTS_MAX_BYTES:
+            return
+        handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, on_comm_stream)  # routed when taken
         outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows, on_comm_stream)
         self._next_outputs.keep(ReadyOutputs(caller, on_comm_stream, rows, handle, kept_offset, outputs, pointers))
 

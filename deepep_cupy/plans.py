@@ -328,8 +328,8 @@ class Plan(NamedTuple):
     dispatch writing its rows in place returns the first rows (None for a dispatch that allocates
     its outputs); ``main_for_host``: a fresh dispatch's ``main`` making the count exchange itself for
     a host that waits for the counts in its slots (one launch, where ``notify`` and ``main`` are
-    two); ``allocated_row_bytes``: bytes per row of the outputs a fresh dispatch allocating ahead
-    allocates besides the handle's allocation."""
+    two); ``ahead_row_bytes``: bytes per received row a fresh dispatch allocating ahead
+    allocates (``dispatch_path.ahead_row_bytes``)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
@@ -339,4 +339,4 @@ class Plan(NamedTuple):
     kept_outputs: Optional[Any] = None  # a handle.KeptOutputs
     windows: Optional[tuple] = None
     main_for_host: Optional[Any] = None  # a launch.KernelCall
-    allocated_row_bytes: int = 0
+    ahead_row_bytes: int = 0

@@ -1,7 +1,7 @@
 // The count exchange of a fresh dispatch, made by notify_dispatch_kernel (when the host waits for
 // the counts: it starts while the host allocates the outputs) or at the start of dispatch_kernel
-// itself (one launch: when the host does not wait, num_worst_tokens; or when it has nothing to
-// allocate, rows in place, with a rank per process).
+// itself (one launch: when the host does not wait, num_worst_tokens; or, with a rank per
+// process, when the outputs exist before the launch: rows in place, or allocated by the call before).
 #pragma once
 #include "call_check.cuh"
 
