@@ -17,12 +17,18 @@ makes the count exchange spins E us (from its start) before it writes the counts
 and every transfer kernel spins ``--transfer-us`` more; a call's time then includes the wait for
 the count, as it would with a peer whose exchange takes E us (2 x H200: about 17 at 128 tokens,
 scripts/fresh_host_timeline.py). Use it to compare host-path variants that move work across the
-wait; measured loop times still need two GPUs.
+wait; measured loop times still need two GPUs. Beside each loop figure, in brackets: the host
+work besides the count wait (the call's time less ``Buffer.last_count_wait_s``, as the benchmark
+reports it; no host time is spent playing the peer), and the host work on the loop's path (the
+call's time less the span from the launch making the exchange to the count on the host: what
+the host does before that launch and after the count; two timers add ~0.5 us to it).
 """
 import argparse
 import collections
 import sys
+import time
 from types import SimpleNamespace
+from typing import Tuple
 
 import cupy
 import numpy as np
@@ -116,6 +122,7 @@ def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfe
             return played[base]
 
         kernels.get_kernel = get_kernel
+        buf.exchange_window = ExchangeWindow(host_slots)
     else:
         empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
         empty.compile()
@@ -125,18 +132,45 @@ def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfe
     return buf
 
 
+class ExchangeWindow:
+    """With the peer played on the GPU: when, in the last call, the launch of the kernel making the
+    count exchange returned and when the host had the count. Between the two the host waits, or
+    works while the exchange runs; the rest of the call is the host work on the loop's path."""
+
+    def __init__(self, host_slots: slots.HostSlots):
+        self.launched = self.counted = 0.0
+        counts_to_host = host_slots.device_ptr(slots.RECV_COUNT)
+        real_launch, real_wait = launch.launch, host_slots.wait_for_count
+
+        def launch_and_note(call, stream_ptr):
+            real_launch(call, stream_ptr)
+            if getattr(call.params.values, "recv_counter", 0) == counts_to_host:
+                self.launched = time.perf_counter()
+
+        def wait_and_note(*args):
+            count = real_wait(*args)
+            self.counted = time.perf_counter()
+            return count
+
+        launch.launch, host_slots.wait_for_count = launch_and_note, wait_and_note
+
+
 def host_playing_the_peer(real_launch, host_slots: slots.HostSlots, num_recv: int, expert_counts):
     """``real_launch``, after which the host writes the count exchange's results into the slots
     when the kernel launched is the one making it (notify_dispatch, or a transfer making it for
     its host)."""
     values, counts_to_host = host_slots.values, host_slots.device_ptr(slots.RECV_COUNT)
+    # The counts as an int32 array made once: writing them costs ~0.5 us, where a list of 128
+    # Python ints costs several, which the op's host time would include.
+    counts_at = slice(slots.EXPERT_COUNTS, slots.EXPERT_COUNTS + len(expert_counts))
+    counts = np.asarray(expert_counts, np.int32)
 
     def launch_and_play_peer(call, stream_ptr):
         real_launch(call, stream_ptr)
-        if getattr(call.params.values, "recv_counter", 0) == counts_to_host:
-            values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(expert_counts)] = expert_counts
-            over = num_recv > call.params.values.recv_capacity
-            values[slots.VERDICT] = VERDICT_OVER_CAPACITY if over else 0
+        params = call.params.values
+        if getattr(params, "recv_counter", 0) == counts_to_host:
+            values[counts_at] = counts
+            values[slots.VERDICT] = VERDICT_OVER_CAPACITY if num_recv > params.recv_capacity else 0
             values[slots.RECV_COUNT] = num_recv
 
     return launch_and_play_peer
@@ -144,6 +178,30 @@ def host_playing_the_peer(real_launch, host_slots: slots.HostSlots, num_recv: in
 
 def median_us(fn, calls: int) -> float:
     return float(np.median(host_times(fn, calls, WARMUP))) * 1e6
+
+
+def loop_and_work_us(fn, calls: int, buf: ep.Buffer) -> Tuple[float, float, float]:
+    """Median us per call of ``fn`` back to back; of its host work besides the count wait (the
+    call's time less ``buf.last_count_wait_s``: what the host does other than wait, the work it
+    does while the exchange runs included); and, with the peer played on the GPU, of its host
+    work on the loop's path (the call's time less the span from the exchange's launch to the count
+    on the host: the work before the launch and after the count)."""
+    for _ in range(WARMUP):
+        fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    slots_of_buf, window = buf._slots, getattr(buf, "exchange_window", None)
+    walls, works, on_path = np.empty(calls), np.empty(calls), np.empty(calls)
+    for i in range(calls):
+        slots_of_buf.last_wait_s = 0.0  # only a fresh dispatch waits
+        if window is not None:
+            window.launched = window.counted = 0.0
+        start = time.perf_counter()
+        fn()
+        walls[i] = time.perf_counter() - start
+        works[i] = walls[i] - slots_of_buf.last_wait_s
+        on_path[i] = walls[i] - (window.counted - window.launched if window is not None and window.counted else 0.0)
+    cupy.cuda.runtime.deviceSynchronize()
+    return tuple(float(np.median(t)) * 1e6 for t in (walls, works, on_path))
 
 
 def breakdown(fn, calls: int) -> None:
@@ -190,14 +248,15 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in names:
             for lib in libs:
-                results[name, lib].append(median_us(ops[lib][name], args.calls))
-    what = (f"modelled loop (exchange {args.exchange_us:g} us, transfer {args.transfer_us:g} us)" if args.exchange_us
-            else "host time")
+                results[name, lib].append(loop_and_work_us(ops[lib][name], args.calls, buf))
+    what = (f"modelled loop (exchange {args.exchange_us:g} us, transfer {args.transfer_us:g} us) [host work besides "
+            "the count wait, on the loop's path]" if args.exchange_us else "host time")
     print(f"{what} per call, median us, {n} tokens, {args.rounds} rounds (python {sys.version.split()[0]}, "
           f"sum(range(200)) {median_us(lambda: sum(range(200)), 2000):.2f} us):")
     for name in names:
-        print(f"  {name:14s} " + "   ".join(f"{lib} " + " / ".join(f"{v:.1f}" for v in results[name, lib])
-                                           for lib in libs))
+        print(f"  {name:14s} " + "   ".join(
+            f"{lib} " + " / ".join(f"{loop:.1f}" + (f" [{work:.1f}, {path:.1f}]" if args.exchange_us else "")
+                                   for loop, work, path in results[name, lib]) for lib in libs))
     if args.breakdown:
         for name in names:
             for lib in libs:
