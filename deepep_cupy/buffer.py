@@ -570,8 +570,9 @@ class Buffer(DispatchPath, CombinePath):
             return
         begin = self._nvl.local_ptr
         end = begin + self._nvl.num_bytes
-        for arg, ptr in zip(args, pointers):
+        for ptr in pointers:
             if begin <= ptr < end:
+                arg = args[pointers.index(ptr)]
                 raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
                                  "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
 

@@ -65,7 +65,7 @@ class Config:
                                                     self.num_max_nvl_chunked_recv_tokens)))
             return self._hash
 
-    @property
+    @functools.cached_property  # read on every call (frozen: stored in the instance's dict)
     def num_channels(self) -> int:
         """Channels of a dispatch with this config: one per sender warp."""
         return sender_blocks(self.num_sms) * BLOCK_THREADS["dispatch_kernel"] // 32

@@ -169,9 +169,9 @@ class DispatchPath:
         return dispatch_result(outputs, [], handle, event)
 
     def _note_rows_in_buffer(self, plan: Plan, handle: DispatchHandle) -> None:
-        """A dispatch with ``handle`` is about to write the buffer's areas: with rows in place they
-        then hold its rows (the handle keeps their layout, a combine in place reads them there);
-        otherwise what they held is gone."""
+        """A dispatch with ``handle`` writes the buffer's areas (its kernels are queued, or about to
+        be): with rows in place they then hold its rows (the handle keeps their layout, a combine
+        in place reads them there); otherwise what they held is gone."""
         if plan.windows is not None:
             handle.rows_in_buffer = plan.spec.layout
             self._rows_in_buffer_of = handle
@@ -316,7 +316,6 @@ class DispatchPath:
         """
         plan, lib, dev = call.plan, call.lib, self.device_id
         spec, kept = plan.spec, plan.kept_outputs
-        layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
         with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             if self._order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
@@ -326,17 +325,15 @@ class DispatchPath:
             outputs = pointers = None  # of outputs allocated ahead: known before the first launch, or after it
             if ready is not None:
                 rows_ahead, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
-                handle.route(call.in_rank_array, call.in_rank)
                 outputs, pointers = ready.outputs, ready.pointers
             else:
-                handle, kept_offset = self._allocate_handle(lib, plan, layout, rows_ahead or 0, allocate_on_comm_stream,
-                                                         call.in_rank_array, call.in_rank)
+                layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
+                handle, kept_offset = self._allocate_handle(lib, plan, layout, rows_ahead or 0, allocate_on_comm_stream)
                 if plan.windows is not None:
                     pointers = NO_OUTPUTS
-            block = handle.block
-            self._note_rows_in_buffer(plan, handle)
             # The count exchange starts before the outputs are allocated: the host waits for it, so
-            # it starts as early as it can (docs/PERF_NOTES.md).
+            # it starts as early as it can, and the handle's bookkeeping waits until it is launched
+            # (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
             kernel_done = event = None
             if rows_ahead is not None and pointers is not None and self._exchange_in_transfer:
@@ -352,6 +349,9 @@ class DispatchPath:
                         outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows_ahead,
                                                                 allocate_on_comm_stream)
                     self._launch_transfer(run_on, plan.main, call, pointers, handle)
+            handle.route(call.in_rank_array, call.in_rank)
+            self._note_rows_in_buffer(plan, handle)
+            block = handle.block
             if rows_ahead is not None:
                 # What is returned lies in these allocations (views of them, or they themselves cut
                 # to the count): handing them to the stream order and the allocators covers it.
@@ -362,7 +362,7 @@ class DispatchPath:
                     event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                          allocate_on_comm_stream)
                 if self._next_outputs.steady:
-                    self._prepare_next(lib, plan, layout, rows_ahead, caller, allocate_on_comm_stream)
+                    self._prepare_next(lib, plan, handle.layout, rows_ahead, caller, allocate_on_comm_stream)
             num_recv = self._slots.wait_for_count(kernel_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
@@ -412,16 +412,16 @@ class DispatchPath:
             recv_x = lib.empty((rows, *x_tail), x_dtype, self.device_id)
         return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
 
-    def _allocate_handle(self, lib, plan: Plan, layout, rows: int, on_comm_stream: bool, in_rank_array=None,
-                      in_rank_ptr: int = 0) -> Tuple[DispatchHandle, int]:
+    def _allocate_handle(self, lib, plan: Plan, layout, rows: int, on_comm_stream: bool) -> Tuple[DispatchHandle, int]:
         """``(handle, byte offset of the outputs it keeps)`` of a fresh dispatch, on a new allocation
         with room for ``rows`` received rows (0 for a dispatch whose host waits for the counts: its
-        source indices get an allocation of their own) and the outputs ``plan.kept_outputs`` names."""
+        source indices get an allocation of their own) and the outputs ``plan.kept_outputs`` names;
+        its routing is given once its transfer is launched (``DispatchHandle.route``)."""
         kept = plan.kept_outputs
         words, kept_offset = layout.with_kept_outputs(rows, 0 if kept is None else kept.row_bytes)
         with self._allocating(lib, on_comm_stream):
             block = lib.empty((words,), "int64", self.device_id)
-        return DispatchHandle(lib, block, layout, 0, in_rank_array, in_rank_ptr, id(self)), kept_offset
+        return DispatchHandle(lib, block, layout, 0, None, 0, id(self)), kept_offset
 
     def _prepare_next(self, lib, plan: Plan, layout, rows_ahead: int, caller: int, on_comm_stream: bool) -> None:
         """Allocate the next call's handle and outputs (``next_outputs.py``) for a call like this
@@ -429,7 +429,7 @@ class DispatchPath:
         rows = prepared_rows(rows_ahead)
         if INT_BYTES * layout.recv_src_idx + rows * plan.ahead_row_bytes > NEXT_OUTPUTS_MAX_BYTES:
             return
-        handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, on_comm_stream)  # routed when taken
+        handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, on_comm_stream)
         outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows, on_comm_stream)
         self._next_outputs.keep(ReadyOutputs(caller, on_comm_stream, rows, handle, kept_offset, outputs, pointers))
 

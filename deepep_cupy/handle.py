@@ -174,7 +174,8 @@ class DispatchHandle:
         self._ints = None
 
     def route(self, is_token_in_rank: Any, in_rank_ptr: int) -> None:
-        """Give a handle made ahead of its dispatch (``next_outputs.py``) the dispatch's routing."""
+        """Give a fresh dispatch's handle, made before its kernels were launched (by the call, or
+        ahead of it: ``next_outputs.py``), the dispatch's routing."""
         self.is_token_in_rank = is_token_in_rank
         self.in_rank_ptr = in_rank_ptr
 
