@@ -15,13 +15,15 @@ benchmark.
 ``--exchange-us E`` instead plays the peer on the GPU, as a model of the loop: the kernel that
 makes the count exchange spins E us (from its start) before it writes the counts into the slots,
 and every transfer kernel spins ``--transfer-us`` more; a call's time then includes the wait for
-the count, as it would with a peer whose exchange takes E us (2 x H200: about 17 at 128 tokens,
-scripts/fresh_host_timeline.py). Use it to compare host-path variants that move work across the
-wait; measured loop times still need two GPUs. Beside each loop figure, in brackets: the host
-work besides the count wait (the call's time less ``Buffer.last_count_wait_s``, as the benchmark
-reports it; no host time is spent playing the peer), and the host work on the loop's path (the
-call's time less the span from the launch making the exchange to the count on the host: what
-the host does before that launch and after the count; two timers add ~0.5 us to it).
+the count, as it would with a peer whose exchange takes E us. On 2 x H200 the count reached the
+host 17-18 us after notify_dispatch's launch at 128 tokens (scripts/fresh_host_timeline.py); E
+counts from the kernel's start, after a launch latency of 4-5 us, so E = 12 reproduces that span.
+Use it to compare host-path variants that move work across the wait; measured loop times still
+need two GPUs. Beside each loop figure, in brackets: the host work besides the count wait (the
+call's time less ``Buffer.last_count_wait_s``, as the benchmark reports it; no host time is
+spent playing the peer), and the host work on the loop's path (the call's time less the span
+from the launch making the exchange to the count on the host: what the host does before that
+launch and after the count; two timers add ~0.5 us to it).
 """
 import argparse
 import collections
