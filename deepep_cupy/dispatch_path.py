@@ -332,8 +332,8 @@ class DispatchPath:
                 if plan.windows is not None:
                     pointers = NO_OUTPUTS
             # The count exchange starts before the outputs are allocated: the host waits for it, so
-            # it starts as early as it can, and the handle's bookkeeping waits until it is launched
-            # (docs/PERF_NOTES.md).
+            # it starts as early as it can, and the handle's bookkeeping waits until the kernels are
+            # queued (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
             kernel_done = event = None
             if rows_ahead is not None and pointers is not None and self._exchange_in_transfer:
