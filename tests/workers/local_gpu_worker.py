@@ -88,27 +88,39 @@ class RecordingBuffer:
 
     Hashing waits until the scenario is over (``run_scenario`` synchronizes the device at its end):
     an async dispatch's outputs are not ready when the call returns.
+
+    With ``sharing_gpu`` (ranks of this process share its GPU) every dispatch and combine starts
+    with a barrier of the ranks: a rank checking the last call's outputs may use a PyTorch or CuPy
+    kernel for the first time, and loading it waits until the GPU's running kernels end, among
+    them a peer's next call waiting for this rank (README, in-process ranks; docs/PERF_NOTES.md).
     """
 
-    def __init__(self, buf):
+    def __init__(self, buf, sharing_gpu=False):
         self._buf = buf
         self._outputs = []
+        self._sharing_gpu = sharing_gpu
 
     def __getattr__(self, name):
         return getattr(self._buf, name)
 
     def __setattr__(self, name, value):  # settings such as allocate_ahead go to the Buffer
-        if name in ("_buf", "_outputs"):
+        if name in ("_buf", "_outputs", "_sharing_gpu"):
             object.__setattr__(self, name, value)
         else:
             setattr(self._buf, name, value)
 
+    def _start_together(self):
+        if self._sharing_gpu:
+            self._buf.group.barrier()
+
     def dispatch(self, x, handle=None, **kwargs):
+        self._start_together()
         out = self._buf.dispatch(x, handle=handle, **kwargs)
         self._outputs.append(("cached_dispatch" if handle is not None else "dispatch", out[:3]))
         return out
 
     def combine(self, x, handle, **kwargs):
+        self._start_together()
         out = self._buf.combine(x, handle, **kwargs)
         self._outputs.append(("combine", out[:2]))
         return out
@@ -214,7 +226,7 @@ def rank_main(group, scenarios, args, shared=None):
             if os.environ.get("DEEPEP_TEST_DUMP_AFTER") and rank == 0:
                 import faulthandler
                 faulthandler.dump_traceback_later(float(os.environ["DEEPEP_TEST_DUMP_AFTER"]), exit=False)
-            recorder = RecordingBuffer(buf)
+            recorder = RecordingBuffer(buf, sharing_gpu=on_device > 1)
             try:
                 info = gpu_worker.run_scenario(recorder, sc)
                 info["hashes"] = recorder.hashes()
