@@ -331,9 +331,9 @@ class DispatchPath:
                 handle, kept_offset = self._allocate_handle(lib, plan, layout, rows_ahead or 0, allocate_on_comm_stream)
                 if plan.windows is not None:
                     pointers = NO_OUTPUTS
-            # The count exchange starts before the outputs are allocated: the host waits for it, so
-            # it starts as early as it can, and the handle's bookkeeping waits until the kernels are
-            # queued (docs/PERF_NOTES.md).
+            # The host waits for the count exchange, so it is launched as early as it can be: before
+            # any output is allocated in the call, and before the handle's bookkeeping
+            # (docs/PERF_NOTES.md).
             self._slots.start_dispatch()
             kernel_done = event = None
             if rows_ahead is not None and pointers is not None and self._exchange_in_transfer:

@@ -134,6 +134,13 @@ def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfe
     return buf
 
 
+def exchange_for_host(host_slots: slots.HostSlots):
+    """Whether a launched ``launch.KernelCall`` makes the count exchange whose results the host
+    waits for in ``host_slots`` (notify_dispatch, or a transfer making it for its host)."""
+    counts_to_host = host_slots.device_ptr(slots.RECV_COUNT)
+    return lambda call: getattr(call.params.values, "recv_counter", 0) == counts_to_host
+
+
 class ExchangeWindow:
     """With the peer played on the GPU: when, in the last call, the launch of the kernel making the
     count exchange returned and when the host had the count. Between the two the host waits, or
@@ -141,12 +148,12 @@ class ExchangeWindow:
 
     def __init__(self, host_slots: slots.HostSlots):
         self.launched = self.counted = 0.0
-        counts_to_host = host_slots.device_ptr(slots.RECV_COUNT)
+        makes_exchange = exchange_for_host(host_slots)
         real_launch, real_wait = launch.launch, host_slots.wait_for_count
 
         def launch_and_note(call, stream_ptr):
             real_launch(call, stream_ptr)
-            if getattr(call.params.values, "recv_counter", 0) == counts_to_host:
+            if makes_exchange(call):
                 self.launched = time.perf_counter()
 
         def wait_and_note(*args):
@@ -159,9 +166,8 @@ class ExchangeWindow:
 
 def host_playing_the_peer(real_launch, host_slots: slots.HostSlots, num_recv: int, expert_counts):
     """``real_launch``, after which the host writes the count exchange's results into the slots
-    when the kernel launched is the one making it (notify_dispatch, or a transfer making it for
-    its host)."""
-    values, counts_to_host = host_slots.values, host_slots.device_ptr(slots.RECV_COUNT)
+    when the kernel launched is the one making it (:func:`exchange_for_host`)."""
+    values, makes_exchange = host_slots.values, exchange_for_host(host_slots)
     # The counts as an int32 array made once: writing them costs ~0.5 us, where a list of 128
     # Python ints costs several, which the op's host time would include.
     counts_at = slice(slots.EXPERT_COUNTS, slots.EXPERT_COUNTS + len(expert_counts))
@@ -169,10 +175,9 @@ def host_playing_the_peer(real_launch, host_slots: slots.HostSlots, num_recv: in
 
     def launch_and_play_peer(call, stream_ptr):
         real_launch(call, stream_ptr)
-        params = call.params.values
-        if getattr(params, "recv_counter", 0) == counts_to_host:
+        if makes_exchange(call):
             values[counts_at] = counts
-            values[slots.VERDICT] = VERDICT_OVER_CAPACITY if num_recv > params.recv_capacity else 0
+            values[slots.VERDICT] = VERDICT_OVER_CAPACITY if num_recv > call.params.values.recv_capacity else 0
             values[slots.RECV_COUNT] = num_recv
 
     return launch_and_play_peer
