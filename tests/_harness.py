@@ -32,6 +32,11 @@ MPI_ENV_DEFAULTS: Dict[str, str] = {
 }
 
 
+#: ``DEEPEP_TEST_ONE_GPU_MPI=1``: on a machine with fewer GPUs than an mpiexec run has ranks, put
+#: every rank on GPU 0 (tests/workers/one_gpu_ranks.py) instead of skipping the run.
+ONE_GPU_MPI = os.environ.get("DEEPEP_TEST_ONE_GPU_MPI", "0").strip() == "1"
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_count() -> int:
     """The number of CUDA devices visible to this process; 0 when CuPy or the driver is missing."""
@@ -41,6 +46,21 @@ def gpu_count() -> int:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
         return 0
+
+
+def gpus_needed_under_mpiexec(num_ranks: int) -> int:
+    """GPUs an mpiexec run of ``num_ranks`` GPU ranks needs: one per rank, or one in all with
+    :data:`ONE_GPU_MPI`."""
+    return 1 if ONE_GPU_MPI else num_ranks
+
+
+def skip_unless_gpus_for_mpiexec(num_ranks: int) -> None:
+    import pytest
+
+    need, have = gpus_needed_under_mpiexec(num_ranks), gpu_count()
+    if have < need:
+        pytest.skip(f"an mpiexec run of {num_ranks} ranks needs {need} GPUs (one per process; "
+                    f"DEEPEP_TEST_ONE_GPU_MPI=1: one for all), found {have}")
 
 
 def find_mpiexec() -> Optional[str]:
@@ -85,11 +105,14 @@ def run_mpi(n: int, args: Sequence[str], timeout: float,
 
     The launcher runs in its own process group; when ``timeout`` seconds pass, the whole group is
     killed and an AssertionError carrying the output so far is raised (a hang never stays a hang).
+    With :data:`ONE_GPU_MPI` on a machine with GPUs, but fewer than ``n``, the ranks share GPU 0.
     """
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise AssertionError("no mpiexec/mpirun found (set MPIEXEC, or install the 'test' extra: mpich)")
-    return run_command([mpiexec, "-n", str(n), sys.executable, *[str(a) for a in args]], timeout, env)
+    share_gpu = ONE_GPU_MPI and 0 < gpu_count() < n
+    launcher = [WORKERS / "one_gpu_ranks.py"] if share_gpu else []
+    return run_command([mpiexec, "-n", str(n), sys.executable, *[str(a) for a in [*launcher, *args]]], timeout, env)
 
 
 def run_python(args: Sequence[str], timeout: float,

@@ -1,7 +1,8 @@
 """Markers and automatic skips, and the failure-worker runs that two test modules share.
 
 * ``@pytest.mark.gpu`` (or ``gpu(n)``): needs at least 2 (or ``n``) CUDA devices; skipped when
-  there are fewer (``cupy.cuda.runtime.getDeviceCount()`` fails or is too small).
+  there are fewer (``cupy.cuda.runtime.getDeviceCount()`` fails or is too small). A test marked
+  ``mpi`` too needs one device in all under ``DEEPEP_TEST_ONE_GPU_MPI=1`` (``_harness.ONE_GPU_MPI``).
 * ``@pytest.mark.mpi``: needs an ``mpiexec``/``mpirun`` (see ``_harness.find_mpiexec``); skipped
   when there is none, except under CI (``CI=true``), where that is a failure.
 * ``failure_results`` / ``local_failure_results``: one run per session of the failure cases,
@@ -12,7 +13,17 @@
 from __future__ import annotations
 
 import pytest
-from _harness import WORKERS, find_mpiexec, gpu_count, records_by, run_mpi, run_python, skip_or_fail
+from _harness import (
+    WORKERS,
+    find_mpiexec,
+    gpu_count,
+    gpus_needed_under_mpiexec,
+    records_by,
+    run_mpi,
+    run_python,
+    skip_or_fail,
+    skip_unless_gpus_for_mpiexec,
+)
 
 
 def pytest_configure(config):
@@ -27,19 +38,20 @@ def _needed_gpus(marker) -> int:
 
 
 def pytest_runtest_setup(item):
-    gpu = item.get_closest_marker("gpu")
+    gpu, mpi = item.get_closest_marker("gpu"), item.get_closest_marker("mpi")
     if gpu is not None:
         need, have = _needed_gpus(gpu), gpu_count()
+        if mpi is not None:
+            need = gpus_needed_under_mpiexec(need)
         if have < need:
             pytest.skip(f"needs {need} GPUs, found {have}")
-    if item.get_closest_marker("mpi") is not None and find_mpiexec() is None:
+    if mpi is not None and find_mpiexec() is None:
         skip_or_fail("no mpiexec/mpirun found (set MPIEXEC, or install the 'test' extra: mpich)")
 
 
 @pytest.fixture(scope="session")
 def failure_results():
-    if gpu_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
+    skip_unless_gpus_for_mpiexec(2)
     run = run_mpi(2, [WORKERS / "failure_worker.py"], timeout=900)
     return records_by(run.stdout, "case"), run
 

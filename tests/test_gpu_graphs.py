@@ -5,7 +5,16 @@ only one rank runs ends in a timeout exception, and a new Buffer works after it.
 with both ranks in one process (tests/workers/graph_worker.py)."""
 
 import pytest
-from _harness import WORKERS, describe, gpu_count, records_by, run_mpi, run_python, script_constant
+from _harness import (
+    WORKERS,
+    describe,
+    gpu_count,
+    records_by,
+    run_mpi,
+    run_python,
+    script_constant,
+    skip_unless_gpus_for_mpiexec,
+)
 
 WORKER = WORKERS / "graph_worker.py"
 CASES = script_constant(WORKER, "CASES")
@@ -18,8 +27,7 @@ def _results(run):
 
 @pytest.fixture(scope="module")
 def mpi_results():
-    if gpu_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
+    skip_unless_gpus_for_mpiexec(2)
     return _results(run_mpi(2, [str(WORKER)], timeout=300))
 
 

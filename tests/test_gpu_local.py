@@ -18,7 +18,17 @@ import subprocess
 import sys
 
 import pytest
-from _harness import WORKERS, describe, gpu_count, mpi_env, records_by, run_mpi, run_python, worker_records
+from _harness import (
+    WORKERS,
+    describe,
+    gpu_count,
+    mpi_env,
+    records_by,
+    run_mpi,
+    run_python,
+    skip_unless_gpus_for_mpiexec,
+    worker_records,
+)
 from workers.gpu_scenarios import NAMES
 
 RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8").split(",")]
@@ -95,8 +105,7 @@ def test_in_process_gives_the_same_results_as_mpi(local_runs, num_ranks):
     """Same scenarios, same inputs: every rank's dispatch/combine outputs hash the same both ways."""
     if not COMPARE_MPI:
         pytest.skip("DEEPEP_TEST_COMPARE_MPI=0")
-    if gpu_count() < num_ranks:
-        pytest.skip(f"the MPI run needs {num_ranks} GPUs (one per process), found {gpu_count()}")
+    skip_unless_gpus_for_mpiexec(num_ranks)
     local = by_scenario(local_runs(num_ranks))
     mpi_run = run_mpi(num_ranks, [str(WORKER), "--mpi"], timeout=TIMEOUT_S)
     mpi = by_scenario(mpi_run)

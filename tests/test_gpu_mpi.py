@@ -7,7 +7,15 @@ and kernel compilation are paid once); each test then checks its scenario's resu
 import os
 
 import pytest
-from _harness import WORKERS, describe, gpu_count, records_by, run_mpi
+from _harness import (
+    WORKERS,
+    describe,
+    gpu_count,
+    gpus_needed_under_mpiexec,
+    records_by,
+    run_mpi,
+    skip_unless_gpus_for_mpiexec,
+)
 from workers.gpu_scenarios import NAMES
 
 RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_RANKS", "2").split(",")]
@@ -19,7 +27,7 @@ def mpi_results(request):
     results = {}
     outputs = {}
     for num_ranks in RANK_COUNTS:
-        if gpu_count() < num_ranks:
+        if gpu_count() < gpus_needed_under_mpiexec(num_ranks):
             continue
         run = run_mpi(num_ranks, [str(WORKERS / "gpu_worker.py")], timeout=900)
         outputs[num_ranks] = run
@@ -33,8 +41,7 @@ def mpi_results(request):
 @pytest.mark.parametrize("num_ranks", RANK_COUNTS)
 @pytest.mark.parametrize("scenario", NAMES)
 def test_dispatch_and_combine_match_reference(mpi_results, num_ranks, scenario):
-    if gpu_count() < num_ranks:
-        pytest.skip(f"needs {num_ranks} GPUs, found {gpu_count()}")
+    skip_unless_gpus_for_mpiexec(num_ranks)
     results, outputs = mpi_results
     entries = results.get((num_ranks, scenario))
     assert entries, f"no result for {scenario} with {num_ranks} ranks\n{describe(outputs[num_ranks])}"

@@ -11,7 +11,16 @@ or mpiexec, a Buffer on a torch.distributed ProcessGroup.
 import socket
 
 import pytest
-from _harness import REPO_ROOT, WORKERS, describe, gpu_count, records_by, run_mpi, run_python
+from _harness import (
+    REPO_ROOT,
+    WORKERS,
+    describe,
+    gpu_count,
+    records_by,
+    run_mpi,
+    run_python,
+    skip_unless_gpus_for_mpiexec,
+)
 from workers.gpu_scenarios import TORCH_DIST_NAMES
 
 WORKER = WORKERS / "torch_dist_worker.py"
@@ -39,7 +48,8 @@ def spawned():
 
 @pytest.fixture(scope="module")
 def under_mpiexec():
-    _needs_torch_and_two_gpus()
+    pytest.importorskip("torch")
+    skip_unless_gpus_for_mpiexec(2)
     return run_mpi(2, [WORKER], TIMEOUT_S, env=_free_port_env())
 
 
