@@ -298,10 +298,15 @@ def case_peer_never_joins(comm, ep, cupy):
     return info
 
 
-def _device_free_bytes(cupy):
+def _device_free_bytes(comm, cupy):
+    """The GPU's free bytes, with every rank's pool emptied first (collective): where ranks share
+    the GPU (tests/workers/one_gpu_ranks.py), each one's reading includes the others' memory."""
     cupy.get_default_memory_pool().free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
-    return cupy.cuda.runtime.memGetInfo()[0]
+    comm.Barrier()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    comm.Barrier()
+    return free
 
 
 def case_many_iterations(comm, ep, cupy):
@@ -314,9 +319,9 @@ def case_many_iterations(comm, ep, cupy):
             dispatch_and_check(buf, rng, config)
             if i == 99:
                 used_early = cupy.get_default_memory_pool().used_bytes()
-                free_early = _device_free_bytes(cupy)
+                free_early = _device_free_bytes(comm, cupy)
         used_late = cupy.get_default_memory_pool().used_bytes()
-        free_late = _device_free_bytes(cupy)
+        free_late = _device_free_bytes(comm, cupy)
     if used_late > used_early or free_early - free_late > (16 << 20):
         raise AssertionError(f"device memory grew: pool in use {used_early} -> {used_late} B, "
                              f"free {free_early} -> {free_late} B")
@@ -339,10 +344,10 @@ def case_create_destroy_cycles(comm, ep, cupy):
             buf.barrier()
 
     cycle()  # first one pays for compilation and CUDA's own allocations
-    free_before, rss_before = _device_free_bytes(cupy), _rss_bytes()
+    free_before, rss_before = _device_free_bytes(comm, cupy), _rss_bytes()
     for _ in range(cycles):
         cycle()
-    free_after, rss_after = _device_free_bytes(cupy), _rss_bytes()
+    free_after, rss_after = _device_free_bytes(comm, cupy), _rss_bytes()
     if free_before - free_after > (16 << 20):
         raise AssertionError(f"device memory leaked: free {free_before} -> {free_after} B over {cycles} cycles")
     if rss_after - rss_before > (64 << 20):

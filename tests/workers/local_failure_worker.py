@@ -2,12 +2,12 @@
 
 Usage: ``python tests/workers/local_failure_worker.py [CASE ...]`` (default: every case of
 ``failure_worker.GROUP_CASES``, those that take any rank group). Runs each case on an in-process
-group of two ranks
-(``deepep_cupy.run_local_group``), rank ``r`` on GPU ``r``, and prints one ``RESULT {json}`` line
-per rank and case with the fields the MPI run prints, plus ``"in_process": true``. A rank catches
-what its case raises (reported in the record), so the group stays healthy for the next case, as
-the README asks of in-process jobs that go on after a timeout. Exits with 1 when a case failed on
-any rank, or (with an ``ERROR {json}`` line) when a rank raised out of the group.
+group of two ranks (``deepep_cupy.run_local_group``), rank ``r`` on GPU ``r`` (both on GPU 0 of a
+one-GPU machine), and prints one ``RESULT {json}`` line per rank and case with the fields the MPI
+run prints, plus ``"in_process": true``. A rank catches what its case raises (reported in the
+record), so the group stays healthy for the next case, as the README asks of in-process jobs that
+go on after a timeout. Exits with 1 when a case failed on any rank, or (with an ``ERROR {json}``
+line) when a rank raised out of the group.
 """
 
 import sys
@@ -51,8 +51,7 @@ def main(names):
         raise SystemExit(f"unknown cases {unknown}; choose from {cases}")
     names = names or cases
     try:
-        failures = ep.run_local_group(lambda group: rank_main(group, names), NUM_RANKS, devices=list(range(NUM_RANKS)),
-                                      timeout_s=GROUP_TIMEOUT_S)
+        failures = ep.run_local_group(lambda group: rank_main(group, names), NUM_RANKS, timeout_s=GROUP_TIMEOUT_S)
     except ep.RankFailed as exc:
         emit("ERROR", {"rank": exc.rank, "message": str(exc), "stuck": exc.stuck})
         return 1
