@@ -13,6 +13,7 @@ launch, whose kernel still ran only after 7.7 s).
 """
 import argparse
 import os
+import sys
 import time
 
 import cupy
@@ -22,7 +23,15 @@ import deepep_cupy as ep
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--use", choices=("cupy", "torch"), default="cupy")
 args = parser.parse_args()
-print(f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING')}, first use: {args.use}", flush=True)
+
+
+def say(line: str) -> None:
+    """One whole line per write: the ranks are threads, and print() writes the newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+say(f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING')}, first use: {args.use}")
 if args.use == "torch":
     import torch
 
@@ -35,15 +44,15 @@ def first_use() -> None:
         kernel = cupy.RawKernel('extern "C" __global__ void first_use(int* p) { p[threadIdx.x] = 7; }', "first_use")
         out = cupy.zeros(32, cupy.int32)
         kernel((1,), (32,), (out,))
-        print(f"rank 1: new kernel launched after {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
+        say(f"rank 1: new kernel launched after {(time.perf_counter() - start) * 1e3:.1f} ms")
         cupy.cuda.get_current_stream().synchronize()
     else:
         x = torch.arange(1000, device="cuda:0", dtype=torch.int16)
         y = torch.cumprod(x, 0).sort()
-        print(f"rank 1: new kernels launched after {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
+        say(f"rank 1: new kernels launched after {(time.perf_counter() - start) * 1e3:.1f} ms")
         torch.cuda.current_stream().synchronize()
         del y
-    print(f"rank 1: new kernels ran after {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
+    say(f"rank 1: new kernels ran after {(time.perf_counter() - start) * 1e3:.1f} ms")
 
 
 def rank(group):
@@ -55,12 +64,12 @@ def rank(group):
     start = time.perf_counter()
     try:
         buf.barrier()
-        print(f"rank {group.rank}: barrier passed in {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
+        say(f"rank {group.rank}: barrier passed in {(time.perf_counter() - start) * 1e3:.1f} ms")
     except ep.DeepEPError as exc:
-        print(f"rank {group.rank}: barrier failed after {time.perf_counter() - start:.1f} s: {exc}"[:240], flush=True)
+        say(f"rank {group.rank}: barrier failed after {time.perf_counter() - start:.1f} s: {exc}"[:240])
 
 
 try:
     ep.run_local_group(rank, 2, devices=[0, 0], timeout_s=30)
 except Exception as exc:  # a rank's failure is printed above; the group's summary follows
-    print(f"group: {type(exc).__name__}: {exc}"[:300])
+    say(f"group: {type(exc).__name__}: {exc}"[:300])
