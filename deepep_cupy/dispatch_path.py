@@ -322,6 +322,7 @@ class DispatchPath:
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
             ready = self._next_outputs.take(plan, call.num_tokens, caller, allocate_on_comm_stream, rows_ahead)
+            rows_guessed = rows_ahead  # the next call's are sized from it, not from rows prepared with room
             outputs = pointers = None  # of outputs allocated ahead: known before the first launch, or after it
             if ready is not None:
                 rows_ahead, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
@@ -362,7 +363,7 @@ class DispatchPath:
                     event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                          allocate_on_comm_stream)
                 if self._next_outputs.steady:
-                    self._prepare_next(lib, plan, handle.layout, rows_ahead, caller, allocate_on_comm_stream)
+                    self._prepare_next(lib, plan, handle.layout, rows_guessed, caller, allocate_on_comm_stream)
             num_recv = self._slots.wait_for_count(kernel_done)
             verdict = self._slots.verdict()
             if verdict == VERDICT_OVER_CAPACITY:
@@ -423,10 +424,11 @@ class DispatchPath:
             block = lib.empty((words,), "int64", self.device_id)
         return DispatchHandle(lib, block, layout, 0, None, 0, id(self)), kept_offset
 
-    def _prepare_next(self, lib, plan: Plan, layout, rows_ahead: int, caller: int, on_comm_stream: bool) -> None:
+    def _prepare_next(self, lib, plan: Plan, layout, rows_guessed: int, caller: int, on_comm_stream: bool) -> None:
         """Allocate the next call's handle and outputs (``next_outputs.py``) for a call like this
-        one, unless they would take more than ``next_outputs.MAX_BYTES``."""
-        rows = prepared_rows(rows_ahead)
+        one, whose receive count was guessed at ``rows_guessed`` rows, unless they would take more
+        than ``next_outputs.MAX_BYTES``."""
+        rows = prepared_rows(rows_guessed)
         if INT_BYTES * layout.recv_src_idx + rows * plan.ahead_row_bytes > NEXT_OUTPUTS_MAX_BYTES:
             return
         handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, on_comm_stream)

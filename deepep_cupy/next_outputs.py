@@ -23,11 +23,12 @@ from typing import Any, NamedTuple, Optional
 MAX_BYTES = 64 << 20
 
 
-def prepared_rows(rows_ahead: int) -> int:
-    """Rows of the outputs prepared for the next call, made by a call that allocated
-    ``rows_ahead``: the next call's guess follows this call's count, which varies from call to
-    call, so they get an eighth more."""
-    return rows_ahead + rows_ahead // 8
+def prepared_rows(rows_guessed: int) -> int:
+    """Rows of the outputs prepared for the next call by a call whose receive count was guessed at
+    ``rows_guessed`` rows (``capacity.py``; not the rows it was given, which may be a prepared
+    eighth more already): the next call's guess follows this call's count, which varies from call
+    to call, so they get an eighth more."""
+    return rows_guessed + rows_guessed // 8
 
 
 class ReadyOutputs(NamedTuple):

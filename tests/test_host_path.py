@@ -421,6 +421,15 @@ def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatc
     assert lib.allocations[-1] == ((ready.rows, H), "bfloat16") and ready.pointers[0] == ready.outputs[0].ctypes.data
 
 
+def test_the_outputs_prepared_over_a_steady_loop_keep_their_size(monkeypatch):
+    # Sized from each call's guess, not from the rows the call was handed (an eighth more already).
+    buf, _, _, _, _ = steady(monkeypatch)
+    first = buf._next_outputs.ready.rows
+    for _ in range(4):
+        dispatch(buf, workload())
+        assert buf._next_outputs.ready.rows == first
+
+
 def test_a_dispatch_with_its_outputs_ready_is_one_launch_writing_them(monkeypatch):
     buf, launches, lib, launched, allocated = steady(monkeypatch)
     ready = buf._next_outputs.ready
