@@ -2,8 +2,9 @@
 
 :class:`ThreadGroup` is the :class:`deepep_cupy.comm.Group` of such ranks (collectives through
 a shared hub instead of a transport), and :func:`run_local_group` runs a function on every rank's
-thread, each with its GPU, stream and allocator pool, aborting the group as soon as one rank
-raises and raising :class:`deepep_cupy.RankFailed`.
+thread, each with its GPU and stream (ranks sharing a GPU allocate from that GPU's pool:
+:mod:`deepep_cupy.device_pools`), aborting the group as soon as one rank raises and raising
+:class:`deepep_cupy.RankFailed`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .comm import Group
+from .device_pools import allocator_for
 from .errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, RankFailed, RankMismatchError
 from .sm_budget import check_sm_budget
 
@@ -272,42 +274,6 @@ def _resolve_devices(num_ranks: Optional[int], devices: Optional[Sequence[int]],
     return devices
 
 
-def _allocator_for(devices: Sequence[int], rank: int):
-    """Where ranks share a GPU: CuPy allocations from a stream-ordered pool of the rank's own.
-
-    A plain cudaMalloc/cudaFree can wait for work already running on the device, which includes a
-    co-located peer's transfer that waits for this rank (deadlock). The stream-ordered allocator
-    does not, but its device-wide default pool may hand one rank memory that another freed on its
-    stream and make the first stream wait for the second ("internal dependencies"), which ties
-    ranks together again. So each rank gets a private pool with that reuse switched off.
-    """
-    import contextlib
-
-    if sum(1 for d in devices if d == devices[rank]) < 2:
-        return contextlib.nullcontext()
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    props = runtime.MemPoolProps(runtime.cudaMemAllocationTypePinned, runtime.cudaMemHandleTypeNone,
-                                 runtime.cudaMemLocationTypeDevice, devices[rank])
-    pool = runtime.memPoolCreate(props)
-    runtime.memPoolSetAttribute(pool, runtime.cudaMemPoolReuseAllowInternalDependencies, 0)
-    handles = ["current"] * runtime.getDeviceCount()
-    handles[devices[rank]] = pool
-
-    @contextlib.contextmanager
-    def private_pool():
-        try:
-            with cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool(handles).malloc):
-                yield
-        finally:
-            # Safe with allocations still alive (results handed back): the driver releases the
-            # pool once the last of them is freed.
-            runtime.memPoolDestroy(pool)
-
-    return private_pool()
-
-
 #: How often (seconds) the thread of :func:`run_local_group` looks at its ranks while they are healthy
 #: (it is also woken as each rank ends): an interrupt (Ctrl-C in a notebook) is seen this soon.
 LAUNCHER_POLL_S = 1.0
@@ -384,7 +350,7 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
                 # Each rank gets its own stream: on the shared legacy default stream, one rank's
                 # wait for its transfer would also hold back the launch of a co-located peer's,
                 # which that transfer waits for (deadlock).
-                with cupy.cuda.Stream(non_blocking=True), _allocator_for(resolved, rank):
+                with cupy.cuda.Stream(non_blocking=True), allocator_for(resolved, rank):
                     results[rank] = fn(groups[rank])
             else:
                 results[rank] = fn(groups[rank])

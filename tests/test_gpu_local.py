@@ -91,6 +91,19 @@ def test_a_fresh_dispatch_in_one_launch_matches_reference():
 
 
 @pytest.mark.gpu(1)
+def test_ranks_sharing_a_gpu_allocate_from_one_pool_until_the_last_ends():
+    run = run_python([WORKERS / "pool_worker.py"], 120)
+    assert run.returncode == 0, describe(run)
+    [record] = worker_records(run.stdout)
+    during = [rank["while_both_run"] for rank in record["ranks"]]
+    assert during[0] == during[1] and during[0]["pool"] != record["before"]["pool"], record
+    assert during[0]["internal_reuse"] == 0, record
+    assert record["ranks"][1]["after_rank0_ended"] == during[0], record
+    assert record["ranks"][1]["allocates_after"], record
+    assert record["after"] == record["before"], record
+
+
+@pytest.mark.gpu(1)
 @pytest.mark.parametrize("num_ranks", RANK_COUNTS)
 def test_in_process_worker_exits_cleanly(local_runs, num_ranks):
     run = local_runs(num_ranks)
