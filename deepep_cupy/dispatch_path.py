@@ -19,7 +19,6 @@ from .constants import VERDICT_OVER_CAPACITY
 from .handle import DispatchHandle, KeptOutputs, handle_layout, kept_outputs
 from .launch import KernelCall
 from .layout import INT_BYTES
-from .next_outputs import MAX_BYTES as NEXT_OUTPUTS_MAX_BYTES
 from .next_outputs import ReadyOutputs, prepared_rows
 from .plans import Plan
 from .slots import NO_CAPACITY_LIMIT, verdict_error
@@ -429,7 +428,7 @@ class DispatchPath:
         one, whose receive count was guessed at ``rows_guessed`` rows, unless they would take more
         than ``next_outputs.MAX_BYTES``."""
         rows = prepared_rows(rows_guessed)
-        if INT_BYTES * layout.recv_src_idx + rows * plan.ahead_row_bytes > NEXT_OUTPUTS_MAX_BYTES:
+        if not self._next_outputs.fits(INT_BYTES * layout.recv_src_idx + rows * plan.ahead_row_bytes):
             return
         handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, on_comm_stream)
         outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows, on_comm_stream)

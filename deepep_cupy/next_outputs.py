@@ -57,6 +57,9 @@ class NextOutputs:
         #: Whether the last fresh dispatch had the plan and the token count of the one before it:
         #: only such a call prepares the next one's outputs.
         self.steady = False
+        #: Whether the last steady call made nothing for the next one because it would have held
+        #: more than :data:`MAX_BYTES` (:meth:`fits`).
+        self.over_limit = False
         self._last_call: tuple = (None, -1)
 
     def take(self, plan: Any, num_tokens: int, caller: int, on_comm_stream: bool,
@@ -74,6 +77,12 @@ class NextOutputs:
                 or ready.on_comm_stream != on_comm_stream or ready.rows < rows:
             return None
         return ready
+
+    def fits(self, num_bytes: int) -> bool:
+        """Whether a steady call may allocate ``num_bytes`` for the next one (noted in
+        :attr:`over_limit`)."""
+        self.over_limit = num_bytes > MAX_BYTES
+        return not self.over_limit
 
     def keep(self, ready: ReadyOutputs) -> None:
         self.ready = ready

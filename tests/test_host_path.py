@@ -13,7 +13,7 @@ import pytest
 from host_fakes import CALLER_STREAM, COMM_STREAM, FakeGroup, fake_buffer, on_device, recording_order
 
 import deepep_cupy as ep
-from deepep_cupy import dispatch_path, launch, next_outputs, plans, slots
+from deepep_cupy import launch, next_outputs, plans, slots
 from deepep_cupy import reference as ref
 from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
 from deepep_cupy.constants import ERROR_PEER_ABORTED, ERROR_TIMEOUT, KERNEL_STAGES, VERDICT_OVER_CAPACITY
@@ -416,6 +416,7 @@ def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatc
     assert buf._next_outputs.ready is None  # the first has no count to size them from
     dispatch(buf, workload())
     ready = buf._next_outputs.ready
+    assert not buf._next_outputs.over_limit
     rows_ahead = int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
     assert ready.rows == next_outputs.prepared_rows(rows_ahead) > rows_ahead
     assert lib.allocations[-1] == ((ready.rows, H), "bfloat16") and ready.pointers[0] == ready.outputs[0].ctypes.data
@@ -481,9 +482,9 @@ def test_dispatches_alternating_between_two_plans_prepare_nothing(monkeypatch):
 
 
 def test_outputs_above_the_byte_limit_are_not_prepared(monkeypatch):
-    monkeypatch.setattr(dispatch_path, "NEXT_OUTPUTS_MAX_BYTES", 1 << 10)
+    monkeypatch.setattr(next_outputs, "MAX_BYTES", 1 << 10)
     buf, launches, _, launched, _ = steady(monkeypatch)
-    assert buf._next_outputs.ready is None
+    assert buf._next_outputs.ready is None and buf._next_outputs.over_limit
     dispatch(buf, workload())
     assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
 

@@ -311,13 +311,8 @@ def _run_scenario(buf, sc):
             # The second, like the first, made the third's outputs while it waited for its counts
             # (next_outputs.py); the third moves its tokens into them (in one launch where ranks
             # have processes of their own, or where a test forces that path).
-            from deepep_cupy import next_outputs
-
-            received = want["recv_x"]
-            row_bytes = received.nbytes // max(1, len(received))
-            # Within the library's limit for such allocations (with room for the other outputs).
-            if buf._next_outputs.ready is None and (1.3 * len(received) + 80) * 2 * row_bytes < next_outputs.MAX_BYTES:
-                raise Mismatch("second dispatch: no outputs made for the next one")
+            if buf._next_outputs.ready is None and not buf._next_outputs.over_limit:
+                raise Mismatch("second dispatch: no outputs made for the next one (and not over the byte limit)")
             third = fresh_dispatch()
             check_allocation("third dispatch", "ahead")
             check_fresh(third, "third dispatch")
