@@ -4,12 +4,11 @@ contiguous block, as one copy per run of kept rows (issue 12, docs/PERF_NOTES.md
 An in-place dispatch at 8 SMs is bound by what its SMs store: its own rows and the rows it pushes
 to the peers. The copy engine could write the own rows if a gather were cheap. Here x (4096 rows of
 14336 bytes) is copied with N - 1 rows left out at random (N runs), through one
-``cuMemcpyBatchAsync`` of the N runs and through one ``cuMemcpyAsync`` per run; the destination is
-checked against NumPy each time. Prints, per run count, the GPU time per gather (events around 20
-gathers back to back) and the host time per call.
+``cuMemcpyBatchAsync`` of the N runs and through one ``cuMemcpyAsync`` per run, on one GPU; the
+destination is checked against NumPy after each way's timing. Prints, per run count, the GPU time
+per gather (events around 20 gathers back to back) and the host time per call.
 
-    python3 scripts/copy_engine_gather_probe.py [--runs 1 4 17 64 256 1024] [--rounds 2]
-        [--dst-device 1] [--prefer-overlap]
+    python3 scripts/copy_engine_gather_probe.py [--runs 1 4 17 64 256 1024] [--rounds 2] [--prefer-overlap]
 
 Two ranks with top-8 of 256 uniform routing leave about 16 of 4096 rows out (17 runs); eight ranks
 about a third (hundreds of runs).
@@ -78,7 +77,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, nargs="+", default=[1, 4, 17, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--dst-device", type=int, default=0, help="GPU of the destination (peer access)")
     parser.add_argument("--prefer-overlap", action="store_true", help="CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE")
     args = parser.parse_args()
 
@@ -91,22 +89,19 @@ def main():
     copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
 
     cupy.cuda.Device(0).use()
-    if args.dst_device != 0:
-        cupy.cuda.runtime.deviceEnablePeerAccess(args.dst_device)
     rng = np.random.default_rng(0)
     x_host = rng.integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
     x = cupy.asarray(x_host)
-    with cupy.cuda.Device(args.dst_device):
-        out = cupy.zeros_like(x)
+    out = cupy.zeros_like(x)
     stream = cupy.cuda.Stream(non_blocking=True)
     attributes = (MemcpyAttributes * 1)()
     attributes[0].srcAccessOrder = SRC_ACCESS_ORDER_STREAM
     attributes[0].srcLocHint = MemLocation(LOCATION_DEVICE, 0)
-    attributes[0].dstLocHint = MemLocation(LOCATION_DEVICE, args.dst_device)
+    attributes[0].dstLocHint = MemLocation(LOCATION_DEVICE, 0)
     attributes[0].flags = FLAG_PREFER_OVERLAP_WITH_COMPUTE if args.prefer_overlap else 0
     first_attribute = (ctypes.c_size_t * 1)(0)
 
-    print(f"x {ROWS} x {ROW_BYTES} B on GPU 0, gathered into GPU {args.dst_device}; {CALLS} gathers per figure")
+    print(f"x: {ROWS} rows of {ROW_BYTES} B; {CALLS} gathers per figure")
     print("round  runs   MB | batch: GPU us  host us  GB/s | one call per run: GPU us  host us")
     for round_ in range(args.rounds):
         for runs in args.runs:
@@ -132,7 +127,7 @@ def main():
             figures = []
             for gather in (batched, one_per_run):
                 out.fill(0)
-                cupy.cuda.Device(args.dst_device).synchronize()
+                cupy.cuda.Device(0).synchronize()
                 figures.append(gpu_and_host_us(gather, stream))
                 got = cupy.asnumpy(out)
                 for start, end, dst in zip(starts, ends, dst_rows):
