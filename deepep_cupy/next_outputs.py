@@ -89,4 +89,5 @@ class NextOutputs:
 
     def drop(self) -> None:
         self.ready = None
+        self.over_limit = False
         self._last_call = (None, -1)

@@ -502,6 +502,14 @@ def test_destroy_lets_go_of_ready_outputs(monkeypatch):
     assert buf._next_outputs.ready is None
 
 
+def test_destroy_forgets_that_outputs_were_over_the_byte_limit(monkeypatch):
+    monkeypatch.setattr(next_outputs, "MAX_BYTES", 1 << 10)
+    buf, _, _, _, _ = steady(monkeypatch)
+    assert buf._next_outputs.over_limit
+    buf._release()
+    assert not buf._next_outputs.over_limit
+
+
 # --- verdicts of the count exchange ----------------------------------------------------------
 
 def test_settings_that_differ_between_ranks_raise_rank_mismatch(monkeypatch):
