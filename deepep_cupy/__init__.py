@@ -16,6 +16,7 @@ from .errors import (
     GroupAbortedError,
     KernelBuildError,
     PeerAbortedError,
+    PeerFailedError,
     RankFailed,
     RankMismatchError,
 )
@@ -27,7 +28,7 @@ from .sm_budget import check_sm_budget
 __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "TorchGroup", "as_group",
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
-    "DeepEPError", "DeepEPTimeoutError", "PeerAbortedError", "RankMismatchError", "KernelBuildError",
+    "DeepEPError", "DeepEPTimeoutError", "PeerAbortedError", "PeerFailedError", "RankMismatchError", "KernelBuildError",
     "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",
 ]
 

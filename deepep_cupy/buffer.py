@@ -26,9 +26,9 @@ from .capacity import ReceiveCapacityGuess
 from .combine_path import CombinePath
 from .comm import Group, as_group
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
-from .constants import MAX_RANKS
+from .constants import HOST_FAILED_ALLOCATION, HOST_FAILED_EXCEPTION, HOST_FAILURES, MAX_RANKS
 from .dispatch_path import DispatchPath
-from .errors import RankMismatchError
+from .errors import DeepEPError, RankMismatchError
 from .events import EventOverlap
 from .handle import DispatchHandle
 from .ipc import NvlBuffer
@@ -69,23 +69,40 @@ class _DeviceScope:
 
 
 class _OrderedCall:
-    """The span of one operation's GPU work, from :meth:`Buffer._begin`: entering gives
-    ``(caller's stream, stream to run on)``; leaving by an exception tells the stream order that
+    """The span of one operation's GPU work, from :meth:`Buffer._begin`: entering gives the call
+    itself, which unpacks as ``(caller's stream, stream to run on)``. The operation sets
+    ``launched`` before its first kernel that meets other ranks and ``settled`` once what the call
+    does on every rank no longer depends on this host (its kernels are queued and, for a host that
+    waits for the counts, its verdict is in). Leaving by an exception tells the stream order that
     kernels may be queued already (``StreamOrder.abandon``), so that destroy() and the next call
-    come after them. One per Buffer, reused by each call (a Buffer's calls never nest)."""
+    come after them; and when the call had launched such kernels but was not settled, or was
+    interrupted at any point after its launch, the rank gives up on the Buffer (``give_up``), so
+    that its peers stop at once, naming it, instead of waiting out their timeout. Exceptions the
+    ranks raise together (``DeepEPError``) need none of that. One per Buffer, reused by each call
+    (a Buffer's calls never nest)."""
 
-    __slots__ = ("_order", "caller", "run_on")
+    __slots__ = ("_order", "_give_up", "caller", "run_on", "launched", "settled")
 
-    def __init__(self, order: StreamOrder):
+    def __init__(self, order: StreamOrder, give_up):
         self._order = order
+        self._give_up = give_up
         self.caller = self.run_on = 0
+        self.launched = self.settled = False
 
-    def __enter__(self) -> Tuple[int, int]:
-        return self.caller, self.run_on
+    def __iter__(self):
+        return iter((self.caller, self.run_on))
+
+    def __enter__(self) -> "_OrderedCall":
+        return self
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
+        launched, settled = self.launched, self.settled
+        self.launched = self.settled = False
         if exc_type is not None:
             self._order.abandon(self.run_on)
+            if launched and not issubclass(exc_type, DeepEPError) \
+                    and (not settled or not issubclass(exc_type, Exception)):
+                self._give_up(exc)
         return False
 
 
@@ -204,6 +221,7 @@ class Buffer(DispatchPath, CombinePath):
         self.device_id = device_id = compat.resolve_device(device, self._group)
         self.allocate_ahead = bool(allocate_ahead)
         self.last_dispatch_allocation: Optional[str] = None
+        self.last_dispatch_rows_allocated: Optional[int] = None
         self._nvl: Optional[NvlBuffer] = None
         self._slots: Optional[HostSlots] = None
         self._order: Optional[StreamOrder] = None
@@ -270,7 +288,7 @@ class Buffer(DispatchPath, CombinePath):
         """Take the slots and the stream order; bind the arguments every kernel shares (see _bind)."""
         self._slots = host_slots
         self._order = order
-        self._ordered_call = _OrderedCall(order)
+        self._ordered_call = _OrderedCall(order, self._give_up)
         self._shared_args = dict(buffer_ptrs=peer_table_ptr, num_ranks=self.num_ranks, rank=self.rank,
                                  timeout_ns=int(self.timeout_s * 1e9),
                                  error_record=host_slots.device_ptr(ERROR_RECORD))
@@ -278,6 +296,21 @@ class Buffer(DispatchPath, CombinePath):
         self._host_counts = dict(recv_counter=host_slots.device_ptr(slots.RECV_COUNT),
                                  mismatch_flag=host_slots.device_ptr(slots.VERDICT),
                                  recv_expert_counter=host_slots.device_ptr(slots.EXPERT_COUNTS), report_refusal=0)
+
+    def _give_up(self, failure: BaseException) -> None:
+        """This rank's host failed after its call launched kernels that meet the other ranks: mark
+        the Buffer given up on every rank (their kernels stop and name this rank and the failure,
+        instead of waiting out their timeout) and on this one (its next call raises)."""
+        code = slots.host_failure_code(failure)
+        if code == HOST_FAILED_ALLOCATION:
+            code = HOST_FAILED_EXCEPTION  # not before the launch: any exception at all
+        what = HOST_FAILURES[code]
+        try:
+            self._nvl.mark_gave_up(code)
+        except Exception as exc:  # the context may be the thing that failed
+            what += f"; telling the other ranks failed too ({exc})"
+        self._slots.failed = (f"this rank gave up on it after {what} ({type(failure).__name__}) once its call had "
+                              f"launched kernels; the other ranks' kernels stop naming it. {slots.RECOVERY}")
 
     # -----------------------------------------------------------------------------------------
     # Lifetime

@@ -14,12 +14,15 @@ from . import plans
 from .config import Config, combine_sender_blocks
 from .events import EventOverlap
 from .handle import DispatchHandle
+from .slots import host_failure_code, refused_before_launch
 from .tensors import ABSENT, read
 
 ABSENT_ROWS = ABSENT[2]
 #: combine_kernel's parameters that change per call, in the order ``run`` takes them.
 COMBINE_PER_CALL = ("combined_x", "combined_topk_weights", "x", "topk_weights", "bias_0", "bias_1",
                     "rank_prefix_matrix", "recv_channel_prefix_matrix", "send_head", "num_tokens", "dispatch_verdict")
+#: ... when it only refuses the call: its operation (``check_op``) is then minus what failed.
+REFUSE_PER_CALL = COMBINE_PER_CALL[:-1] + ("check_op", "dispatch_verdict")
 #: The array arguments of combine, as its errors name them.
 COMBINE_INPUTS = ("x", "topk_weights", "bias[0]", "bias[1]")
 
@@ -84,17 +87,28 @@ class CombinePath:
             if rows != num_tokens and rows != ABSENT_ROWS:
                 raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
                                  f"got {rows}")
-        with self._on_device, \
-                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            with self._allocating(lib, allocate_on_comm_stream):
-                combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
-                combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk else None
+        with self._on_device, self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+            caller, run_on = ordered
+            try:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
+                    combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk \
+                        else None
+            except BaseException as failure:
+                # Take part only to refuse the call: no rank moves anything (call_check.cuh).
+                plan.refuse.run(run_on, 0, 0, x_ptr, w_ptr, b0_ptr, b1_ptr, handle.rank_prefix_ptr,
+                                handle.recv_channel_prefix_ptr, handle.send_head_ptr, num_tokens,
+                                -host_failure_code(failure), handle.verdict_ptr)
+                refused_before_launch(failure, self.rank)
+                raise
             if in_place is None:
                 self._rows_in_buffer_of = None  # its regions overlap the areas of rows in place
             weights_ptr = 0 if combined_weights is None else lib.pointer(combined_weights)
+            ordered.launched = True
             plan.main.run(run_on, lib.pointer(combined), weights_ptr, x_ptr, w_ptr, b0_ptr, b1_ptr,
                           handle.rank_prefix_ptr, handle.recv_channel_prefix_ptr, handle.send_head_ptr, num_tokens,
                           handle.verdict_ptr)
+            ordered.settled = True
             outputs = (combined, combined_weights)
             event = self._finish(caller, run_on, lib, async_finish,
                                  (x, topk_weights, *biases, handle.block, *outputs), outputs,
@@ -126,10 +140,13 @@ class CombinePath:
         else:
             lay, op, num_senders, template_args = in_place, plans.OP_COMBINE_IN_PLACE, 0, \
                 (spec.element, self.num_ranks, "true")
-        main = self._bind("combine_kernel", template_args, grid=config.num_sms, per_call=COMBINE_PER_CALL,
-                          num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
-                          meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
-                          region_tokens=lay.region_tokens, num_senders=num_senders,
-                          send_chunk=config.num_max_nvl_chunked_send_tokens,
-                          **plans.call_check_arguments(op, spec.row_bytes, spec.row_detail, config, lay))
-        return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0))
+        fixed = dict(num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
+                     meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
+                     region_tokens=lay.region_tokens, num_senders=num_senders,
+                     send_chunk=config.num_max_nvl_chunked_send_tokens,
+                     **plans.call_check_arguments(op, spec.row_bytes, spec.row_detail, config, lay))
+        main = self._bind("combine_kernel", template_args, grid=config.num_sms, per_call=COMBINE_PER_CALL, **fixed)
+        fixed.pop("check_op")
+        refuse = self._bind("combine_kernel", template_args, grid=config.num_sms,
+                            per_call=REFUSE_PER_CALL, **fixed)
+        return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0), refuse=refuse)

@@ -40,6 +40,10 @@ ERROR_DISPATCH_REFUSED = 4
 #: A cached dispatch or a combine was refused on every rank: its handle routes more tokens from one
 #: rank to another than a transfer region of the NVLink buffer holds; the detail is that count.
 ERROR_BUFFER_TOO_SMALL = 5
+#: A cached dispatch or a combine was refused on every rank because one rank's host failed before
+#: it could take part (its outputs could not be allocated, say): the record's peer names that rank,
+#: its detail the failure (:data:`HOST_FAILURES`).
+ERROR_HOST_FAILED = 6
 
 #: Int index, in every rank's NVLink buffer, of its verdict on the running call (0: go ahead).
 VERDICT_INT = 16
@@ -62,10 +66,29 @@ VERDICT_OVER_CAPACITY = 1024
 #: The verdict when a rank sends another more tokens than a transfer region of the NVLink buffer
 #: holds (deepep_cupy/layout.py): nothing moves and the call raises.
 VERDICT_BUFFER_TOO_SMALL = 1025
+#: What a rank's host failed at, when it takes part in a call only to refuse it (the call then moves
+#: nothing on any rank, and every rank raises, naming the rank and the failure). The rank states it
+#: as ``HOST_FAILURE_FLAG + code`` in the last int of its settings row, where a rank whose own input
+#: is invalid states 1, and, when its host gives up on the Buffer after it launched kernels, in the
+#: reason word beside the abort mark (0 there: a kernel's wait timed out).
+HOST_FAILURES: Dict[int, str] = {
+    1: "allocating the call's outputs failed",
+    2: "a Python exception in the call",
+    3: "the call was interrupted (KeyboardInterrupt)",
+}
+HOST_FAILED_ALLOCATION, HOST_FAILED_EXCEPTION, HOST_FAILED_INTERRUPT = 1, 2, 3
+HOST_FAILURE_FLAG = 16
+#: The verdict on a call that rank ``p``'s host refused with failure ``code``:
+#: ``VERDICT_HOST_FAILED + p * HOST_FAILURE_FLAG + code`` (nothing moves on any rank).
+VERDICT_HOST_FAILED = 2048
 #: Int index, in every rank's NVLink buffer, of its abort mark: 0 while every rank is in, ``r + 1``
 #: once rank ``r`` gave up on the Buffer (timed out). The rank that gives up writes it into every
 #: rank's buffer, its own included; it is never reset (a new Buffer's buffer starts zeroed).
 ABORT_INT = 24
+#: Int index beside the abort mark: why the rank gave up (0: a wait of its kernels timed out; else a
+#: :data:`HOST_FAILURES` code: its host failed after the call had launched kernels). Written before
+#: the mark.
+ABORT_REASON_INT = 25
 
 #: Stage names as error records and exceptions name them, by the id the kernels report.
 KERNEL_STAGES: Dict[int, str] = {
@@ -103,6 +126,10 @@ def cuda_defines() -> Dict[str, int]:
         "ERROR_PEER_ABORTED": ERROR_PEER_ABORTED,
         "ERROR_DISPATCH_REFUSED": ERROR_DISPATCH_REFUSED,
         "ERROR_BUFFER_TOO_SMALL": ERROR_BUFFER_TOO_SMALL,
+        "ERROR_HOST_FAILED": ERROR_HOST_FAILED,
+        "HOST_FAILURE_FLAG": HOST_FAILURE_FLAG,
+        "VERDICT_HOST_FAILED": VERDICT_HOST_FAILED,
+        "ABORT_REASON_INT": ABORT_REASON_INT,
         "VERDICT_INT": VERDICT_INT,
         "ABORT_INT": ABORT_INT,
         "BARRIERS_INT": BARRIERS_INT,

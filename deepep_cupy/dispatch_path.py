@@ -16,12 +16,13 @@ import numpy as np
 from . import launch, plans
 from .config import peer_blocks_in_place, sender_blocks
 from .constants import VERDICT_OVER_CAPACITY
+from .errors import DeepEPError
 from .handle import DispatchHandle, KeptOutputs, handle_layout, kept_outputs
 from .launch import KernelCall
 from .layout import INT_BYTES
 from .next_outputs import ReadyOutputs, prepared_rows
 from .plans import Plan
-from .slots import NO_CAPACITY_LIMIT, verdict_error
+from .slots import host_failure_code, refused_before_launch, verdict_error
 from .tensors import read, row_bytes
 
 #: The array arguments of a fresh and of a cached dispatch, as their errors name them (``x[1]``:
@@ -42,12 +43,26 @@ EXCHANGE_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "recv_capac
 HOST_EXCHANGE_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "recv_capacity")
 CACHED_PER_CALL = ("recv_x", "recv_x_scales", "x", "x_scales", "is_token_in_rank", "channel_prefix_matrix",
                    "rank_prefix_matrix", "num_tokens", "scale_token_stride", "scale_hidden_stride", "dispatch_verdict")
+#: ... when it only refuses the call: its operation (``check_op``) is then minus what failed.
+CACHED_REFUSE_PER_CALL = CACHED_PER_CALL[:-1] + ("check_op", "dispatch_verdict")
 #: expand_kernel's.
 EXPAND_PER_CALL = ("expanded_x", "expanded_scales", "expanded_rows", "recv_x", "recv_scales", "recv_topk_idx",
                    "num_recv")
 #: notify_dispatch_kernel's.
 NOTIFY_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "rank_prefix_matrix",
                    "channel_prefix_matrix", "recv_capacity", "topk_idx", "num_tokens")
+
+
+#: notify_dispatch_kernel's, when it only refuses the call (``DispatchPath._refuse``).
+REFUSE_PER_CALL = NOTIFY_PER_CALL[:6] + ("report_refusal",) + NOTIFY_PER_CALL[6:]
+
+
+def refusal_scratch(lib, device_id: int, num_ranks: int, num_channels: int) -> Tuple[Any, int]:
+    """``(array, its address)``: device memory for the prefix matrices a count exchange writes when
+    this rank takes part only to refuse the call (its handle may be what it failed to allocate):
+    made with the plan, before any call needs it."""
+    scratch = lib.empty((num_ranks * (num_ranks + num_channels),), "int32", device_id)
+    return scratch, lib.pointer(scratch)
 
 
 #: Output addresses of a dispatch that allocates no outputs (rows in place).
@@ -120,18 +135,30 @@ class DispatchPath:
         if num_worst_tokens:
             return self._worst_case_dispatch(call, num_worst_tokens, previous_event, async_finish,
                                              allocate_on_comm_stream)
-        rows_ahead = self._capacity_guess.rows(call.num_tokens) if self.allocate_ahead else None
+        # Every round allocates its outputs before its count exchange (so a host that fails to
+        # allocate can still take part, only to refuse the call on every rank): from the guess,
+        # or, without one, for nothing, so that the round's count exchange tells the host its
+        # count. A round some rank lacks rows for moves nothing on any rank, and every rank redoes
+        # the call with the count it was given.
+        most_rows = self.num_ranks * call.plan.spec.layout.region_tokens
+        guess = self._capacity_guess.rows(call.num_tokens, most_rows) if self.allocate_ahead else None
+        self.last_dispatch_rows_allocated = None
+        rows = 0 if guess is None else guess
         with self._on_device:
-            out = self._exchange_and_transfer(call, rows_ahead, previous_event, async_finish,
+            out = self._exchange_and_transfer(call, rows, guess, previous_event, async_finish,
                                               allocate_on_comm_stream, expand)
-            if out is None:
-                # A rank received more than its guess: every rank's transfer moved nothing. Again,
-                # with the host waiting for the counts (all ranks come here together).
-                self.last_dispatch_allocation = "retried"
-                out = self._exchange_and_transfer(call, None, previous_event, async_finish,
+            if isinstance(out, int):
+                # Some rank received more than it allocated: every rank's transfer moved nothing.
+                # Again, with exactly the rows this rank's count exchange said it receives (all
+                # ranks come here together, and the second round fits on every one).
+                self.last_dispatch_allocation = "exact" if guess is None else "retried"
+                out = self._exchange_and_transfer(call, out, None, previous_event, async_finish,
                                                   allocate_on_comm_stream, expand)
+                if isinstance(out, int):  # pragma: no cover - the same inputs give the same counts
+                    raise DeepEPError(f"rank {self.rank}: a dispatch redone with its exact receive count was refused "
+                                      "for want of rows again")
             else:
-                self.last_dispatch_allocation = "exact" if rows_ahead is None else "ahead"
+                self.last_dispatch_allocation = "exact" if guess is None else "ahead"
         self._capacity_guess.observe(call.num_tokens, out[4].num_recv_tokens)
         return out
 
@@ -146,11 +173,19 @@ class DispatchPath:
         self._check_recv_rows_fit(plan, rows, "num_worst_tokens")
         num_local_experts = spec.num_experts // self.num_ranks
         layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        with self._on_device, \
-                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            with self._allocating(lib, allocate_on_comm_stream):
-                block = lib.empty((layout.words(rows, num_local_experts),), "int64", dev)
-                outputs = self._dispatch_outputs(lib, plan, rows)
+        with self._on_device, self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+            caller, run_on = ordered.caller, ordered.run_on
+            try:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    block = lib.empty((layout.words(rows, num_local_experts),), "int64", dev)
+                    outputs = self._dispatch_outputs(lib, plan, rows)
+            except BaseException as failure:
+                # The peers learn of it at their next call, as of any refusal of this dispatch (a
+                # capture runs nothing: there is no call to refuse).
+                if not self._order.capturing:
+                    self._refuse(call, run_on, failure, report=True)
+                raise
+            ordered.launched = True
             handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
             handle.publish_on_device(rows, num_local_experts)
             self._note_rows_in_buffer(plan, handle)
@@ -161,6 +196,7 @@ class DispatchPath:
             self._launch_transfer(run_on, plan.main_with_exchange, call, pointers, handle,  # EXCHANGE_PER_CALL
                                   call.per_rank, call.per_expert, rows, handle.recv_count_ptr, handle.verdict_ptr,
                                   handle.recv_expert_counts_ptr)
+            ordered.settled = True
             allocated = (block, *outputs)
             event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
@@ -224,6 +260,14 @@ class DispatchPath:
                             expert_alignment=spec.expert_alignment,
                             zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
                             **self._host_counts)
+        refuse_counts = {name: value for name, value in self._host_counts.items() if name != "report_refusal"}
+        refuse = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, per_call=REFUSE_PER_CALL,
+                            row_bytes=row_bytes, topk_code=topk_code, num_scales=num_scales, num_sms=num_sms,
+                            send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
+                            num_experts=num_experts, num_channels=config.num_channels,
+                            expert_alignment=spec.expert_alignment,
+                            zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
+                            **refuse_counts)
         main = self._bind_transfer(spec, TRANSFER_PER_CALL)
         exchange = dict(exchange=1, row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms, recv_chunk=recv_chunk,
                         expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
@@ -237,7 +281,8 @@ class DispatchPath:
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
                     self._output_windows(lib, spec, outputs), main_for_host,
-                    ahead_row_bytes(outputs, kept, spec.rows_in_buffer))
+                    ahead_row_bytes(outputs, kept, spec.rows_in_buffer), refuse,
+                    refusal_scratch(lib, self.device_id, self.num_ranks, config.num_channels))
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
         """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
@@ -288,103 +333,96 @@ class DispatchPath:
                                        else sender_blocks(config.num_sms)),
                           send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
-    def _exchange_and_transfer(self, call: DispatchCall, rows_ahead: Optional[int], previous_event,
+    def _exchange_and_transfer(self, call: DispatchCall, rows: int, rows_guessed: Optional[int], previous_event,
                                async_finish: bool, allocate_on_comm_stream: bool, expand: bool = False):
-        """The count exchange and the transfer of one fresh dispatch whose host waits for the counts.
+        """One round of a fresh dispatch whose host waits for the counts: its outputs allocated for
+        ``rows`` received rows (or more), then the count exchange and the transfer.
 
-        With ``rows_ahead`` the outputs get that many rows (or more) and the transfer is launched
-        before the host has the counts; returns None when some rank receives more than its rows
-        (nothing was moved). Without, the host waits for the counts and allocates exactly. With
-        ``expand`` the rows come back grouped per local expert (:meth:`_expand`).
+        Returns the call's result, or, when some rank receives more rows than it allocated (nothing
+        was moved on any rank), this rank's receive count: the rows to redo the call with.
+        ``rows_guessed``: the guess ``rows`` came from (None for a round sized otherwise); a steady
+        loop's call prepares the next call's outputs from it. With ``expand`` the rows come back
+        grouped per local expert (:meth:`_expand`).
 
-        Allocating ahead, the call takes the allocations the previous call made for it
-        (``next_outputs.py``) or makes them. When it has them before its first launch (taken, or
-        none needed: rows in place), ranks with processes of their own launch the transfer alone,
-        making the count exchange itself (``plan.main_for_host``). Otherwise the count exchange is
-        launched first, as notify_dispatch, then the transfer once the outputs exist; in-process
-        ranks always take that way, as their host waits for the counts through an event recorded
-        after notify_dispatch (HostSlots.wait_for_count). While the host waits for the counts, a
-        steady loop's call allocates the next call's outputs.
+        The round takes the allocations the previous call made for it (``next_outputs.py``) or
+        makes them, always before its first launch: a host that fails to allocate (out of memory,
+        or interrupted) then takes part in the count exchange only to refuse the call, every rank
+        raises from it and the Buffer stays usable (:meth:`_refuse`). Ranks with processes of their
+        own launch the transfer alone, making the count exchange itself (``plan.main_for_host``);
+        in-process ranks launch the count exchange first, as notify_dispatch, then the transfer:
+        their host waits for the counts through an event recorded after notify_dispatch
+        (HostSlots.wait_for_count). While the host waits for the counts, a steady loop's call
+        allocates the next call's outputs.
 
-        Allocated ahead by a library that carves (``plan.kept_outputs``: CuPy), the outputs besides
+        Allocated by a library that carves (``plan.kept_outputs``: CuPy), the outputs besides
         ``recv_x`` lie in the handle's allocation: two allocations per call, and one view per output
         once the count is known (``recv_x`` trimmed, the others carved out of the handle's
         allocation). Otherwise each output is allocated and cut to the count (``ArrayLib.shrink``).
         With rows in place (``plan.windows``) nothing is allocated but the handle: the outputs are
         views of the Buffer's areas, made once the count is known.
         """
-        plan, lib, dev = call.plan, call.lib, self.device_id
-        spec, kept = plan.spec, plan.kept_outputs
-        with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+        plan, lib = call.plan, call.lib
+        kept = plan.kept_outputs
+        with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+            caller, run_on = ordered.caller, ordered.run_on
             if self._order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
-            ready = self._next_outputs.take(plan, call.num_tokens, caller, allocate_on_comm_stream, rows_ahead)
-            rows_guessed = rows_ahead  # the next call's are sized from it, not from rows prepared with room
-            outputs = pointers = None  # of outputs allocated ahead: known before the first launch, or after it
-            if ready is not None:
-                rows_ahead, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
-                outputs, pointers = ready.outputs, ready.pointers
-            else:
-                layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-                handle, kept_offset = self._allocate_handle(lib, plan, layout, rows_ahead or 0, allocate_on_comm_stream)
-                if plan.windows is not None:
-                    pointers = NO_OUTPUTS
-            # The host waits for the count exchange, so it is launched as early as it can be: before
-            # any output is allocated in the call, and before the handle's bookkeeping
-            # (docs/PERF_NOTES.md).
+            ready = self._next_outputs.take(plan, call.num_tokens, caller, allocate_on_comm_stream, rows)
+            try:
+                if ready is not None:
+                    rows, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
+                    outputs, pointers = ready.outputs, ready.pointers
+                else:
+                    layout = handle_layout(self.num_ranks, plan.spec.config.num_channels, call.num_tokens)
+                    handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, allocate_on_comm_stream)
+                    outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows,
+                                                            allocate_on_comm_stream)
+            except BaseException as failure:
+                self._refuse(call, run_on, failure)
+                raise
+            self.last_dispatch_rows_allocated = max(rows, self.last_dispatch_rows_allocated or 0)
             self._slots.start_dispatch()
             kernel_done = event = None
-            if rows_ahead is not None and pointers is not None and self._exchange_in_transfer:
+            ordered.launched = True
+            if self._exchange_in_transfer:
                 self._launch_transfer(run_on, plan.main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
-                                      call.per_rank, call.per_expert, rows_ahead)
+                                      call.per_rank, call.per_expert, rows)
             else:
-                self._launch_notify(run_on, call, handle, NO_CAPACITY_LIMIT if rows_ahead is None else rows_ahead)
-                if self._group.in_process:  # only in-process ranks wait on it (see HostSlots.wait_for_count)
-                    self._order.record_notify_done(run_on)
-                    kernel_done = self._order.notify_done
-                if rows_ahead is not None:
-                    if pointers is None:
-                        outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows_ahead,
-                                                                allocate_on_comm_stream)
-                    self._launch_transfer(run_on, plan.main, call, pointers, handle)
+                self._launch_notify(run_on, call, handle, rows)
+                self._order.record_notify_done(run_on)  # in-process ranks wait on it (HostSlots.wait_for_count)
+                kernel_done = self._order.notify_done
+                self._launch_transfer(run_on, plan.main, call, pointers, handle)
             handle.route(call.in_rank_array, call.in_rank)
             self._note_rows_in_buffer(plan, handle)
             block = handle.block
-            if rows_ahead is not None:
-                # What is returned lies in these allocations (views of them, or they themselves cut
-                # to the count): handing them to the stream order and the allocators covers it.
-                allocated = (block,) if outputs is None else (block, *outputs)
-                if not expand:
-                    # Every kernel of the call is queued: the call is handed over while the count
-                    # exchange runs, which the host waits for anyway (docs/PERF_NOTES.md).
-                    event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                         allocate_on_comm_stream)
-                if self._next_outputs.steady:
-                    self._prepare_next(lib, plan, handle.layout, rows_guessed, caller, allocate_on_comm_stream)
+            # What is returned lies in these allocations (views of them, or they themselves cut to
+            # the count): handing them to the stream order and the allocators covers it.
+            allocated = (block,) if outputs is None else (block, *outputs)
+            if not expand:
+                # Every kernel of the call is queued: the call is handed over while the count
+                # exchange runs, which the host waits for anyway (docs/PERF_NOTES.md).
+                event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                                     allocate_on_comm_stream)
+            if self._next_outputs.steady and rows_guessed is not None:
+                self._prepare_next(lib, plan, handle.layout, rows_guessed, caller, allocate_on_comm_stream)
             num_recv = self._slots.wait_for_count(kernel_done)
             verdict = self._slots.verdict()
+            ordered.settled = True
             if verdict == VERDICT_OVER_CAPACITY:
-                self._order.abandon(run_on)  # the transfer launched ahead moved nothing
-                return None
+                self._order.abandon(run_on)  # the transfer moved nothing
+                return num_recv
             if verdict:
                 raise self._verdict_error(verdict, call)
-            per_expert_list = self._slots.expert_counts(spec.num_experts // self.num_ranks)
-            if rows_ahead is None:
-                with self._allocating(lib, allocate_on_comm_stream):
-                    outputs = self._dispatch_outputs(lib, plan, num_recv)
-                    src_idx = lib.empty((num_recv,), "int32", dev)
-                handle.use_separate_src_idx(src_idx)
-                self._launch_transfer(run_on, plan.main, call, self._pointers(lib, outputs), handle)
-                allocated = (block, src_idx, *outputs)
-            elif plan.windows is not None:
+            per_expert_list = self._slots.expert_counts(plan.spec.num_experts // self.num_ranks)
+            if plan.windows is not None:
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
             else:
                 shrink = lib.shrink
                 outputs = [None if a is None else shrink(a, num_recv) for a in outputs]
                 if kept is not None:
-                    outputs += lib.carve(block, kept.views(kept_offset, rows_ahead, num_recv))
+                    outputs += lib.carve(block, kept.views(kept_offset, rows, num_recv))
             handle.num_recv_tokens = num_recv
             if expand:
                 with self._allocating(lib, allocate_on_comm_stream):
@@ -394,6 +432,31 @@ class DispatchPath:
                 event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
+
+    def _refuse(self, call: DispatchCall, run_on: int, failure: BaseException, report: bool = False) -> None:
+        """Take part in a fresh dispatch's count exchange only to refuse it, after this rank's host
+        failed to get ready for it (``failure``: its outputs could not be allocated, or it was
+        interrupted): every rank's verdict names this rank, nothing moves, and the Buffer stays
+        usable. Waits for the exchange, so that the call ends on every rank alike; ``report``: the
+        refusal is also left in the error record (a dispatch with ``num_worst_tokens``, whose
+        peers learn of it from theirs at their next call)."""
+        code = host_failure_code(failure)
+        plan = call.plan
+        scratch = plan.refusal_scratch[1]
+        self._slots.start_dispatch()
+        plan.refuse.run(run_on, call.per_rank, call.per_expert, call.in_rank, scratch,
+                        scratch + INT_BYTES * self.num_ranks * self.num_ranks, -code, int(report), call.topk,
+                        call.num_tokens)
+        kernel_done = None
+        if self._group.in_process:
+            self._order.record_notify_done(run_on)
+            kernel_done = self._order.notify_done
+        self._order.abandon(run_on)
+        try:
+            self._slots.wait_for_count(kernel_done)
+        finally:
+            refused_before_launch(failure, self.rank, "every other rank raises PeerFailedError from it" if not report
+                                  else "every rank raises PeerFailedError at its next call, this one too")
 
     def _outputs_ahead(self, lib, plan: Plan, kept_ptr: int, rows: int,
                        on_comm_stream: bool) -> Tuple[Optional[list], list]:
@@ -426,12 +489,16 @@ class DispatchPath:
     def _prepare_next(self, lib, plan: Plan, layout, rows_guessed: int, caller: int, on_comm_stream: bool) -> None:
         """Allocate the next call's handle and outputs (``next_outputs.py``) for a call like this
         one, whose receive count was guessed at ``rows_guessed`` rows, unless they would take more
-        than ``next_outputs.MAX_BYTES``."""
+        than ``next_outputs.MAX_BYTES``. Allocations that fail are not made: the next call makes
+        its own (and refuses itself on every rank if it cannot)."""
         rows = prepared_rows(rows_guessed)
         if not self._next_outputs.fits(INT_BYTES * layout.recv_src_idx + rows * plan.ahead_row_bytes):
             return
-        handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, on_comm_stream)
-        outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows, on_comm_stream)
+        try:
+            handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, on_comm_stream)
+            outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows, on_comm_stream)
+        except Exception:
+            return
         self._next_outputs.keep(ReadyOutputs(caller, on_comm_stream, rows, handle, kept_offset, outputs, pointers))
 
     def _expand(self, stream: int, lib, spec: plans.DispatchSpec, outputs, per_expert_list, handle: DispatchHandle):
@@ -513,14 +580,24 @@ class DispatchPath:
         num_recv = handle.rows
         self._check_recv_rows_fit(plan, num_recv, "the handle")
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
-        with self._on_device, \
-                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            with self._allocating(lib, allocate_on_comm_stream):
-                recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
+        with self._on_device, self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+            caller, run_on = ordered
+            try:
+                with self._allocating(lib, allocate_on_comm_stream):
+                    recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
+            except BaseException as failure:
+                # Take part only to refuse the call: no rank moves anything (call_check.cuh).
+                plan.refuse.run(run_on, 0, 0, x_ptr, s_ptr, handle.in_rank_ptr, handle.channel_prefix_ptr,
+                                handle.rank_prefix_ptr, n, *scale_strides, -host_failure_code(failure),
+                                handle.verdict_ptr)
+                refused_before_launch(failure, self.rank)
+                raise
             recv_x_ptr, recv_scales_ptr = self._pointers(lib, (recv_x, recv_scales))
             self._note_rows_in_buffer(plan, handle)
+            ordered.launched = True
             plan.main.run(run_on, recv_x_ptr, recv_scales_ptr, x_ptr, s_ptr, handle.in_rank_ptr,
                           handle.channel_prefix_ptr, handle.rank_prefix_ptr, n, *scale_strides, handle.verdict_ptr)
+            ordered.settled = True
             outputs = (recv_x, recv_scales)
             event = self._finish(caller, run_on, lib, async_finish,
                                  (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
@@ -533,9 +610,11 @@ class DispatchPath:
         # writes the handle's receive side.
         checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,
                                             config, spec.layout)
-        main = self._bind_transfer(spec, CACHED_PER_CALL, **checks, recv_src_idx=None, recv_topk_idx=None,
-                                   recv_topk_weights=None, recv_channel_prefix_matrix=None, send_head=None,
-                                   topk_idx=None, topk_weights=None)
+        unused = dict(recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None, recv_channel_prefix_matrix=None,
+                      send_head=None, topk_idx=None, topk_weights=None)
+        main = self._bind_transfer(spec, CACHED_PER_CALL, **checks, **unused)
+        checks.pop("check_op")
+        refuse = self._bind_transfer(spec, CACHED_REFUSE_PER_CALL, **checks, **unused)
         outputs = plans.received_arrays(spec)
         return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
-                    windows=self._output_windows(spec.rows.lib, spec, outputs))
+                    windows=self._output_windows(spec.rows.lib, spec, outputs), refuse=refuse)

@@ -31,6 +31,22 @@ class PeerAbortedError(DeepEPTimeoutError):
     """
 
 
+class PeerFailedError(DeepEPError):
+    """A call was refused on every rank because one rank's host failed before it could take part
+    (its outputs could not be allocated, it raised or it was interrupted): that rank took part only
+    to refuse it, nothing moved, and the Buffer stays usable. The failing rank itself raises its
+    own exception (an out-of-memory error, say), with a note saying so.
+
+    Attributes:
+        peer: the rank whose host failed (the lowest, when several did).
+        failure: what failed (``deepep_cupy.constants.HOST_FAILURES``).
+    """
+
+    def __init__(self, message, *, peer=None, failure=None):
+        super().__init__(message)
+        self.peer, self.failure = peer, failure
+
+
 class RankMismatchError(DeepEPError, ValueError):
     """Ranks called a collective operation with settings that disagree (raised on every rank)."""
 

@@ -9,11 +9,13 @@ rank r's buffer (entry ``rank`` its own).
 
 from __future__ import annotations
 
+import ctypes
 from typing import List
 
 import numpy as np
 
 from .comm import Group
+from .constants import ABORT_INT, ABORT_REASON_INT
 from .errors import DeepEPError
 
 
@@ -74,6 +76,28 @@ class NvlBuffer:
         except Exception:
             self.close()
             raise
+
+    def mark_gave_up(self, reason: int) -> None:
+        """Write this rank's abort mark, with ``reason`` (a ``constants.HOST_FAILURES`` code), into
+        every rank's buffer, its own included, as a kernel that gives up does (kernels/common.cuh):
+        the peers' kernels that wait for this rank, and every later one, stop at once and name it.
+        For a host that fails after its call launched kernels. The copies go on a stream of their
+        own, which the Buffer's kernels (spinning, maybe, on peers) do not hold up."""
+        from cupy.cuda import runtime
+
+        words = np.array([reason, self.rank + 1], dtype=np.int32)
+        stream = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
+        pinned = runtime.hostAlloc(words.nbytes, 0)
+        try:
+            ctypes.memmove(pinned, words.ctypes.data, words.nbytes)
+            for ptr in self.ptrs:
+                # The reason first: a kernel that sees the mark reads it.
+                runtime.memcpyAsync(ptr + 4 * ABORT_REASON_INT, pinned, 4, runtime.memcpyHostToDevice, stream)
+                runtime.memcpyAsync(ptr + 4 * ABORT_INT, pinned + 4, 4, runtime.memcpyHostToDevice, stream)
+            runtime.streamSynchronize(stream)
+        finally:
+            runtime.freeHost(pinned)
+            runtime.streamDestroy(stream)
 
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (idempotent)."""

@@ -329,7 +329,9 @@ class Plan(NamedTuple):
     its outputs); ``main_for_host``: a fresh dispatch's ``main`` making the count exchange itself for
     a host that waits for the counts in its slots (one launch, where ``notify`` and ``main`` are
     two); ``ahead_row_bytes``: bytes per received row a fresh dispatch allocating ahead
-    allocates (``dispatch_path.ahead_row_bytes``)."""
+    allocates (``dispatch_path.ahead_row_bytes``); ``refuse``: a fresh dispatch's count exchange
+    for a host that takes part only to refuse the call, writing its prefix matrices into
+    ``refusal_scratch`` (``dispatch_path.DispatchPath._refuse``)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
@@ -340,3 +342,5 @@ class Plan(NamedTuple):
     windows: Optional[tuple] = None
     main_for_host: Optional[Any] = None  # a launch.KernelCall
     ahead_row_bytes: int = 0
+    refuse: Optional[Any] = None  # a launch.KernelCall
+    refusal_scratch: Optional[Tuple[Any, int]] = None  # a device array and its address

@@ -16,7 +16,8 @@ on the device; a refusal then reaches the host through the error record.)
 Verdicts: 0 all ranks agree; ``p + 1`` rank p's settings differ from rank 0's; ``-(p + 1)``
 rank p's expert ids are out of range; :data:`VERDICT_OVER_CAPACITY` a rank receives more than
 the rows its host allocated ahead; :data:`VERDICT_BUFFER_TOO_SMALL` a rank sends another more
-tokens than a transfer region of the NVLink buffer holds.
+tokens than a transfer region of the NVLink buffer holds; from :data:`VERDICT_HOST_FAILED` on,
+rank p's host failed before the call and took part only to refuse it (:func:`host_failure`).
 
 This module also turns an error record into the exception the host raises.
 """
@@ -33,16 +34,23 @@ import numpy as np
 from .constants import (
     ERROR_BUFFER_TOO_SMALL,
     ERROR_DISPATCH_REFUSED,
+    ERROR_HOST_FAILED,
     ERROR_MISMATCH,
     ERROR_PEER_ABORTED,
+    HOST_FAILED_ALLOCATION,
+    HOST_FAILED_EXCEPTION,
+    HOST_FAILED_INTERRUPT,
+    HOST_FAILURE_FLAG,
+    HOST_FAILURES,
     KERNEL_STAGES,
     MAX_LOCAL_EXPERTS,
     SIGNATURE_INTS,
     SIGNATURE_ROWS_IN_BUFFER,
     VERDICT_BUFFER_TOO_SMALL,
+    VERDICT_HOST_FAILED,
     VERDICT_OVER_CAPACITY,
 )
-from .errors import DeepEPError, DeepEPTimeoutError, PeerAbortedError, RankMismatchError
+from .errors import DeepEPError, DeepEPTimeoutError, PeerAbortedError, PeerFailedError, RankMismatchError
 
 ERROR_RECORD = 0
 ERROR_RECORD_INTS = 8
@@ -50,8 +58,6 @@ RECV_COUNT = 8
 VERDICT = 9
 EXPERT_COUNTS = 16
 SLOT_INTS = EXPERT_COUNTS + MAX_LOCAL_EXPERTS
-#: The row capacity a fresh dispatch states when its host waits for the counts (no limit).
-NO_CAPACITY_LIMIT = 2 ** 31 - 1
 #: Count polls that only yield the GIL; after them (long past any dispatch) each poll also sleeps.
 YIELDING_POLLS = 100_000
 POLL_SLEEP_S = 1e-4
@@ -96,6 +102,39 @@ class MappedInts:
             self._ptr = 0
 
 
+def host_failure_code(failure: BaseException) -> int:
+    """The ``constants.HOST_FAILURES`` code of an exception a host met while getting a call ready
+    (allocating its outputs): an interrupt, or else a failed allocation."""
+    if isinstance(failure, KeyboardInterrupt):
+        return HOST_FAILED_INTERRUPT
+    if isinstance(failure, Exception):
+        return HOST_FAILED_ALLOCATION
+    return HOST_FAILED_EXCEPTION
+
+
+def refused_before_launch(failure: BaseException, rank: int,
+                          who_raises: str = "every rank raises PeerFailedError at its next call, this one too") -> None:
+    """Note on ``failure`` (Python 3.11 on) that this rank took part in its call only to refuse it."""
+    if hasattr(failure, "add_note"):
+        failure.add_note(f"deepep_cupy: rank {rank} took part in this call only to refuse it: no tokens moved on any "
+                         f"rank, {who_raises}, and the Buffer stays usable")
+
+
+def host_failure(verdict: int):
+    """``(rank, what failed)`` of a :data:`VERDICT_HOST_FAILED` verdict, else None."""
+    if verdict < VERDICT_HOST_FAILED:
+        return None
+    failed = verdict - VERDICT_HOST_FAILED
+    code = failed % HOST_FAILURE_FLAG
+    return failed // HOST_FAILURE_FLAG, HOST_FAILURES.get(code, f"host failure {code}")
+
+
+def peer_failed_error(rank: int, peer: int, what: str, operation: str, after: str) -> PeerFailedError:
+    """What a rank raises for a call that rank ``peer``'s host refused (``what`` failed there)."""
+    return PeerFailedError(f"rank {rank}: {operation} was refused on every rank because the host of rank {peer} "
+                           f"failed before it could take part ({what}){after}", peer=peer, failure=what)
+
+
 def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
     """The exception an error record stands for, or None when it records nothing.
 
@@ -112,6 +151,11 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
     where_rank, channel, peer, detail = (int(v) for v in record[2:6])
     if code == ERROR_DISPATCH_REFUSED:
         return refused_dispatch_error(detail, where_rank)
+    if code == ERROR_HOST_FAILED:
+        operation = "the last combine" if "combine" in stage else "the last cached dispatch"
+        return peer_failed_error(where_rank, peer, HOST_FAILURES.get(detail, f"host failure {detail}"), operation,
+                                 "; no tokens were moved and its outputs are unwritten. Every rank raises this at its "
+                                 "next call, the failing one too; the Buffer stays usable")
     if code == ERROR_BUFFER_TOO_SMALL:
         operation = "combine" if "combine" in stage else "cached dispatch"
         return ValueError(f"num_nvl_bytes: the last {operation} was refused on every rank: its handle has a rank "
@@ -126,10 +170,13 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
     where = f"channel {channel}" if channel >= 0 else "whole rank"
     channel_or_none = None if channel < 0 else channel
     if code == ERROR_PEER_ABORTED:
+        reason = int(record[6])
+        why = (f"its host failed during a call ({HOST_FAILURES.get(reason, reason)})" if reason
+               else "a wait of its timed out: a rank came late or not at all")
         return PeerAbortedError(
             f"rank {where_rank}: {stage} stopped ({where}) because rank {peer} had given up on this Buffer "
-            f"earlier (a wait of its timed out: a rank came late or not at all); the call's outputs are not "
-            f"valid. {RECOVERY}", rank=where_rank, kernel=stage, channel=channel_or_none, peer=peer)
+            f"earlier ({why}); the call's outputs are not valid. {RECOVERY}", rank=where_rank, kernel=stage,
+            channel=channel_or_none, peer=peer)
     return DeepEPTimeoutError(
         f"rank {where_rank}: {stage} timed out after {timeout_s:g} s waiting for rank {peer} ({where}, detail "
         f"{detail}); a peer did not join or died. {RECOVERY}", rank=where_rank, kernel=stage,
@@ -144,6 +191,10 @@ def refused_dispatch_error(verdict: int, rank: int) -> Exception:
     if verdict == VERDICT_OVER_CAPACITY:
         return ValueError(f"num_worst_tokens: in an earlier dispatch that the host did not wait for, a rank "
                           f"received more tokens than num_worst_tokens{after}")
+    failed = host_failure(verdict)
+    if failed is not None:
+        return peer_failed_error(rank, failed[0], failed[1], "an earlier dispatch that the host did not wait for",
+                                 after)
     if verdict == VERDICT_BUFFER_TOO_SMALL:
         return ValueError(f"num_nvl_bytes: in an earlier dispatch that the host did not wait for, a rank sent "
                           f"another more tokens than a transfer region of this Buffer holds ({BUFFER_ADVICE}){after}")
@@ -162,6 +213,10 @@ def verdict_error(verdict: int, rank: int, num_experts: int, signature, bad_ids=
     """
     if verdict == 0 or verdict == VERDICT_OVER_CAPACITY:
         return None
+    failed = host_failure(verdict)
+    if failed is not None:
+        return peer_failed_error(rank, failed[0], failed[1], "this dispatch",
+                                 "; no tokens were moved, and the Buffer stays usable")
     if verdict == VERDICT_BUFFER_TOO_SMALL:
         return ValueError(f"num_nvl_bytes: a rank sends another more tokens than a transfer region of this Buffer "
                           f"holds for these rows; {BUFFER_ADVICE}. No tokens were moved")

@@ -48,10 +48,17 @@ __device__ __forceinline__ void publish_signature(void* const* buffer_ptrs, int 
 
 // The verdict on a call, from the signature table of this rank's notify area after a barrier;
 // every rank reads the same table, so every rank comes to the same verdict:
-// 0 = all agree, p + 1 = rank p's settings differ from rank 0's, -(p + 1) = rank p's input was invalid.
+// 0 = all agree, p + 1 = rank p's settings differ from rank 0's, -(p + 1) = rank p's input was invalid,
+// VERDICT_HOST_FAILED + p * HOST_FAILURE_FLAG + code = rank p's host failed (code: what) and only
+// takes part to refuse the call (first: its other settings may be anything).
 __device__ __forceinline__ int settings_verdict(void* const* buffer_ptrs, int num_ranks, int rank,
                                                 int64_t_ notify_off) {
     const int* area = reinterpret_cast<const int*>(reinterpret_cast<const char*>(buffer_ptrs[rank]) + notify_off);
+    for (int peer = 0; peer < num_ranks; ++peer) {
+        const int flag = area[peer * SIGNATURE_INTS + SIGNATURE_INTS - 1];
+        if (flag >= HOST_FAILURE_FLAG)
+            return VERDICT_HOST_FAILED + peer * HOST_FAILURE_FLAG + (flag - HOST_FAILURE_FLAG);
+    }
     for (int peer = 0; peer < num_ranks; ++peer) {
         const int* row = area + peer * SIGNATURE_INTS;
         if (row[SIGNATURE_INTS - 1] != 0)
@@ -73,20 +80,27 @@ __device__ __forceinline__ int settings_verdict(void* const* buffer_ptrs, int nu
 // one rank to another than a region of this call holds (`region_tokens`): every rank reads the
 // same rank prefix matrix, so every rank refuses alike. `dispatch_verdict` (null when its host
 // checked it) is the verdict of the dispatch whose handle the call uses: a refused one (reported
-// then) makes this call move nothing too, on every rank alike.
+// then) makes this call move nothing too, on every rank alike. A rank whose host failed before
+// the call (settings[0], the operation, is then minus the HOST_FAILURES code) takes part only to
+// refuse it: every rank records ERROR_HOST_FAILED naming it, and nothing moves.
 __device__ __forceinline__ void check_call(void* const* buffer_ptrs, int num_ranks, int rank, const int* settings,
                                            int64_t_ zero_off, int zero_count, const int* rank_prefix_matrix,
                                            int region_tokens, const int* dispatch_verdict, int64_t_ timeout_ns,
                                            int* error_record, int kernel) {
     CallCounters counters(buffer_ptrs, rank);
     const int64_t_ notify_off = counters.notify_off;
-    publish_signature(buffer_ptrs, num_ranks, rank, notify_off, settings, 0);
+    publish_signature(buffer_ptrs, num_ranks, rank, notify_off, settings,
+                      settings[0] < 0 ? HOST_FAILURE_FLAG - settings[0] : 0);
     zero_ints(buffer_ptrs[rank], zero_off, zero_count);
     if (!rank_barrier(buffer_ptrs, num_ranks, rank, counters.first_epoch, timeout_ns, error_record, kernel))
         return;
     if (threadIdx.x == 0) {
         int verdict = settings_verdict(buffer_ptrs, num_ranks, rank, notify_off);
-        if (verdict != 0) {
+        if (verdict >= VERDICT_HOST_FAILED) {
+            const int failed = verdict - VERDICT_HOST_FAILED;
+            report_error(error_record, ERROR_HOST_FAILED, kernel, rank, -1, failed / HOST_FAILURE_FLAG,
+                         failed % HOST_FAILURE_FLAG);
+        } else if (verdict != 0) {
             report_error(error_record, ERROR_MISMATCH, kernel, rank, -1, verdict - 1, verdict);
         } else {
             const int largest = largest_rank_count(rank_prefix_matrix, num_ranks);

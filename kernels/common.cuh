@@ -15,6 +15,8 @@ typedef unsigned long long uint64_t_;
 //   [0] code (0 = fine, ERROR_TIMEOUT, ERROR_MISMATCH, ERROR_PEER_ABORTED)   [1] kernel id (KERNEL_*)
 //   [2] rank   [3] channel   [4] peer rank (for ERROR_MISMATCH: the rank that differs; for
 //   ERROR_PEER_ABORTED: the rank that gave up)   [5] detail (tokens still expected, or the value waited for)
+//   [6] for ERROR_PEER_ABORTED: why that rank gave up (0: a wait of its timed out; else the
+//   HOST_FAILURES code of a failure of its host after it had launched kernels)
 // The host reads it after a wait and raises a Python exception naming rank, kernel and channel.
 //
 // Every rank's NVLink buffer holds, at int VERDICT_INT, the rank's verdict on the current call's
@@ -28,6 +30,8 @@ typedef unsigned long long uint64_t_;
 // and every later wait on any rank sees it and stops at once: a late rank must not wait out its
 // own timeout, nor pass a barrier on an epoch that the rank which gave up stored before it left.
 // Never reset: a Buffer that a rank gave up on is unusable, and a new Buffer's memory starts zeroed.
+// Beside it, at int ABORT_REASON_INT, why (written before the mark; by the host when it is its
+// host that failed: deepep_cupy/ipc.py).
 
 __device__ __forceinline__ int* verdict_word(void* const* buffer_ptrs, int rank) {
     return reinterpret_cast<int*>(buffer_ptrs[rank]) + VERDICT_INT;
@@ -37,6 +41,10 @@ __device__ __forceinline__ int* abort_word(void* const* buffer_ptrs, int rank) {
     return reinterpret_cast<int*>(buffer_ptrs[rank]) + ABORT_INT;
 }
 
+__device__ __forceinline__ int* abort_reason_word(void* const* buffer_ptrs, int rank) {
+    return reinterpret_cast<int*>(buffer_ptrs[rank]) + ABORT_REASON_INT;
+}
+
 __device__ __forceinline__ uint64_t_ now_ns() {
     uint64_t_ t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -44,7 +52,7 @@ __device__ __forceinline__ uint64_t_ now_ns() {
 }
 
 __device__ __forceinline__ void report_error(int* error_record, int code, int kernel, int rank,
-                                             int channel, int peer, int detail) {
+                                             int channel, int peer, int detail, int reason = 0) {
     if (error_record == nullptr)
         return;
     // Only the first failure is kept: later ones are usually consequences of it.
@@ -54,6 +62,7 @@ __device__ __forceinline__ void report_error(int* error_record, int code, int ke
         error_record[3] = channel;
         error_record[4] = peer;
         error_record[5] = detail;
+        error_record[6] = reason;
         __threadfence_system();
         atomicExch(error_record, code);
         __threadfence_system();
@@ -118,10 +127,11 @@ __device__ __forceinline__ void give_up(void* const* buffer_ptrs, int num_ranks,
 // The record of a wait that stops because `quitter` gave up on the Buffer. Our own mark needs none:
 // the thread of ours that gave up records its timeout itself, and that record must win (it names
 // the stage and the peer that did not come), not a mere echo of it from a sibling wait.
-__device__ __forceinline__ void report_a_rank_gave_up(int* error_record, int kernel, int rank, int channel,
-                                                      int quitter, int detail) {
+__device__ __forceinline__ void report_a_rank_gave_up(void* const* buffer_ptrs, int* error_record, int kernel,
+                                                      int rank, int channel, int quitter, int detail) {
     if (quitter != rank)
-        report_error(error_record, ERROR_PEER_ABORTED, kernel, rank, channel, quitter, detail);
+        report_error(error_record, ERROR_PEER_ABORTED, kernel, rank, channel, quitter, detail,
+                     ld_volatile(abort_reason_word(buffer_ptrs, rank)));
 }
 
 // True (with ERROR_PEER_ABORTED recorded, naming the rank that gave up) when some rank has given
@@ -131,7 +141,7 @@ __device__ __forceinline__ bool stop_if_a_rank_gave_up(void* const* buffer_ptrs,
     const int quitter = rank_that_gave_up(buffer_ptrs, rank);
     if (quitter < 0)
         return false;
-    report_a_rank_gave_up(error_record, kernel, rank, channel, quitter, detail);
+    report_a_rank_gave_up(buffer_ptrs, error_record, kernel, rank, channel, quitter, detail);
     return true;
 }
 
@@ -177,7 +187,7 @@ __device__ __forceinline__ bool transfer_may_start(void* const* buffer_ptrs, int
     if (quitter < 0)
         return true;
     if (blockIdx.x == 0 && threadIdx.x == 0)
-        report_a_rank_gave_up(error_record, kernel, rank, -1, quitter, -1);
+        report_a_rank_gave_up(buffer_ptrs, error_record, kernel, rank, -1, quitter, -1);
     return false;
 }
 

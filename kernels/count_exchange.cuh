@@ -43,7 +43,10 @@ struct CountExchange {
 // A host that allocated the outputs before knowing the counts (and launched the dispatch right
 // behind this kernel) states how many rows it allocated; if any rank receives more, every rank
 // sees it in the same table, and the verdict VERDICT_OVER_CAPACITY makes every rank's dispatch
-// move nothing, so that the hosts can redo the call with exact sizes. A refused call publishes
+// move nothing, so that the hosts can redo the call with exact sizes (each host is given its
+// receive count then, not 0). A host that failed before the call (out of memory for the
+// outputs, say) states minus the failure's code as its capacity: it takes part only so that every
+// rank refuses the call together (VERDICT_HOST_FAILED, settings_verdict). A refused call publishes
 // zero counts and a zero rank prefix matrix (a combine with its handle then moves nothing), and
 // with `report_refusal` also leaves the verdict in the error record: a host that does not wait
 // for the counts (num_worst_tokens, CUDA graphs) learns of it there at its next check. So is a
@@ -80,8 +83,10 @@ __device__ __forceinline__ void exchange_counts(const CountExchange& c, const in
     }
     invalid = __syncthreads_or(invalid);
 
-    // Scatter this rank's row of every table into every peer's notify area.
-    publish_signature(buffer_ptrs, num_ranks, rank, notify_off, signature, invalid);
+    // Scatter this rank's row of every table into every peer's notify area. A negative capacity
+    // is a host that failed before the call and takes part only to refuse it (HOST_FAILURES code).
+    publish_signature(buffer_ptrs, num_ranks, rank, notify_off, signature,
+                      c.recv_capacity < 0 ? HOST_FAILURE_FLAG - c.recv_capacity : invalid);
     const int row_ints = num_ranks + experts_per_rank + 1;
     for (int i = thread; i < num_ranks * row_ints; i += num_threads) {
         const int peer = i / row_ints, j = i % row_ints;
@@ -131,13 +136,16 @@ __device__ __forceinline__ void exchange_counts(const CountExchange& c, const in
     __syncthreads();
     const bool refused = call_verdict != 0;
     if (thread < num_ranks) {
-        int running = 0;
+        int running = 0, received = 0;
         for (int src = 0; src < num_ranks; ++src) {
+            received += rank_counts[src * num_ranks + thread];
             running += refused ? 0 : rank_counts[src * num_ranks + thread];
             c.rank_prefix_matrix[src * num_ranks + thread] = running;
         }
+        // A host that waits for the count of a call refused for want of rows learns the rows it
+        // needs, to allocate them before it redoes the call.
         if (thread == rank)
-            num_recv_tokens = running;
+            num_recv_tokens = call_verdict == VERDICT_OVER_CAPACITY && !c.report_refusal ? received : running;
     }
     for (int e = thread; e < experts_per_rank; e += num_threads) {
         int sum = 0;

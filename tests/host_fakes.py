@@ -24,7 +24,7 @@ from deepep_cupy import buffer as buffer_module
 from deepep_cupy import launch, slots, tensors
 from deepep_cupy.buffer import Buffer
 from deepep_cupy.comm import Group
-from deepep_cupy.constants import VERDICT_OVER_CAPACITY
+from deepep_cupy.constants import HOST_FAILURE_FLAG, VERDICT_HOST_FAILED, VERDICT_OVER_CAPACITY
 from deepep_cupy.events import EventOverlap
 from deepep_cupy.slots import ERROR_RECORD, HostSlots
 from deepep_cupy.streams import StreamOrder
@@ -128,9 +128,12 @@ class FakeNvlBuffer:
 class Launches:
     """Records every launch (kernel name, its parameters as a dict) and answers count exchanges.
 
-    ``received``: what each notify_dispatch reports as this rank's receive count, in order (the
-    last one repeats; -1: it publishes none); a count above the capacity the host stated gives
-    VERDICT_OVER_CAPACITY. ``verdict``: a verdict to report instead (e.g. a settings mismatch).
+    ``received``: what each call's count exchange reports as this rank's receive count, in order
+    (the last one repeats; -1: it publishes none); a count above the capacity the host stated gives
+    VERDICT_OVER_CAPACITY, and the exchange of the call redone after it reports the same count (the
+    same inputs: a call, not an exchange, takes the next count). A negative capacity (a host that
+    takes part only to refuse the call) gives VERDICT_HOST_FAILED for this rank and a count of 0.
+    ``verdict``: a verdict to report instead (e.g. a settings mismatch).
     ``error``: an error record notify_dispatch writes after the count (a barrier that failed).
     ``timeline``: a list that also gets ``("launch", kernel name, stream)`` per launch.
     """
@@ -144,6 +147,7 @@ class Launches:
         self.error = error
         self.timeline = timeline
         self.log = []
+        self._redo = None  # the count of a call refused for want of rows, which its redo gets again
 
     def __call__(self, call, stream_ptr):
         params = {name: getattr(call.params.values, name) for name in call.params.names}
@@ -151,10 +155,21 @@ class Launches:
         if self.timeline is not None:
             self.timeline.append(("launch", call.name, stream_ptr))
         if call.name == "notify_dispatch_kernel" or params.get("exchange"):
-            count = self.received.pop(0) if len(self.received) > 1 else self.received[0]
+            if self._redo is not None:
+                count, self._redo = self._redo, None
+            else:
+                count = self.received.pop(0) if len(self.received) > 1 else self.received[0]
             values = self.slots.values
             values[slots.EXPERT_COUNTS:slots.EXPERT_COUNTS + len(self.expert_counts)] = self.expert_counts
-            values[slots.VERDICT] = self.verdict or (VERDICT_OVER_CAPACITY if count > params["recv_capacity"] else 0)
+            capacity = params["recv_capacity"]
+            if capacity < 0:
+                verdict = VERDICT_HOST_FAILED + params["rank"] * HOST_FAILURE_FLAG - capacity
+                count = 0 if count >= 0 else count
+            else:
+                verdict = self.verdict or (VERDICT_OVER_CAPACITY if count > capacity else 0)
+            if verdict == VERDICT_OVER_CAPACITY:
+                self._redo = count
+            values[slots.VERDICT] = verdict
             values[slots.RECV_COUNT] = count
             if self.error is not None:
                 values[ERROR_RECORD:ERROR_RECORD + len(self.error)] = self.error
@@ -316,7 +331,8 @@ class _Router:
 
     def __call__(self, call, stream_ptr):
         for buf, launches in self.routes:
-            if any(call in (p.main, p.notify, p.main_with_exchange, p.main_for_host) for p in buf._plans.values()) or \
-                    any(call is c for c in buf._expand_calls.values()):
+            planned = (c for p in buf._plans.values()
+                       for c in (p.main, p.notify, p.main_with_exchange, p.main_for_host, p.refuse))
+            if any(call is c for c in planned) or any(call is c for c in buf._expand_calls.values()):
                 return launches(call, stream_ptr)
         raise AssertionError(f"a launch of {call.name} from no fake Buffer's plan")

@@ -87,7 +87,7 @@ def test_calls_without_config_follow_set_num_sms(fake, default_num_sms):
     w = workload()
     ep.Buffer.set_num_sms(8)
     buf.dispatch(**w)
-    assert launches.last("notify_dispatch_kernel")["num_channels"] == ep.Config(8).num_channels
+    assert launches.last("dispatch_kernel<2>")["num_channels"] == ep.Config(8).num_channels
 
 
 def test_the_small_names_deepep_scripts_touch_exist():

@@ -44,10 +44,13 @@ def fake(monkeypatch):
 
 # --- what is launched ------------------------------------------------------------------------
 
-def test_a_fresh_dispatch_exchanges_counts_then_moves_tokens(fake):
-    buf, launches, _ = fake
+def test_a_first_dispatch_learns_its_count_in_a_round_that_moves_nothing_then_allocates_exactly(fake):
+    buf, launches, lib = fake
     dispatch(buf, workload())
-    assert launches.names() == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names() == ["dispatch_kernel<2>", "dispatch_kernel<2>"]
+    assert [p["recv_capacity"] for _, p in launches.log] == [0, 100]
+    assert [p["exchange"] for _, p in launches.log] == [1, 1]
+    assert buf.last_dispatch_allocation == "exact" and buf.last_dispatch_rows_allocated == 100
 
 
 def test_every_operation_sets_every_kernel_parameter(fake):
@@ -64,8 +67,10 @@ def test_every_operation_sets_every_kernel_parameter(fake):
     buf.dispatch(fp8, handle=handle, config=CONFIG)
     buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
     buf.combine(recv_x, handle, config=CONFIG)
-    assert set(launches.names()) == {"dispatch_layout_kernel", "notify_dispatch_kernel", "dispatch_kernel<2>",
-                                     "combine_kernel<bf16_t, 2>"}
+    assert set(launches.names()) == {"dispatch_layout_kernel", "dispatch_kernel<2>", "combine_kernel<bf16_t, 2>"}
+    buf._exchange_in_transfer = False  # in-process ranks make the count exchange in notify_dispatch
+    dispatch(buf, w)
+    assert "notify_dispatch_kernel" in launches.names()
 
 
 def test_the_transfer_reads_the_callers_arrays_and_writes_the_returned_ones(fake):
@@ -78,18 +83,30 @@ def test_the_transfer_reads_the_callers_arrays_and_writes_the_returned_ones(fake
     assert p["recv_x"] == recv_x.ctypes.data and p["recv_topk_idx"] == recv_topk.ctypes.data
     assert p["recv_topk_weights"] == recv_w.ctypes.data
     assert p["send_head"] == handle[5].ctypes.data and p["recv_src_idx"] == handle[3].ctypes.data
-    notify = launches.last("notify_dispatch_kernel")
-    assert p["rank_prefix_matrix"] == handle[0].ctypes.data == notify["rank_prefix_matrix"]
+    assert p["rank_prefix_matrix"] == handle[0].ctypes.data
     assert p["buffer_ptrs"] == 0xB0F and p["num_tokens"] == N and p["hidden_int4"] == H * 2 // 16
 
 
-def test_a_dispatch_waiting_for_its_counts_exchanges_them_in_notify_dispatch_launched_first(fake):
+def test_a_dispatch_of_a_rank_with_a_process_of_its_own_is_one_launch_exchanging_counts_for_its_host(fake):
     buf, launches, _ = fake
     w = workload()
-    for _ in range(2):  # exactly, then allocated ahead
+    for rounds in (2, 1):  # exactly (its count learned first), then allocated ahead
         before = len(launches.log)
         dispatch(buf, w)
-        assert launches.names()[before:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+        assert launches.names()[before:] == ["dispatch_kernel<2>"] * rounds
+        transfer = launches.last("dispatch_kernel<2>")
+        assert transfer["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
+        assert transfer["exchange"] == 1 and transfer["check_op"] == 0
+
+
+def test_in_process_ranks_exchange_counts_in_notify_dispatch_launched_before_the_transfer(fake):
+    buf, launches, _ = fake
+    buf._exchange_in_transfer = False  # as for ranks that are threads of one process
+    w = workload()
+    for rounds in (2, 1):
+        before = len(launches.log)
+        dispatch(buf, w)
+        assert launches.names()[before:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"] * rounds
         notify, transfer = launches.last("notify_dispatch_kernel"), launches.last("dispatch_kernel<2>")
         assert notify["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
         assert transfer["exchange"] == transfer["check_op"] == 0
@@ -143,8 +160,11 @@ def test_repeated_calls_launch_the_same_parameters_so_a_captured_call_replays_in
     for _ in range(2):
         buf.dispatch(w["x"], handle=handle, config=CONFIG)
         buf.combine(recv_x, handle, config=CONFIG)
-    cached = [p for name, p in launches.log if name == "dispatch_kernel<2>"][-2:]
-    combine = [p for name, p in launches.log if name == "combine_kernel<bf16_t, 2>"]
+    outputs = ("recv_x", "recv_x_scales", "combined_x", "combined_topk_weights")  # allocated per call
+    cached = [{k: v for k, v in p.items() if k not in outputs} for name, p in launches.log
+              if name == "dispatch_kernel<2>"][-2:]
+    combine = [{k: v for k, v in p.items() if k not in outputs} for name, p in launches.log
+               if name == "combine_kernel<bf16_t, 2>"]
     assert cached[0] == cached[1] and combine[0] == combine[1]
     assert not {"epoch", "notify_off"} & set(cached[0])
 
@@ -361,12 +381,12 @@ def test_a_failed_check_launches_nothing_and_leaves_the_buffer_usable(fake):
 
 # --- sizing a fresh dispatch's outputs ahead of its counts -----------------------------------
 
-def test_the_first_dispatch_waits_for_the_counts(monkeypatch):
+def test_the_first_dispatch_learns_its_count_before_it_allocates(monkeypatch):
     buf, launches, lib = fake_buffer(monkeypatch, received=(180,))
     dispatch(buf, workload())
     assert buf.last_dispatch_allocation == "exact"
-    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == 2 ** 31 - 1
-    assert (180, H) in [shape for shape, _ in lib.allocations]
+    assert [p["recv_capacity"] for _, p in launches.log] == [0, 180]
+    assert [shape for shape, _ in lib.allocations if len(shape) == 2 and shape[1] == H] == [(0, H), (180, H)]
 
 
 def test_the_next_dispatch_allocates_ahead_from_the_last_count(monkeypatch):
@@ -374,21 +394,21 @@ def test_the_next_dispatch_allocates_ahead_from_the_last_count(monkeypatch):
     dispatch(buf, workload())
     dispatch(buf, workload())
     rows = int(180 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
-    assert buf.last_dispatch_allocation == "ahead"
-    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == rows
+    assert buf.last_dispatch_allocation == "ahead" and buf.last_dispatch_rows_allocated == rows
+    assert launches.last("dispatch_kernel<2>")["recv_capacity"] == rows
     assert (rows, H) in [shape for shape, _ in lib.allocations]
 
 
 def test_a_dispatch_that_outgrows_its_guess_is_redone_with_exact_sizes(monkeypatch):
-    buf, launches, _ = fake_buffer(monkeypatch, received=(10, 400, 400, 390))
+    buf, launches, _ = fake_buffer(monkeypatch, received=(10, 400, 390))
     dispatch(buf, workload())
     recv_x = dispatch(buf, workload())[0]
     assert buf.last_dispatch_allocation == "retried" and recv_x.shape == (400, H)
-    assert launches.names()[2:] == ["notify_dispatch_kernel", "dispatch_kernel<2>",
-                                    "notify_dispatch_kernel", "dispatch_kernel<2>"]
+    guess = int(10 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    assert [p["recv_capacity"] for _, p in launches.log[2:]] == [guess, 400]
     dispatch(buf, workload())  # the retried call's count is the next guess
     rows = int(400 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
-    assert launches.last("notify_dispatch_kernel")["recv_capacity"] == rows
+    assert launches.last("dispatch_kernel<2>")["recv_capacity"] == rows
 
 
 def test_without_allocate_ahead_every_dispatch_waits_for_the_counts(monkeypatch):
@@ -396,7 +416,7 @@ def test_without_allocate_ahead_every_dispatch_waits_for_the_counts(monkeypatch)
     dispatch(buf, workload())
     dispatch(buf, workload())
     assert buf.last_dispatch_allocation == "exact"
-    assert [p["recv_capacity"] for name, p in launches.log if name.startswith("notify")] == [2 ** 31 - 1] * 2
+    assert [p["recv_capacity"] for _, p in launches.log] == [0, 180, 0, 170]
 
 
 # --- the next call's outputs, allocated while a call waits for its counts ---------------------
@@ -458,7 +478,7 @@ def test_in_process_ranks_move_tokens_into_ready_outputs_behind_notify_dispatch(
 def test_a_dispatch_with_another_token_count_neither_uses_nor_prepares_outputs(monkeypatch):
     buf, launches, lib, launched, allocated = steady(monkeypatch)
     dispatch(buf, workload(num_tokens=N // 2))
-    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[launched:] == ["dispatch_kernel<2>"]
     assert len(lib.allocations) - allocated == 2 and buf._next_outputs.ready is None
 
 
@@ -467,7 +487,7 @@ def test_outputs_ready_for_another_stream_or_plan_are_not_used(monkeypatch, chan
     buf, launches, _, launched, _ = steady(monkeypatch)
     ready = buf._next_outputs.ready
     recv_x = dispatch(buf, workload(), **change)[0]
-    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[launched:] == ["dispatch_kernel<2>"]
     assert recv_x.ctypes.data != ready.pointers[0]
 
 
@@ -478,7 +498,7 @@ def test_dispatches_alternating_between_two_plans_prepare_nothing(monkeypatch):
         assert buf._next_outputs.ready is None
         dispatch(buf, workload())
         assert buf._next_outputs.ready is None
-    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"] * 4
+    assert launches.names()[launched:] == ["dispatch_kernel<2>"] * 4
 
 
 def test_outputs_above_the_byte_limit_are_not_prepared(monkeypatch):
@@ -486,13 +506,14 @@ def test_outputs_above_the_byte_limit_are_not_prepared(monkeypatch):
     buf, launches, _, launched, _ = steady(monkeypatch)
     assert buf._next_outputs.ready is None and buf._next_outputs.over_limit
     dispatch(buf, workload())
-    assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[launched:] == ["dispatch_kernel<2>"]
 
 
 def test_a_dispatch_outgrowing_its_ready_outputs_is_redone_with_exact_sizes(monkeypatch):
-    buf, launches, _, launched, _ = steady(monkeypatch, received=(100, 100, 400, 400))
+    buf, launches, _, launched, _ = steady(monkeypatch, received=(100, 100, 400))
     recv_x = dispatch(buf, workload())[0]
-    assert launches.names()[launched:] == ["dispatch_kernel<2>", "notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[launched:] == ["dispatch_kernel<2>", "dispatch_kernel<2>"]
+    assert launches.last("dispatch_kernel<2>")["recv_capacity"] == 400
     assert buf.last_dispatch_allocation == "retried" and recv_x.shape == (400, H)
 
 
@@ -530,7 +551,7 @@ def test_expert_ids_out_of_range_are_named_on_the_rank_that_passed_them(monkeypa
 
 def test_over_capacity_is_not_an_error(monkeypatch):
     assert VERDICT_OVER_CAPACITY > 0
-    buf, _, _ = fake_buffer(monkeypatch, received=(50, 5000, 5000))
+    buf, _, _ = fake_buffer(monkeypatch, received=(50, 5000))
     dispatch(buf, workload())
     assert dispatch(buf, workload())[0].shape == (5000, H)
 
@@ -621,14 +642,12 @@ def test_a_dispatch_allocating_ahead_is_handed_over_before_its_host_waits_for_th
     assert names.index("record") < names.index("count wait"), timeline
 
 
-@pytest.mark.parametrize("case", ["allocating exactly", "expanding"])
-def test_a_dispatch_launching_after_the_count_is_handed_over_after_it(monkeypatch, case):
+def test_an_expanding_dispatch_launching_after_its_count_is_handed_over_after_it(monkeypatch):
     buf, timeline = _timeline_with_count_waits(monkeypatch, received=(100,), expert_counts=[4] * (E // R))
     w = workload()
-    if case == "expanding":
-        dispatch(buf, w)
-        timeline.clear()
-    dispatch(buf, w, expand=case == "expanding")
+    dispatch(buf, w)
+    timeline.clear()
+    dispatch(buf, w, expand=True)
     names = [entry[0] for entry in timeline]
     assert names.index("count wait") < names.index("record"), timeline
     assert max(i for i, name in enumerate(names) if name == "launch") < names.index("record")
@@ -682,7 +701,7 @@ def test_an_operation_that_raises_after_ordering_its_call_leaves_later_calls_beh
 def test_an_expanding_dispatch_regroups_the_received_rows_per_local_expert(fake):
     buf, launches, _ = fake
     recv_x, recv_topk, _, per_expert, handle, _ = dispatch(buf, workload(), expand=True)
-    assert launches.names()[-3:] == ["notify_dispatch_kernel", "dispatch_kernel<2>", "expand_kernel"]
+    assert launches.names()[-2:] == ["dispatch_kernel<2>", "expand_kernel"]
     expand = launches.last("expand_kernel")
     total = sum(range(E // R))
     assert recv_x.shape == (total, H) and handle.expanded_rows.shape == (total,)
@@ -750,13 +769,12 @@ def refused_before_any_launch(launches, match):
 def test_recv_x_in_buffer_returns_views_of_the_nvlink_buffer_written_by_every_block(in_place):
     buf, launches, lib = in_place
     recv_x, recv_topk, recv_w, _, handle, _ = dispatch(buf, workload(), recv_x_in_buffer=True)
-    assert launches.names() == ["notify_dispatch_kernel", "dispatch_kernel<2, false, true>"]
+    assert launches.names() == ["dispatch_kernel<2, false, true>"] * 2  # its count learned, then the rows
     p = launches.last("dispatch_kernel<2, false, true>")
     assert p["num_senders"] == CONFIG.num_sms and p["num_channels"] == CONFIG.num_channels == handle.num_channels
     assert recv_x.shape == (100, H) and recv_topk.shape == recv_w.shape == (100, K)
     assert all(inside(buf, a) for a in (recv_x, recv_topk, recv_w))
-    assert (p["recv_x"], p["recv_topk_idx"], p["recv_topk_weights"]) == \
-        (recv_x.ctypes.data, recv_topk.ctypes.data, recv_w.ctypes.data)
+    assert p["recv_x"] == p["recv_topk_idx"] == p["recv_topk_weights"] == 0  # the kernel takes none in place
     assert not any(shape == (100, H) for shape, _ in lib.allocations), "recv_x was allocated"
 
 
@@ -773,20 +791,24 @@ def test_a_dispatch_with_rows_in_place_allocating_ahead_is_one_launch_making_the
     assert p["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
     assert p["mismatch_flag"] == buf._slots.device_ptr(slots.VERDICT)
     assert p["recv_expert_counter"] == buf._slots.device_ptr(slots.EXPERT_COUNTS)
-    assert p["recv_capacity"] == int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
+    # The guess, but no more rows than the areas hold (a rank never receives more: capacity.py).
+    most_rows = R * handle.rows_in_buffer.region_tokens
+    assert p["recv_capacity"] == min(int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS, most_rows)
     assert p["rank_prefix_matrix"] == handle[0].ctypes.data and inside(buf, recv_x)
 
 
-def test_a_dispatch_allocating_its_outputs_ahead_launches_notify_dispatch_before_them(fake):
-    # The transfer takes the outputs' addresses: the exchange is launched first, so that it runs
-    # while the host allocates them.
+def test_a_dispatch_allocates_its_outputs_before_its_count_exchange(fake):
+    # So that a host that cannot allocate them can still take part in the exchange, to refuse the
+    # call on every rank (see the refusal tests below).
     buf, launches, _ = fake
     w = workload()
     dispatch(buf, w)
     before = len(launches.log)
-    dispatch(buf, w)
+    recv_x = dispatch(buf, w, topk_weights=None)[0]  # another plan: nothing prepared for it
     assert buf.last_dispatch_allocation == "ahead"
-    assert launches.names()[before:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[before:] == ["dispatch_kernel<2>"]
+    p = launches.last("dispatch_kernel<2>")
+    assert p["exchange"] == 1 and p["recv_x"] == recv_x.ctypes.data
 
 
 def test_in_process_ranks_with_rows_in_place_exchange_the_counts_in_notify_dispatch(monkeypatch):
@@ -810,9 +832,9 @@ def test_from_16_sms_an_in_place_dispatch_writes_its_own_rows_on_blocks_of_their
     w = workload()
     handle = dispatch(buf, w, config=config, recv_x_in_buffer=True)[4]
     buf.dispatch(w["x"], handle=handle, config=config, recv_x_in_buffer=True)
-    fresh, cached = [params for name, params in launches.log if name == "dispatch_kernel<2, false, true>"]
+    *fresh, cached = [params for name, params in launches.log if name == "dispatch_kernel<2, false, true>"]
     # num_senders: the blocks that push to the peers; the 8 before them write this rank's rows.
-    assert fresh["num_senders"] == cached["num_senders"] == 24 - 8
+    assert [p["num_senders"] for p in fresh] == [24 - 8] * 2 and cached["num_senders"] == 24 - 8
 
 
 def test_a_cached_dispatch_with_recv_x_in_buffer_checks_that_setting_across_ranks(in_place):
@@ -860,7 +882,7 @@ def test_copies_of_the_outputs_of_a_dispatch_with_rows_in_place_are_accepted(in_
     before = len(launches.log)
     buf.combine(copy_of(recv_x), handle, topk_weights=copy_of(recv_w), config=CONFIG)
     dispatch(buf, {**w, "topk_idx": copy_of(recv_topk[:N])})
-    assert launches.names()[before:] == ["combine_kernel<bf16_t, 2>", "notify_dispatch_kernel", "dispatch_kernel<2>"]
+    assert launches.names()[before:] == ["combine_kernel<bf16_t, 2>", "dispatch_kernel<2>"]
 
 
 def test_a_combine_of_recv_x_overwritten_in_place_reads_every_ranks_rows_where_they_lie(in_place):

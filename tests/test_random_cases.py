@@ -187,7 +187,7 @@ def test_a_tiny_case_runs_through_the_reference(case):
         # The "ahead" allocation (gpu_worker.run_scenario) leaves room for what this rank receives.
         guess = ReceiveCapacityGuess()
         guess.observe(counts_of(case)[j], total)
-        assert guess.rows(counts_of(case)[j]) >= received
+        assert guess.rows(counts_of(case)[j], 1 << 30) >= received
     if case["combine"]:
         weights = [r["recv_topk_weights"] for r in results] if case["with_weights"] else None
         combined = ref.combine([r["recv_x"] for r in results], results, topk_weights=weights)
