@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,12 @@ def test_command_line_prints_markdown_tables_for_each_nic_rate(capsys):
     assert "| 64 | 8 | dispatch FP8 |" in out and "| 16 | 8 | combine BF16 |" in out
     assert all(line.count("|") >= 2 for line in out.splitlines() if line.startswith("|"))
     assert math.isfinite(float(out.split("| 64 | 8 | dispatch FP8 | ")[1].split(" |")[0]))
+
+
+def test_the_tables_of_docs_scale_model_are_what_the_command_prints():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "SCALE_MODEL.md").read_text()
+    printed = sm.render(sm.build_parser().parse_args([]))
+    table_rows = [line for line in printed.splitlines() if line.startswith("| ")]
+    assert len(table_rows) > 60
+    missing = [line for line in table_rows if line not in doc]
+    assert not missing, f"docs/SCALE_MODEL.md is out of date (rerun the command): {missing[:3]}"

@@ -286,8 +286,8 @@ class Rates:
 
     ``nic_gbps``: NIC line rate per GPU, GB/s each way (400 Gb/s = 50).
     ``nic_efficiency``: fraction of it a large NCCL send/recv reaches.
-    ``nvlink``: the intranode kernels' costs, per op (``dispatch_fresh``, ``dispatch_cached``,
-    ``combine``) and dtype, measured; ``nvlink_gbps`` overrides their rate (e.g. an H800's).
+    ``nvlink_gbps``: ``None`` takes the intranode kernels' rates as measured (:meth:`nvlink`, per op
+    and dtype); a number replaces their rate, their fixed costs kept (an H800's: ~134).
     ``hbm_gbps``: a copy kernel's HBM traffic (read + write).
     ``host_round_trip_us``: GPU -> host counts and the wait for them (fresh dispatch only).
     ``count_exchange_us_per_step``: one step of the small all-to-all of node counts over the rail
@@ -477,14 +477,15 @@ def time_table(workload: Workload, clusters: Sequence[Cluster], rates: Rates, ro
     for cluster in clusters:
         flow = traffic(workload, cluster, routing_pairs(workload, cluster, routing, samples=samples, seed=seed))
         published = DEEPEP_V1_PUBLISHED.get(cluster.num_ranks) if cluster.gpus_per_node == 8 else None
-        ops = [("dispatch FP8", "fp8", dispatch_time(workload, cluster, flow, rates, "fp8", cached=True), 0),
+        # (name, dtype, times, index into DeepEP's published pair or None, flat all-to-all shown)
+        ops = [("dispatch FP8", "fp8", dispatch_time(workload, cluster, flow, rates, "fp8", cached=True), 0, True),
                ("fresh dispatch FP8", "fp8", dispatch_time(workload, cluster, flow, rates, "fp8", cached=False),
-                None),
-               ("combine BF16", "bf16", combine_time(workload, cluster, flow, rates), 1)]
-        for name, dtype, op, which in ops:
+                None, False),
+               ("combine BF16", "bf16", combine_time(workload, cluster, flow, rates), 1, True)]
+        for name, dtype, op, which, with_flat in ops:
             side = op.stages_us.get("pack", op.stages_us.get("sum", 0.0))
             seq, ovl = op.sequential_us, op.overlapped_us
-            flat = flat_all_to_all_us(workload, cluster, flow, rates, dtype) if name != "fresh dispatch FP8" else None
+            flat = flat_all_to_all_us(workload, cluster, flow, rates, dtype) if with_flat else None
             rows.append([
                 str(cluster.num_ranks), str(cluster.gpus_per_node),
                 name + (f" (+{op.fixed_us:.0f} counts)" if op.fixed_us else ""),
