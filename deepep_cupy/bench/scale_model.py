@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-#: FP8 rows: one byte a value plus a float32 scale per 128 values (DeepEP's accounting).
-FP8_SCALE_BLOCK = 128
+from ..constants import FP8_SCALE_BLOCK
+
 #: The EP sizes of the tables.
 DEFAULT_EP_SIZES = (16, 32, 64, 128, 256)
 #: DeepEP's test limits a token to ``min(nodes, 4)`` nodes ("4 node groups").
