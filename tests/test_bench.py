@@ -135,6 +135,27 @@ def test_summarize_op_takes_slowest_rank_time_and_min_rate():
     assert no_bytes["gbps"] is None and no_bytes["xgpu_gbps"] is None
 
 
+def test_the_op_table_reports_the_peak_device_memory_of_the_rank_that_held_most():
+    r0 = bench.op_stats([100e-6], 1e6, 5e5, peak_bytes=3 << 20)
+    r1 = bench.op_stats([100e-6], 1e6, 5e5, peak_bytes=5 << 20)
+    row = bench.summarize_op("dispatch BF16", [r0, r1])
+    assert row["peak_mib"] == 5.0 and [r["peak_mib"] for r in row["per_rank"]] == [3.0, 5.0]
+    assert "peak MiB" in report.format_table([row]) and "5.0" in report.format_table([row])
+    assert bench.summarize_op("layout", [_stats([1e-6], None, None)] * 2)["peak_mib"] is None
+
+
+def test_the_peak_memory_hook_counts_the_pool_bytes_held_at_once():
+    pytest.importorskip("cupy")
+    from deepep_cupy.bench.memory import peak_pool_bytes
+
+    hook = peak_pool_bytes()
+    for mem_size in (512, 1024):
+        hook.malloc_postprocess(device_id=0, size=mem_size, mem_size=mem_size, mem_ptr=0, pmem_id=0)
+    hook.free_postprocess(device_id=0, mem_size=512, mem_ptr=0, pmem_id=0)
+    hook.malloc_postprocess(device_id=0, size=256, mem_size=256, mem_ptr=0, pmem_id=0)
+    assert hook.peak_bytes == 1536 and hook.in_use == 1280
+
+
 def test_format_table_contains_the_figures():
     # mean 342 us, min 340 us; bytes chosen for 300 GB/s overall and 150 GB/s cross-GPU
     row = bench.summarize_op("dispatch BF16", [_stats([344e-6, 340e-6], 300e9 * 342e-6, 150e9 * 342e-6)])

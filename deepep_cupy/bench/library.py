@@ -10,6 +10,7 @@ import numpy as np
 
 from ..config import config_to_dict
 from .calls import bench_calls_rank
+from .memory import peak_pool_bytes
 from .report import op_stats, tune_grid
 from .timing import _Progress, make_l2_flush, time_op
 from .workload import dispatch_bytes, make_workload, recv_token_counts
@@ -241,10 +242,11 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
         result["ops"] = {}
         for name, fn, dt in ops:
             group.barrier()
-            times = time_op(fn, args.warmup, args.iters, stream, flush)
+            with peak_pool_bytes() as memory:
+                times = time_op(fn, args.warmup, args.iters, stream, flush)
             nb = None if dt is None else dispatch_bytes(total, H, dt)
             cb = None if dt is None else dispatch_bytes(cross, H, dt)
-            result["ops"][name] = op_stats(times, nb, cb)
+            result["ops"][name] = op_stats(times, nb, cb, memory.peak_bytes)
             if name.startswith("dispatch"):  # how the last timed fresh dispatch sized its outputs
                 result.setdefault("dispatch_allocation", {})[name] = buf.last_dispatch_allocation
         del out_bf16, out_fp8, cached_x, combined_x

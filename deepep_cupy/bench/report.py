@@ -19,14 +19,16 @@ from .workload import gbps
 
 
 def op_stats(times: Sequence[float], nbytes: Optional[float] = None,
-             cross_bytes: Optional[float] = None) -> Dict[str, Any]:
-    """One rank's figures for one op: ``times`` in seconds, bytes it received (or ``None``)."""
+             cross_bytes: Optional[float] = None, peak_bytes: Optional[int] = None) -> Dict[str, Any]:
+    """One rank's figures for one op: ``times`` in seconds, bytes it received (or ``None``), and
+    the peak device memory its timed calls held at once (``memory.peak_pool_bytes``; or ``None``)."""
     times = [float(t) for t in times]
     return {"times_us": [t * 1e6 for t in times],
             "mean_us": float(np.mean(times)) * 1e6 if times else float("nan"),
             "min_us": float(np.min(times)) * 1e6 if times else float("nan"),
             "bytes": None if nbytes is None else float(nbytes),
-            "cross_bytes": None if cross_bytes is None else float(cross_bytes)}
+            "cross_bytes": None if cross_bytes is None else float(cross_bytes),
+            "peak_mib": None if peak_bytes is None else peak_bytes / 2 ** 20}
 
 
 def summarize_op(name: str, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -34,11 +36,15 @@ def summarize_op(name: str, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any
 
     Time mean/min: the max over ranks of each rank's mean/min (a collective is as slow as its
     slowest rank). GB/s: each rank's bytes over its mean time; ``gbps`` is the minimum over ranks,
-    ``gbps_avg`` the mean; ``xgpu_*`` the same for the bytes received from other ranks.
+    ``gbps_avg`` the mean; ``xgpu_*`` the same for the bytes received from other ranks. Peak MiB:
+    the most device memory one rank's calls held at once (``peak_mib``, max over ranks; per rank in
+    ``per_rank``).
     """
     row: Dict[str, Any] = {"op": name,
                            "time_mean_us": max(r["mean_us"] for r in per_rank),
                            "time_min_us": max(r["min_us"] for r in per_rank)}
+    peaks = [r.get("peak_mib") for r in per_rank]
+    row["peak_mib"] = None if any(p is None for p in peaks) else max(peaks)
     for key, out in (("bytes", "gbps"), ("cross_bytes", "xgpu_gbps")):
         if all(r.get(key) is not None for r in per_rank):
             rates = [gbps(r[key], r["mean_us"] * 1e-6) for r in per_rank]
@@ -51,7 +57,8 @@ def summarize_op(name: str, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any
 
 OP_COLUMNS = (("op", "op", "{}"), ("time_mean_us", "mean us", "{:.1f}"), ("time_min_us", "min us", "{:.1f}"),
               ("gbps", "GB/s", "{:.1f}"), ("gbps_avg", "GB/s avg", "{:.1f}"),
-              ("xgpu_gbps", "xGPU GB/s", "{:.1f}"), ("xgpu_gbps_avg", "xGPU avg", "{:.1f}"))
+              ("xgpu_gbps", "xGPU GB/s", "{:.1f}"), ("xgpu_gbps_avg", "xGPU avg", "{:.1f}"),
+              ("peak_mib", "peak MiB", "{:.1f}"))
 
 
 def _cell(value: Any, fmt: str) -> str:
