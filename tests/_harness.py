@@ -38,14 +38,56 @@ ONE_GPU_MPI = os.environ.get("DEEPEP_TEST_ONE_GPU_MPI", "0").strip() == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def gpu_count() -> int:
-    """The number of CUDA devices visible to this process; 0 when CuPy or the driver is missing."""
+def probe_gpus():
+    """``deepep_cupy.gpu_check.probe()`` once per session: ``(count, reason)``, the reason saying why
+    the probe failed (no CuPy, no driver, ...) or None."""
     try:
-        import cupy
+        from deepep_cupy.gpu_check import probe
+    except Exception as exc:  # noqa: BLE001 - the package itself is broken: no GPU test can run
+        from types import SimpleNamespace
 
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
+        return SimpleNamespace(count=0, reason=f"deepep_cupy.gpu_check does not import ({type(exc).__name__}: {exc})")
+    return probe()
+
+
+def gpu_count() -> int:
+    """The number of CUDA devices visible to this process; 0 when the probe failed (see :func:`probe_gpus`)."""
+    return probe_gpus().count
+
+
+def found_gpus() -> str:
+    """``"found N"``, with the probe's reason when it failed: the end of every GPU skip reason."""
+    found = probe_gpus()
+    return f"found {found.count}" + (f": {found.reason}" if found.reason else "")
+
+
+def required_gpus() -> int:
+    """``DEEPEP_TEST_REQUIRE_GPUS`` (0 when unset): the GPUs this run promises (tests/conftest.py)."""
+    value = os.environ.get("DEEPEP_TEST_REQUIRE_GPUS", "").strip() or "0"
+    try:
+        required = int(value)
+    except ValueError:
+        required = -1
+    if required < 0:
+        raise ValueError(f"DEEPEP_TEST_REQUIRE_GPUS={value!r}: expected a number of GPUs (0 or more)")
+    return required
+
+
+def skip_unless_gpus(need: int, what: str = "") -> None:
+    """Skip the current test when fewer than ``need`` GPUs are usable, saying how many were found
+    and why the probe failed; fail instead when ``DEEPEP_TEST_REQUIRE_GPUS=N`` promised at least
+    ``min(N, need)`` of them (tests/conftest.py states the rule)."""
+    import pytest
+
+    have = gpu_count()
+    if have >= need:
+        return
+    message = f"{what or 'needs'} {need} GPUs, {found_gpus()}"
+    required = required_gpus()
+    if have < min(required, need):
+        pytest.fail(f"{message} (DEEPEP_TEST_REQUIRE_GPUS={required}: too few usable GPUs is a failure)",
+                    pytrace=False)
+    pytest.skip(message)
 
 
 def gpus_needed_under_mpiexec(num_ranks: int) -> int:
@@ -55,12 +97,9 @@ def gpus_needed_under_mpiexec(num_ranks: int) -> int:
 
 
 def skip_unless_gpus_for_mpiexec(num_ranks: int) -> None:
-    import pytest
-
-    need, have = gpus_needed_under_mpiexec(num_ranks), gpu_count()
-    if have < need:
-        pytest.skip(f"an mpiexec run of {num_ranks} ranks needs {need} GPUs (one per process; "
-                    f"DEEPEP_TEST_ONE_GPU_MPI=1: one for all), found {have}")
+    skip_unless_gpus(gpus_needed_under_mpiexec(num_ranks),
+                     f"an mpiexec run of {num_ranks} ranks (one GPU per process; DEEPEP_TEST_ONE_GPU_MPI=1: "
+                     f"one for all) needs")
 
 
 def find_mpiexec() -> Optional[str]:
