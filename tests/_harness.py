@@ -226,13 +226,27 @@ def on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
-def skip_or_fail(reason: str) -> None:
-    """Skip the current test with a loud ``reason``; under CI, fail with it instead."""
+def skip_or_fail(reason: str, allow_module_level: bool = False) -> None:
+    """Skip the current test (or module) with a loud ``reason``; under CI, fail with it instead."""
     import pytest
 
     if on_ci():
         pytest.fail(f"{reason} (CI=true: this must work on CI)", pytrace=False)
-    pytest.skip(f"!!! {reason}")
+    pytest.skip(f"!!! {reason}", allow_module_level=allow_module_level)
+
+
+def import_or_skip(name: str, needed_for: str = "", allow_module_level: bool = False):
+    """``import name``, or skip the current test saying so (under CI, fail: :func:`skip_or_fail`).
+
+    Every optional dependency (torch, matplotlib, ...) is asked for this way, so that CI, which
+    installs them, cannot pass while their tests skip."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        skip_or_fail(f"{name} does not import ({type(exc).__name__}: {exc})"
+                     + (f"; needed for {needed_for}" if needed_for else ""), allow_module_level)
 
 
 def worker_records(output: str, tag: str = "RESULT") -> List[dict]:

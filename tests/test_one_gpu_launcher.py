@@ -1,14 +1,13 @@
 """tests/workers/one_gpu_ranks.py, the launcher that lets mpiexec GPU tests share one GPU
 (``DEEPEP_TEST_ONE_GPU_MPI=1``): what it does to a worker is checked here, without a GPU."""
 
-import pytest
-from _harness import WORKERS, describe, run_python
+from _harness import WORKERS, describe, import_or_skip, run_python
 
 LAUNCHER = WORKERS / "one_gpu_ranks.py"
 
 
 def test_the_launcher_runs_the_worker_as_main_with_its_arguments_and_folder(tmp_path):
-    pytest.importorskip("cupy")
+    import_or_skip("cupy")
     worker = tmp_path / "worker.py"
     worker.write_text("import sys\nprint('RAN', __name__, sys.argv, sys.path[0])\n")
     run = run_python([LAUNCHER, worker, "scenario", "--flag"], timeout=120)
@@ -17,7 +16,7 @@ def test_the_launcher_runs_the_worker_as_main_with_its_arguments_and_folder(tmp_
 
 
 def test_the_launcher_gives_each_rank_a_bus_id_of_its_own(tmp_path):
-    pytest.importorskip("cupy")
+    import_or_skip("cupy")
     worker = tmp_path / "worker.py"
     worker.write_text("import cupy\nprint('BUS', cupy.cuda.runtime.deviceGetPCIBusId.__qualname__)\n")
     run = run_python([LAUNCHER, worker], timeout=120, env={"OMPI_COMM_WORLD_RANK": "1"})
