@@ -149,9 +149,15 @@ def run_mpi(n: int, args: Sequence[str], timeout: float,
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise AssertionError("no mpiexec/mpirun found (set MPIEXEC, or install the 'test' extra: mpich)")
-    share_gpu = ONE_GPU_MPI and 0 < gpu_count() < n
-    launcher = [WORKERS / "one_gpu_ranks.py"] if share_gpu else []
-    return run_command([mpiexec, "-n", str(n), sys.executable, *[str(a) for a in [*launcher, *args]]], timeout, env)
+    return run_command([mpiexec, "-n", str(n), sys.executable,
+                        *[str(a) for a in [*shared_gpu_launcher(n), *args]]], timeout, env)
+
+
+def shared_gpu_launcher(n: int) -> List[Path]:
+    """What to put before the worker of a job of ``n`` processes (mpiexec, torchrun): with
+    :data:`ONE_GPU_MPI` on a machine with GPUs, but fewer than ``n``, the launcher that makes them
+    share GPU 0 (tests/workers/one_gpu_ranks.py); else nothing."""
+    return [WORKERS / "one_gpu_ranks.py"] if ONE_GPU_MPI and 0 < gpu_count() < n else []
 
 
 def run_python(args: Sequence[str], timeout: float,

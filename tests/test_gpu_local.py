@@ -14,11 +14,13 @@ Environment:
 """
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from _harness import (
+    REPO_ROOT,
     WORKERS,
     describe,
     gpu_count,
@@ -35,6 +37,7 @@ RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8"
 LOCAL_GPUS = int(os.environ["DEEPEP_TEST_LOCAL_GPUS"]) if os.environ.get("DEEPEP_TEST_LOCAL_GPUS") else None
 COMPARE_MPI = os.environ.get("DEEPEP_TEST_COMPARE_MPI", "1").strip() not in ("0", "false", "no")
 WORKER = WORKERS / "local_gpu_worker.py"
+EXAMPLE = REPO_ROOT / "examples" / "in_process_dispatch_combine.py"
 TIMEOUT_S = 900
 
 
@@ -156,6 +159,15 @@ def test_a_failing_rank_ends_the_in_process_job():
     assert len(errors) == 1, describe(run)
     assert errors[0]["rank"] == 1 and "injected failure on rank 1" in errors[0]["message"], describe(run)
     assert errors[0]["stuck"] == [], describe(run)
+
+
+@pytest.mark.gpu(1)
+def test_the_in_process_example_runs_and_its_checks_pass():
+    """examples/in_process_dispatch_combine.py (the notebook's code): a rank per GPU, two on one GPU;
+    its own asserts compare the counts with the handle and the combine with k * x."""
+    run = run_python([EXAMPLE], timeout=600)
+    assert run.returncode == 0, describe(run)
+    assert re.search(r"^combine checked on all \d+ ranks$", run.stdout, re.M), describe(run)
 
 
 @pytest.mark.gpu(1)
