@@ -274,7 +274,9 @@ def list_cases(args):
 
 
 def visible_gpus(args):
-    """``(GPUs to use, the smallest SM count among them)``."""
+    """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence and
+    exit status 2."""
+    exit_unless_gpu("the random-case soak (tests/workers/random_soak.py)")
     import cupy
 
     from deepep_cupy.sm_budget import sm_count_of
@@ -290,7 +292,6 @@ def main(argv):
     args = parse_args(argv)
     if args.list:
         return list_cases(args)
-    exit_unless_gpu("the random-case soak (tests/workers/random_soak.py)")
     start = time.monotonic()
     num_gpus, sm_count = visible_gpus(args)
     cases = random_cases(args.seed, args.cases, num_gpus, sm_count)
