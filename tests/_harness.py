@@ -75,8 +75,8 @@ def required_gpus() -> int:
 
 def skip_unless_gpus(need: int, what: str = "") -> None:
     """Skip the current test when fewer than ``need`` GPUs are usable, saying how many were found
-    and why the probe failed; fail instead when ``DEEPEP_TEST_REQUIRE_GPUS=N`` promised at least
-    ``min(N, need)`` of them (tests/conftest.py states the rule)."""
+    and why the probe failed; fail instead when ``DEEPEP_TEST_REQUIRE_GPUS=N`` is set and fewer than
+    ``min(N, need)`` were found (tests/conftest.py states the rule)."""
     import pytest
 
     have = gpu_count()
