@@ -18,7 +18,9 @@ import cupy
 
 import deepep_cupy as ep
 from deepep_cupy import reference as ref
+from deepep_cupy.gpu_check import exit_unless_gpu
 
+exit_unless_gpu("this example")  # without a GPU: one sentence saying what is missing, exit status 2
 num_gpus = cupy.cuda.runtime.getDeviceCount()
 # One rank per GPU (a single GPU hosts two); DEEPEP_EXAMPLE_RANKS=8 puts 8 ranks on fewer GPUs.
 num_ranks = int(os.environ.get("DEEPEP_EXAMPLE_RANKS", max(2, num_gpus)))

@@ -38,14 +38,56 @@ ONE_GPU_MPI = os.environ.get("DEEPEP_TEST_ONE_GPU_MPI", "0").strip() == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def gpu_count() -> int:
-    """The number of CUDA devices visible to this process; 0 when CuPy or the driver is missing."""
+def probe_gpus():
+    """``deepep_cupy.gpu_check.probe()`` once per session: ``(count, reason)``, the reason saying why
+    the probe failed (no CuPy, no driver, ...) or None."""
     try:
-        import cupy
+        from deepep_cupy.gpu_check import probe
+    except Exception as exc:  # noqa: BLE001 - the package itself is broken: no GPU test can run
+        from types import SimpleNamespace
 
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
+        return SimpleNamespace(count=0, reason=f"deepep_cupy.gpu_check does not import ({type(exc).__name__}: {exc})")
+    return probe()
+
+
+def gpu_count() -> int:
+    """The number of CUDA devices visible to this process; 0 when the probe failed (see :func:`probe_gpus`)."""
+    return probe_gpus().count
+
+
+def found_gpus() -> str:
+    """``"found N"``, with the probe's reason when it failed: the end of every GPU skip reason."""
+    found = probe_gpus()
+    return f"found {found.count}" + (f": {found.reason}" if found.reason else "")
+
+
+def required_gpus() -> int:
+    """``DEEPEP_TEST_REQUIRE_GPUS`` (0 when unset): the GPUs this run promises (tests/conftest.py)."""
+    value = os.environ.get("DEEPEP_TEST_REQUIRE_GPUS", "").strip() or "0"
+    try:
+        required = int(value)
+    except ValueError:
+        required = -1
+    if required < 0:
+        raise ValueError(f"DEEPEP_TEST_REQUIRE_GPUS={value!r}: expected a number of GPUs (0 or more)")
+    return required
+
+
+def skip_unless_gpus(need: int, what: str = "") -> None:
+    """Skip the current test when fewer than ``need`` GPUs are usable, saying how many were found
+    and why the probe failed; fail instead when ``DEEPEP_TEST_REQUIRE_GPUS=N`` is set and fewer than
+    ``min(N, need)`` were found (tests/conftest.py states the rule)."""
+    import pytest
+
+    have = gpu_count()
+    if have >= need:
+        return
+    message = f"{what or 'needs'} {need} GPUs, {found_gpus()}"
+    required = required_gpus()
+    if have < min(required, need):
+        pytest.fail(f"{message} (DEEPEP_TEST_REQUIRE_GPUS={required}: too few usable GPUs is a failure)",
+                    pytrace=False)
+    pytest.skip(message)
 
 
 def gpus_needed_under_mpiexec(num_ranks: int) -> int:
@@ -55,12 +97,9 @@ def gpus_needed_under_mpiexec(num_ranks: int) -> int:
 
 
 def skip_unless_gpus_for_mpiexec(num_ranks: int) -> None:
-    import pytest
-
-    need, have = gpus_needed_under_mpiexec(num_ranks), gpu_count()
-    if have < need:
-        pytest.skip(f"an mpiexec run of {num_ranks} ranks needs {need} GPUs (one per process; "
-                    f"DEEPEP_TEST_ONE_GPU_MPI=1: one for all), found {have}")
+    skip_unless_gpus(gpus_needed_under_mpiexec(num_ranks),
+                     f"an mpiexec run of {num_ranks} ranks (one GPU per process; DEEPEP_TEST_ONE_GPU_MPI=1: "
+                     f"one for all) needs")
 
 
 def find_mpiexec() -> Optional[str]:
@@ -110,9 +149,15 @@ def run_mpi(n: int, args: Sequence[str], timeout: float,
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise AssertionError("no mpiexec/mpirun found (set MPIEXEC, or install the 'test' extra: mpich)")
-    share_gpu = ONE_GPU_MPI and 0 < gpu_count() < n
-    launcher = [WORKERS / "one_gpu_ranks.py"] if share_gpu else []
-    return run_command([mpiexec, "-n", str(n), sys.executable, *[str(a) for a in [*launcher, *args]]], timeout, env)
+    return run_command([mpiexec, "-n", str(n), sys.executable,
+                        *[str(a) for a in [*shared_gpu_launcher(n), *args]]], timeout, env)
+
+
+def shared_gpu_launcher(n: int) -> List[Path]:
+    """What to put before the worker of a job of ``n`` processes (mpiexec, torchrun): with
+    :data:`ONE_GPU_MPI` on a machine with GPUs, but fewer than ``n``, the launcher that makes them
+    share GPU 0 (tests/workers/one_gpu_ranks.py); else nothing."""
+    return [WORKERS / "one_gpu_ranks.py"] if ONE_GPU_MPI and 0 < gpu_count() < n else []
 
 
 def run_python(args: Sequence[str], timeout: float,
@@ -187,13 +232,27 @@ def on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
-def skip_or_fail(reason: str) -> None:
-    """Skip the current test with a loud ``reason``; under CI, fail with it instead."""
+def skip_or_fail(reason: str, allow_module_level: bool = False) -> None:
+    """Skip the current test (or module) with a loud ``reason``; under CI, fail with it instead."""
     import pytest
 
     if on_ci():
         pytest.fail(f"{reason} (CI=true: this must work on CI)", pytrace=False)
-    pytest.skip(f"!!! {reason}")
+    pytest.skip(f"!!! {reason}", allow_module_level=allow_module_level)
+
+
+def import_or_skip(name: str, needed_for: str = "", allow_module_level: bool = False):
+    """``import name``, or skip the current test saying so (under CI, fail: :func:`skip_or_fail`).
+
+    Every optional dependency (torch, matplotlib, ...) is asked for this way, so that CI, which
+    installs them, cannot pass while their tests skip."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        skip_or_fail(f"{name} does not import ({type(exc).__name__}: {exc})"
+                     + (f"; needed for {needed_for}" if needed_for else ""), allow_module_level)
 
 
 def worker_records(output: str, tag: str = "RESULT") -> List[dict]:

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from _harness import import_or_skip
 
 from deepep_cupy import bench
 from deepep_cupy.bench import calls, report
@@ -349,17 +350,15 @@ def test_report_shows_tuning_and_best_config():
     assert "best combine config" in text
 
 
-def _library_or_skip():
-    try:
-        import deepep_cupy as ep
-        from deepep_cupy import reference
-    except Exception as exc:  # the package is being written alongside this module
-        pytest.skip(f"deepep_cupy does not import yet: {exc}")
+def _library():
+    import deepep_cupy as ep
+    from deepep_cupy import reference
+
     return ep, reference
 
 
 def test_buffer_size_is_the_largest_hint_over_the_configs_with_recv_x_in_the_buffer():
-    ep, _ = _library_or_skip()
+    ep, _ = _library()
     args = bench.parse_args([])
     small, large = ep.Config(8, 4, 128), ep.Config(48, 32, 512)
     want = ep.get_nvl_buffer_size_hint(7168 * 2, 2, large, num_topk=8, recv_x_in_buffer=True)
@@ -369,7 +368,7 @@ def test_buffer_size_is_the_largest_hint_over_the_configs_with_recv_x_in_the_buf
 
 
 def test_checks_against_the_reference_pass_and_catch_a_flipped_bit():
-    ep, reference = _library_or_skip()
+    ep, reference = _library()
     args = bench.parse_args(["--num-tokens", "40", "--hidden", "256", "--num-experts", "16", "--num-topk", "4"])
     R = 2
     hosts = [bench.make_workload(reference, args, r, args.num_tokens) for r in range(R)]
@@ -426,7 +425,7 @@ def test_the_calls_table_shows_every_op_library_and_token_count_next_to_deepep()
 
 
 def test_the_calls_plot_is_written(tmp_path):
-    pytest.importorskip("matplotlib")
+    import_or_skip("matplotlib", "the benchmark's plots (the plots extra)")
     path = tmp_path / "calls.png"
     assert report.plot_calls(str(path), report.summarize_calls([_calls_rank(1.0)]), {"num_ranks": 2}) is None
     assert path.stat().st_size > 0
@@ -508,7 +507,7 @@ def test_the_sm_sweep_takes_the_slowest_rank_at_each_sm_count():
 
 
 def test_the_sm_sweep_plot_is_written_with_deepep_v1_beside(tmp_path):
-    pytest.importorskip("matplotlib")
+    import_or_skip("matplotlib", "the benchmark's plots (the plots extra)")
     path = tmp_path / "sms.png"
     summary = report.summarize_sm_sweep([_sm_sweep_rank(1.0)])
     assert set(summary["deepep_v1"]) >= {"cached dispatch BF16", "combine BF16"}

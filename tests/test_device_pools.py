@@ -4,6 +4,7 @@ with CUDA's pool calls played by a fake runtime."""
 import threading
 
 import pytest
+from _harness import import_or_skip
 
 from deepep_cupy.device_pools import DevicePools, allocator_for
 
@@ -142,7 +143,7 @@ def test_a_rank_alone_on_its_gpu_keeps_the_allocator_it_had(runtime, pools):
 
 
 def test_a_rank_sharing_its_gpu_allocates_from_the_shared_pool_until_it_ends(runtime, pools):
-    cupy_memory = pytest.importorskip("cupy.cuda.memory")
+    cupy_memory = import_or_skip("cupy.cuda.memory")
     with allocator_for([0, 0], 1, pools):
         assert runtime.current[0] == 1
         assert cupy_memory.get_allocator()(8) == ("from", [1, "current"])

@@ -4,6 +4,7 @@ disagree raise on every rank, a missing peer becomes an exception within the tim
 with both ranks in one process.)
 """
 
+import _recovery_checks as check
 import pytest
 from _harness import WORKERS, describe, script_constant
 
@@ -15,10 +16,17 @@ CASES = script_constant(WORKERS / "failure_worker.py", "CASES")
 @pytest.mark.parametrize("case", CASES)
 def test_failure_behaviour(failure_results, case):
     results, run = failure_results
-    entries = results.get(case)
-    assert entries and len(entries) == 2, f"no result for {case}\n{describe(run)}"
-    for entry in entries:
+    for entry in check.by_rank(results, case, describe(run)).values():
         assert entry["ok"], f"rank {entry['rank']}: {entry['error']}"
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_the_mpiexec_failure_run_exits_cleanly(failure_results):
+    """Every case catches the failure it provokes (a refusal, a timeout, a peer that gave up), so the
+    run exits with 0; a crash in destroy() or in MPI's finalize would not."""
+    _, run = failure_results
+    assert run.returncode == 0, describe(run)
 
 
 @pytest.mark.gpu

@@ -8,11 +8,11 @@ import pytest
 from _harness import (
     WORKERS,
     describe,
-    gpu_count,
     records_by,
     run_mpi,
     run_python,
     script_constant,
+    skip_unless_gpus,
     skip_unless_gpus_for_mpiexec,
 )
 
@@ -33,17 +33,30 @@ def mpi_results():
 
 @pytest.fixture(scope="module")
 def local_results():
-    if gpu_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {gpu_count()}")
+    skip_unless_gpus(2)
     return _results(run_python([str(WORKER), "--local"], timeout=300))
 
 
 def _every_rank_passed(results, run, case):
-    entries = results.get(case)
-    assert entries and len(entries) == 2, f"no result for {case}\n{describe(run)}"
+    entries = results.get(case, [])
+    ranks = sorted(e["rank"] for e in entries)
+    assert ranks == [0, 1], f"{case}: results of ranks {ranks}, expected [0, 1]\n{describe(run)}"
     for entry in entries:
         assert entry["ok"], f"rank {entry['rank']}: {entry['error']}"
     return entries
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_the_mpiexec_run_exits_cleanly(mpi_results):
+    _, run = mpi_results
+    assert run.returncode == 0, describe(run)
+
+
+@pytest.mark.gpu
+def test_the_in_process_run_exits_cleanly(local_results):
+    _, run = local_results
+    assert run.returncode == 0, describe(run)
 
 
 @pytest.mark.gpu

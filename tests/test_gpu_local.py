@@ -14,11 +14,13 @@ Environment:
 """
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from _harness import (
+    REPO_ROOT,
     WORKERS,
     describe,
     gpu_count,
@@ -35,6 +37,7 @@ RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8"
 LOCAL_GPUS = int(os.environ["DEEPEP_TEST_LOCAL_GPUS"]) if os.environ.get("DEEPEP_TEST_LOCAL_GPUS") else None
 COMPARE_MPI = os.environ.get("DEEPEP_TEST_COMPARE_MPI", "1").strip() not in ("0", "false", "no")
 WORKER = WORKERS / "local_gpu_worker.py"
+EXAMPLE = REPO_ROOT / "examples" / "in_process_dispatch_combine.py"
 TIMEOUT_S = 900
 
 
@@ -86,6 +89,8 @@ def test_a_fresh_dispatch_in_one_launch_matches_reference():
     assert run.returncode == 0, describe(run)
     results = by_scenario(run)
     assert set(results) == set(NAMES), describe(run)
+    for name, entries in results.items():
+        assert sorted(e["rank"] for e in entries) == [0, 1], (name, describe(run))
     failed = [(name, e["rank"], e["error"]) for name, entries in results.items() for e in entries if not e["ok"]]
     assert not failed, failed
 
@@ -115,12 +120,14 @@ def test_in_process_worker_exits_cleanly(local_runs, num_ranks):
 @pytest.mark.mpi
 @pytest.mark.parametrize("num_ranks", RANK_COUNTS)
 def test_in_process_gives_the_same_results_as_mpi(local_runs, num_ranks):
-    """Same scenarios, same inputs: every rank's dispatch/combine outputs hash the same both ways."""
+    """Same scenarios, same inputs: every dispatch/combine of every rank returns outputs that hash
+    the same both ways, call for call (hashed as each call returns: tests/workers/local_gpu_worker.py)."""
     if not COMPARE_MPI:
         pytest.skip("DEEPEP_TEST_COMPARE_MPI=0")
     skip_unless_gpus_for_mpiexec(num_ranks)
     local = by_scenario(local_runs(num_ranks))
     mpi_run = run_mpi(num_ranks, [str(WORKER), "--mpi"], timeout=TIMEOUT_S)
+    assert mpi_run.returncode == 0, describe(mpi_run)
     mpi = by_scenario(mpi_run)
     assert mpi, describe(mpi_run)
     compared = 0
@@ -131,7 +138,13 @@ def test_in_process_gives_the_same_results_as_mpi(local_runs, num_ranks):
             if other is None or not (mine["ok"] and other["ok"]):
                 continue  # failures are reported by the tests above and test_gpu_mpi.py
             assert other["in_process"] is False
-            assert mine["hashes"] == other["hashes"], (scenario, mine["rank"], mine["hashes"], other["hashes"])
+            where = f"{scenario}, rank {mine['rank']}"
+            in_process, under_mpi = mine["call_hashes"], other["call_hashes"]
+            assert in_process, f"{where}: no call recorded"
+            assert [c["kind"] for c in in_process] == [c["kind"] for c in under_mpi], (where, in_process, under_mpi)
+            for a, b in zip(in_process, under_mpi):
+                assert a["hash"] == b["hash"], (f"{where}, call {a['call']} ({a['kind']}): in-process {a['hash']}, "
+                                                f"mpiexec {b['hash']}")
             assert mine["recv_tokens"] == other["recv_tokens"]
             compared += 1
     assert compared, f"nothing to compare\n{describe(mpi_run)}"
@@ -146,6 +159,15 @@ def test_a_failing_rank_ends_the_in_process_job():
     assert len(errors) == 1, describe(run)
     assert errors[0]["rank"] == 1 and "injected failure on rank 1" in errors[0]["message"], describe(run)
     assert errors[0]["stuck"] == [], describe(run)
+
+
+@pytest.mark.gpu(1)
+def test_the_in_process_example_runs_and_its_checks_pass():
+    """examples/in_process_dispatch_combine.py (the notebook's code): a rank per GPU, two on one GPU;
+    its own asserts compare the counts with the handle and the combine with k * x."""
+    run = run_python([EXAMPLE], timeout=600)
+    assert run.returncode == 0, describe(run)
+    assert re.search(r"^combine checked on all \d+ ranks$", run.stdout, re.M), describe(run)
 
 
 @pytest.mark.gpu(1)

@@ -43,8 +43,20 @@ def mpi_results(request):
 def test_dispatch_and_combine_match_reference(mpi_results, num_ranks, scenario):
     skip_unless_gpus_for_mpiexec(num_ranks)
     results, outputs = mpi_results
-    entries = results.get((num_ranks, scenario))
-    assert entries, f"no result for {scenario} with {num_ranks} ranks\n{describe(outputs[num_ranks])}"
-    assert len(entries) == num_ranks, entries
+    entries = results.get((num_ranks, scenario), [])
+    ranks = sorted(e["rank"] for e in entries)
+    assert ranks == list(range(num_ranks)), (f"{scenario}: results of ranks {ranks}, expected 0..{num_ranks - 1}\n"
+                                             f"{describe(outputs[num_ranks])}")
     for entry in entries:
         assert entry["ok"], f"rank {entry['rank']}: {entry['error']}"
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("num_ranks", RANK_COUNTS)
+def test_the_mpiexec_run_exits_cleanly(mpi_results, num_ranks):
+    """Exit status 0: every scenario passed on every rank, and destroy() and MPI's finalize ended
+    without a crash (which no RESULT line would show)."""
+    skip_unless_gpus_for_mpiexec(num_ranks)
+    _, outputs = mpi_results
+    assert outputs[num_ranks].returncode == 0, describe(outputs[num_ranks])

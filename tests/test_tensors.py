@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from _harness import import_or_skip
 from host_fakes import FakeArray, FakeLib, on_device
 
 from deepep_cupy import tensors
@@ -90,13 +91,13 @@ def test_any_non_negative_whole_element_strides_pass_where_allowed():
 # --- PyTorch tensors (CPU build: what can be read without a GPU) -------------------------------
 
 def test_a_cpu_tensor_is_refused_as_host_memory():
-    torch = pytest.importorskip("torch")
+    torch = import_or_skip("torch", "the PyTorch tests (the torch extra)")
     with pytest.raises(TypeError, match="x: expected a CUDA tensor, got one on cpu"):
         tensors.describe(torch.zeros((4, 8), dtype=torch.bfloat16), "x", 0)
 
 
 def test_a_tensor_is_read_natively():
-    torch = pytest.importorskip("torch")
+    torch = import_or_skip("torch", "the PyTorch tests (the torch extra)")
     t = torch.zeros((6, 8), dtype=torch.bfloat16)
     lib, ptr, rows, key = tensors.read(t)
     assert lib.name == "torch" and ptr == t.data_ptr() and rows == 6
@@ -105,7 +106,7 @@ def test_a_tensor_is_read_natively():
 
 def test_an_empty_tensor_is_read_at_its_place_in_its_storage():
     # data_ptr() of an empty tensor is 0: an empty view of rows in place must still be recognised.
-    torch = pytest.importorskip("torch")
+    torch = import_or_skip("torch", "the PyTorch tests (the torch extra)")
     t = torch.zeros((6, 8), dtype=torch.bfloat16)
     assert t[3:3].data_ptr() == 0
     assert tensors.read(t[3:3])[1] == t.data_ptr() + 3 * 8 * 2
@@ -113,7 +114,7 @@ def test_an_empty_tensor_is_read_at_its_place_in_its_storage():
 
 
 def test_column_major_tensor_strides_are_read_in_elements():
-    torch = pytest.importorskip("torch")
+    torch = import_or_skip("torch", "the PyTorch tests (the torch extra)")
     scales = torch.ones((5, 3), dtype=torch.float32).T.contiguous().T
     assert tensors.library("torch").element_strides(scales) == (1, 5)
 
@@ -133,19 +134,19 @@ def _check_carved(views, block_ptr, pointer):
 def test_cupy_carves_a_dispatchs_outputs_and_torch_allocates_them():
     # PyTorch's views of another dtype and offset measured slower on CUDA than allocations.
     assert tensors.library("cupy").carves_outputs
-    pytest.importorskip("torch")
+    import_or_skip("torch", "the PyTorch tests (the torch extra)")
     assert not tensors.library("torch").carves_outputs
 
 
 def test_a_torch_block_is_reinterpreted_in_place():
-    torch = pytest.importorskip("torch")
+    torch = import_or_skip("torch", "the PyTorch tests (the torch extra)")
     block = torch.zeros(32, dtype=torch.int64)
     ints = tensors.library("torch").reinterpret(block, "int32")
     assert ints.shape == (64,) and ints.dtype == torch.int32 and ints.data_ptr() == block.data_ptr()
 
 
 def test_a_cupy_block_is_carved_into_arrays_on_its_memory():
-    cupy = pytest.importorskip("cupy")
+    cupy = import_or_skip("cupy")
     from cupy.cuda import memory
 
     host = np.zeros(32, np.int64)  # an address only: nothing is read or written without a GPU
@@ -160,7 +161,7 @@ def test_a_cupy_block_is_carved_into_arrays_on_its_memory():
 
 
 def test_rows_of_a_cupy_window_are_one_array_on_its_memory():
-    pytest.importorskip("cupy")
+    import_or_skip("cupy")
     host = np.zeros(256, np.uint8)  # an address only, as above
     lib = tensors.library("cupy")
     window = lib.window(host.ctypes.data, host.nbytes, 0, host)
@@ -171,7 +172,7 @@ def test_rows_of_a_cupy_window_are_one_array_on_its_memory():
 
 
 def test_a_torch_allocation_shrinks_to_its_first_rows_in_place_and_keeps_its_memory():
-    torch = pytest.importorskip("torch")
+    torch = import_or_skip("torch", "the PyTorch tests (the torch extra)")
     t = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
     address, first_rows = t.data_ptr(), t[:3].clone()
     shrunk = tensors.library("torch").shrink(t, 3)
@@ -180,7 +181,7 @@ def test_a_torch_allocation_shrinks_to_its_first_rows_in_place_and_keeps_its_mem
 
 
 def test_a_trimmed_cupy_array_is_its_first_rows_on_the_same_memory():
-    pytest.importorskip("cupy")
+    import_or_skip("cupy")
     host = np.zeros(256, np.uint8)  # an address only, as above
     lib = tensors.library("cupy")
     rows = lib.rows_in(lib.window(host.ctypes.data, host.nbytes, 0, host), 8, (4,), "float32")

@@ -5,9 +5,10 @@ import json
 import socket
 
 import pytest
+from _harness import import_or_skip
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+torch = import_or_skip("torch", "the PyTorch tests (the torch extra)", allow_module_level=True)
+dist = import_or_skip("torch.distributed", "the PyTorch tests (the torch extra)", allow_module_level=True)
 
 NUM_RANKS = 2
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import save_config, write_json
 from ..constants import FP8_SCALE_BLOCK
+from ..gpu_check import exit_unless_gpu
 from .calls import DEFAULT_CALLS_TOKENS
 from .ceiling import run_copy_ceiling
 from .library import bench_library_rank
@@ -307,6 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m deepep_cupy.bench``; returns the exit status (1 when a check fails)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # before anything can initialise NCCL
     args = parse_args(argv)
+    exit_unless_gpu("python -m deepep_cupy.bench")
     mode = detect_launcher(args)
     if mode == "mpi":
         return _main_mpi(args)

@@ -14,10 +14,12 @@ same code path over MPI (one process per GPU), for comparing the two transports.
 
 Each rank runs ``gpu_worker.run_scenario`` unchanged (outputs compared with the NumPy reference
 bit-exactly) through a thin proxy of its Buffer that records the dispatch/combine outputs, and
-prints one line ``RESULT {json}`` per scenario with ``hashes``: sha256 (first 16 hex digits) of
-what dispatch, cached dispatch and combine returned on that rank (received rows, scales, top-k and
-weights; combined rows and weights). These do not depend on ``num_sms``, so the in-process and MPI
-runs of one rank count must print the same hashes.
+prints one line ``RESULT {json}`` per scenario with ``call_hashes``: per dispatch, cached dispatch
+and combine of the scenario, in call order, its kind and the sha256 (first 16 hex digits) of what it
+returned on that rank (received rows, scales, top-k and weights; combined rows and weights), taken
+right after the call: a later call overwrites outputs that are views of the NVLink buffer. These do
+not depend on ``num_sms``, so the in-process and MPI runs of one rank count must print the same
+hashes, call for call.
 
 In-process, the ranks share one NumPy reference per scenario (computed by the first rank that
 needs it) instead of each computing every rank's: the reference of an 8-rank reference workload
@@ -84,10 +86,11 @@ def digest(arrays):
 
 
 class RecordingBuffer:
-    """A Buffer that remembers the outputs of dispatch / cached dispatch / combine.
+    """A Buffer that hashes the outputs of every dispatch / cached dispatch / combine as it returns.
 
-    Hashing waits until the scenario is over (``run_scenario`` synchronizes the device at its end):
-    an async dispatch's outputs are not ready when the call returns.
+    The hash is taken at once, after waiting for the call (its event when it is asynchronous, then
+    the current stream): outputs that are views of the NVLink buffer (``recv_x_in_buffer``) are
+    overwritten by the next call.
 
     With ``sharing_gpu`` (ranks of this process share its GPU) every dispatch and combine starts
     with a barrier of the ranks: a rank checking the last call's outputs may use a PyTorch or CuPy
@@ -97,14 +100,14 @@ class RecordingBuffer:
 
     def __init__(self, buf, sharing_gpu=False):
         self._buf = buf
-        self._outputs = []
+        self._calls = []
         self._sharing_gpu = sharing_gpu
 
     def __getattr__(self, name):
         return getattr(self._buf, name)
 
     def __setattr__(self, name, value):  # settings such as allocate_ahead go to the Buffer
-        if name in ("_buf", "_outputs", "_sharing_gpu"):
+        if name in ("_buf", "_calls", "_sharing_gpu"):
             object.__setattr__(self, name, value)
         else:
             setattr(self._buf, name, value)
@@ -113,22 +116,26 @@ class RecordingBuffer:
         if self._sharing_gpu:
             self._buf.group.barrier()
 
+    def _record(self, kind, outputs, event):
+        event.synchronize()  # an asynchronous call's outputs are ready when its event is
+        self._calls.append({"call": len(self._calls), "kind": kind, "hash": digest(outputs)})
+
     def dispatch(self, x, handle=None, **kwargs):
         self._start_together()
         out = self._buf.dispatch(x, handle=handle, **kwargs)
-        self._outputs.append(("cached_dispatch" if handle is not None else "dispatch", out[:3]))
+        self._record("cached_dispatch" if handle is not None else "dispatch", out[:3], out[-1])
         return out
 
     def combine(self, x, handle, **kwargs):
         self._start_together()
         out = self._buf.combine(x, handle, **kwargs)
-        self._outputs.append(("combine", out[:2]))
+        self._record("combine", out[:2], out[-1])
         return out
 
-    def hashes(self):
-        result = {kind: digest(arrays) for kind, arrays in self._outputs}
-        self._outputs = []
-        return result
+    def call_hashes(self):
+        """``[{"call": i, "kind": ..., "hash": ...}]``: the calls since the last time, in order."""
+        calls, self._calls = self._calls, []
+        return calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +236,7 @@ def rank_main(group, scenarios, args, shared=None):
             recorder = RecordingBuffer(buf, sharing_gpu=on_device > 1)
             try:
                 info = gpu_worker.run_scenario(recorder, sc)
-                info["hashes"] = recorder.hashes()
+                info["call_hashes"] = recorder.call_hashes()
                 ok, error = True, None
             except Exception as exc:  # report and go on with the next scenario
                 error = f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(buf)}\n{traceback.format_exc()}"

@@ -8,7 +8,9 @@ a peer costs a time slice (milliseconds) and a real job would be slow, not wrong
 slow is fine: each rank here reports a PCI bus id of its own, so that what runs only between
 processes (CUDA IPC handles, the count slots polled by the host, a fresh dispatch in one launch,
 torch.distributed groups) runs on a machine with one GPU too. torch.distributed gets Gloo, as NCCL
-refuses two ranks on one GPU. Nothing about speed can be learned from such a run.
+refuses two ranks on one GPU, and ``torch.cuda.set_device`` picks GPU 0 whatever rank asks. Ranks
+started by torchrun work too (``torchrun --nproc-per-node 2 one_gpu_ranks.py WORKER``). Nothing
+about speed can be learned from such a run.
 """
 
 import os
@@ -18,8 +20,16 @@ import sys
 import cupy
 
 
+def launcher_rank() -> str:
+    """This process's rank as its launcher set it: Open MPI, MPICH (PMI) or torchrun (``RANK``)."""
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK"):
+        if name in os.environ:
+            return os.environ[name]
+    return "0"
+
+
 def _give_each_rank_a_bus_id() -> None:
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))
+    rank = launcher_rank()
     bus_id_of = cupy.cuda.runtime.deviceGetPCIBusId
     cupy.cuda.runtime.deviceGetPCIBusId = lambda device: f"{bus_id_of(device)}/rank{rank}"
 
@@ -37,11 +47,26 @@ def _make_process_groups_use_gloo() -> None:
     dist.init_process_group = init_with_gloo
 
 
+def _make_set_device_pick_gpu_0() -> None:
+    """``torch.cuda.set_device(local_rank)``, as DeepEP scripts call it, picks the one GPU there is."""
+    try:
+        import torch
+    except ImportError:
+        return
+    set_device = torch.cuda.set_device
+
+    def set_gpu_0(device):
+        set_device(0)
+
+    torch.cuda.set_device = set_gpu_0
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         raise SystemExit(__doc__.split("\n\n")[1])
     _give_each_rank_a_bus_id()
     _make_process_groups_use_gloo()
+    _make_set_device_pick_gpu_0()
     worker = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(worker))

@@ -26,7 +26,8 @@ Output, one line each (``TAG {json}``, as the other workers print):
     BATCH    a rank count done: its cases, set-up and case seconds
     ERROR    a rank count's group broke down outside any case (its remaining cases count as failed)
     SUMMARY  cases, failed seeds, seed range, wall seconds, cases and seconds per rank count
-then one plain line with the same summary. Exit status 1 if any case failed.
+then one plain line with the same summary. Exit status 1 if any case failed, 2 (and one sentence on
+stderr) when no GPU can be used.
 
 A case depends on its seed, on the number of GPUs and on their SM count (which bound
 ``num_sms``): reproduce a seed on the same machine, or with the same ``--gpus``.
@@ -43,6 +44,8 @@ import traceback
 import gpu_worker  # run as a script: its folder is on sys.path
 from local_gpu_worker import SharedReference, emit
 from random_cases import DEFAULT_GPUS, DEFAULT_SM_COUNT, describe_case, nvl_bytes_needed, random_cases, ranks_per_gpu
+
+from deepep_cupy.gpu_check import exit_unless_gpu
 
 #: Seconds the kernels of a case may wait for a peer (the Buffer's timeout_s).
 DEFAULT_TIMEOUT_S = 20.0
@@ -271,7 +274,9 @@ def list_cases(args):
 
 
 def visible_gpus(args):
-    """``(GPUs to use, the smallest SM count among them)``."""
+    """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence and
+    exit status 2."""
+    exit_unless_gpu("the random-case soak (tests/workers/random_soak.py)")
     import cupy
 
     from deepep_cupy.sm_budget import sm_count_of
