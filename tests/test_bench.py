@@ -146,7 +146,7 @@ def test_the_op_table_reports_the_peak_device_memory_of_the_rank_that_held_most(
 
 
 def test_the_peak_memory_hook_counts_the_pool_bytes_held_at_once():
-    pytest.importorskip("cupy")
+    import_or_skip("cupy", "the CuPy memory hook")
     from deepep_cupy.bench.memory import peak_pool_bytes
 
     hook = peak_pool_bytes()
