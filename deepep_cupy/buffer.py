@@ -529,7 +529,7 @@ class Buffer(DispatchPath, CombinePath):
                 rank's NVLink buffer, into which every rank writes each token straight into its
                 row: no SM copies rows out and every one of ``config.num_sms`` writes rows (with
                 enough SMs some only this rank's own: ``config.peer_blocks_in_place``), so that
-                few SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the
+                few SMs reach the links' rate (docs/PERFORMANCE.md). The views are valid until the
                 next dispatch or combine of this Buffer (copy them to keep them longer, e.g. for a
                 backward pass) and must not be written, but for ``recv_x`` overwritten with the
                 rows to combine (:meth:`combine` then reads them where they lie); passing one to

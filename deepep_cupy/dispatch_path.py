@@ -333,7 +333,7 @@ class DispatchPath:
                     pointers = NO_OUTPUTS
             # The host waits for the count exchange, so it is launched as early as it can be: before
             # any output is allocated in the call, and before the handle's bookkeeping
-            # (docs/PERF_NOTES.md).
+            # (docs/PERFORMANCE.md).
             self._slots.start_dispatch()
             kernel_done = event = None
             if rows_ahead is not None and pointers is not None and self._exchange_in_transfer:
@@ -358,7 +358,7 @@ class DispatchPath:
                 allocated = (block,) if outputs is None else (block, *outputs)
                 if not expand:
                     # Every kernel of the call is queued: the call is handed over while the count
-                    # exchange runs, which the host waits for anyway (docs/PERF_NOTES.md).
+                    # exchange runs, which the host waits for anyway (docs/PERFORMANCE.md).
                     event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                          allocate_on_comm_stream)
                 if self._next_outputs.steady:
