@@ -320,7 +320,7 @@ class Buffer(DispatchPath, CombinePath):
         Every rank must call it (it ends with a group barrier only when the Buffer was complete).
         It first waits for this Buffer's kernels, whatever streams its calls ran on, and it is the
         way out after a timeout: it does not raise because a call or a kernel failed, and a new
-        Buffer on the same communicator works afterwards (README, "After a timeout").
+        Buffer on the same communicator works afterwards (docs/FAILURES.md, "After a timeout").
         """
         if self._nvl is None and self._slots is None:
             return
