@@ -5,15 +5,19 @@
 #     pytest (e.g. a GPU machine set up by hand, maybe offline): nothing is installed and the
 #     checkout is put on PYTHONPATH;
 #   * otherwise a virtual environment $(VENV), made from $(PYTHON), into which
-#     `pip install -e .[$(EXTRAS)]` runs once (and again whenever pyproject.toml changes).
+#     `pip install -e .[$(EXTRAS)]` runs once (and again whenever pyproject.toml changes, or
+#     EXTRAS given on the command line differs from what was installed).
 # An existing $(VENV) is used when PYTHON is not given. Force a choice with USE_VENV=1 or 0.
 #
 # Examples: make test PYTEST_ARGS='-k comm'   make bench BENCH_ARGS='--help'
 #           make test PYTHON=python3.12       make install EXTRAS=cuda13,test
+#           make install EXTRAS=cuda12,test,torch,plots   (PyTorch and matplotlib: their tests run)
 #           make soak SOAK_SEED=1234 SOAK_CASES=1   (one random case alone: a failing seed)
 
 PYTHON      ?= python3
 VENV        ?= .venv
+# Extras (pyproject.toml): cuda12 or cuda13, test; torch and plots are optional (their tests skip
+# without them, and `make test` says so).
 EXTRAS      ?= cuda12,test
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
@@ -53,7 +57,21 @@ export PYTHONPATH := $(REPO)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: test lint bench soak install clean distclean which
 
+# One line before the tests when an optional package is missing: which tests skip, and how to add it.
+define OPTIONAL_NOTE
+import importlib.util, sys
+missing = [(name, extra) for module, name, extra in (("torch", "PyTorch", "torch"), ("matplotlib", "matplotlib", "plots"))
+           if importlib.util.find_spec(module) is None]
+if missing:
+    names, extras = " and ".join(n for n, _ in missing), ",".join(e for _, e in missing)
+    how = f"make install EXTRAS={sys.argv[1]},{extras}" if sys.argv[2] == "1" else f"pip install -e '.[{extras}]'"
+    are, its, it = ("are", "their", "them") if len(missing) > 1 else ("is", "its", "it")
+    print(f"make test: {names} {are} not installed, so {its} tests skip; `{how}` adds {it}")
+endef
+export OPTIONAL_NOTE
+
 test: $(SETUP)
+	@$(PY) -c "$$OPTIONAL_NOTE" '$(EXTRAS)' '$(USE_VENV)'
 	$(PY) -m pytest -q -ra tests $(PYTEST_ARGS)
 
 # ruff comes with the test extra; on a machine set up by hand, install it there (pip install ruff).
@@ -68,7 +86,7 @@ soak: $(SETUP)
 
 ifeq ($(USE_VENV),1)
 install: $(STAMP)
-	@echo "deepep_cupy is installed (editable, extras $(EXTRAS)) in $(VENV)"
+	@echo "deepep_cupy is installed (editable, extras $$(cat $(STAMP))) in $(VENV)"
 else
 # Offline-safe: the dependencies are already there; setuptools builds the editable install.
 install:
@@ -78,9 +96,20 @@ endif
 $(VENV_PY):
 	$(PYTHON) -m venv $(VENV)
 
+# The stamp holds the extras installed; EXTRAS given explicitly (command line or environment) and
+# different from them installs again. The default EXTRAS never does, so that `make test` after
+# `make install EXTRAS=cuda13,test` does not add the cuda12 extra.
+INSTALLED_EXTRAS := $(strip $(shell cat $(STAMP) 2>/dev/null))
+ifneq ($(origin EXTRAS),file)
+  ifneq ($(strip $(EXTRAS)),$(INSTALLED_EXTRAS))
+    $(STAMP): .extras-changed
+  endif
+endif
+.PHONY: .extras-changed
+
 $(STAMP): $(VENV_PY) pyproject.toml
 	$(VENV_PY) -m pip install $(PIP_FLAGS) -e '.[$(EXTRAS)]'
-	@touch $@
+	@echo '$(EXTRAS)' > $@
 
 which:
 	@echo "python: $(PY) (USE_VENV=$(USE_VENV))"

@@ -353,7 +353,7 @@ class Buffer(DispatchPath, CombinePath):
         Every rank must call it (it ends with a group barrier only when the Buffer was complete).
         It first waits for this Buffer's kernels, whatever streams its calls ran on, and it is the
         way out after a timeout: it does not raise because a call or a kernel failed, and a new
-        Buffer on the same communicator works afterwards (README, "After a timeout").
+        Buffer on the same communicator works afterwards (docs/FAILURES.md, "After a timeout").
         """
         if self._nvl is None and self._slots is None:
             return
@@ -562,7 +562,7 @@ class Buffer(DispatchPath, CombinePath):
                 rank's NVLink buffer, into which every rank writes each token straight into its
                 row: no SM copies rows out and every one of ``config.num_sms`` writes rows (with
                 enough SMs some only this rank's own: ``config.peer_blocks_in_place``), so that
-                few SMs reach the links' rate (docs/PERF_NOTES.md). The views are valid until the
+                few SMs reach the links' rate (docs/PERFORMANCE.md). The views are valid until the
                 next dispatch or combine of this Buffer (copy them to keep them longer, e.g. for a
                 backward pass) and must not be written, but for ``recv_x`` overwritten with the
                 rows to combine (:meth:`combine` then reads them where they lie); passing one to

@@ -3,7 +3,7 @@
 A DeepEP intranode script runs with ``import deepep_cupy as deep_ep``: ``Buffer`` takes DeepEP's
 constructor arguments (and refuses the internode and low-latency ones it cannot honour before
 any collective starts), ``Buffer.capture()`` records an event for ``previous_event``, and
-``deep_ep.topk_idx_t`` names the dtype of expert ids. The README's migration table lists every
+``deep_ep.topk_idx_t`` names the dtype of expert ids. The table of docs/DEEPEP_MIGRATION.md lists every
 difference that remains.
 """
 

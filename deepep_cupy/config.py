@@ -114,7 +114,7 @@ def combine_sender_blocks(num_sms: int) -> int:
     blocks (with fewer, some warps take two items one after the other) and may use more: each
     block adds an SM's stores. Below the 8 blocks that fill the links the push gains from 3/7 of
     the SMs; the reducers, which read two rows for every row pushed, keep the rest (measured on
-    2 x H200, docs/PERF_NOTES.md).
+    2 x H200, docs/PERFORMANCE.md).
     """
     return max(sender_blocks(num_sms), min(LINK_SENDER_BLOCKS, round(3 * num_sms / 7)))
 
@@ -129,7 +129,7 @@ def peer_blocks_in_place(num_sms: int, num_ranks: int) -> int:
     are about 1/(R - 1) of what it pushes to the R - 1 others, so they keep pace with the links on
     ``LINK_SENDER_BLOCKS / (R - 1)`` blocks (at most ``num_sms // R``), when the others are still
     enough to fill the links; with fewer SMs all of them are needed on every destination
-    (docs/PERF_NOTES.md). The split assumes routing that spreads tokens over the ranks: where most
+    (docs/PERFORMANCE.md). The split assumes routing that spreads tokens over the ranks: where most
     of a rank's tokens stay on it, its own-row blocks do most of the work (at 24 SMs on 2 ranks,
     8 blocks write what 24 would share).
     """
@@ -178,7 +178,7 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
     return max(d.total_bytes, c.total_bytes)
 
 
-# The recommended configs, measured on 2 x H200 (docs/PERF_NOTES.md): publishing every 4 tokens
+# The recommended configs, measured on 2 x H200 (docs/PERFORMANCE.md): publishing every 4 tokens
 # beats 8 and 16; the SM count follows the GPU's NVLinks (deepep_cupy.hardware).
 RECOMMENDED_SEND_CHUNK = 4
 #: DeepEP's queue depth, unused here (see Config).

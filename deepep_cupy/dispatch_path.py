@@ -402,7 +402,7 @@ class DispatchPath:
             allocated = (block,) if outputs is None else (block, *outputs)
             if not expand:
                 # Every kernel of the call is queued: the call is handed over while the count
-                # exchange runs, which the host waits for anyway (docs/PERF_NOTES.md).
+                # exchange runs, which the host waits for anyway (docs/PERFORMANCE.md).
                 event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
             if self._next_outputs.steady and rows_guessed is not None:

@@ -6,7 +6,7 @@ fill the links:
 
     senders = ceil(active NVLinks x LINK_GBPS / SM_PUSH_GBPS),   num_sms = 3 x senders (even)
 
-with the rates measured on 2 x H200 (docs/PERF_NOTES.md): 18 links take 326 GB/s per direction,
+with the rates measured on 2 x H200 (docs/PERFORMANCE.md): 18 links take 326 GB/s per direction,
 one SM pushes about 41 GB/s, so 8 senders and 24 SMs. The links are counted with NVML; where NVML
 or the GPU cannot be asked (no driver, no GPU: CPU-only CI), the recommendation is that of 18
 links.

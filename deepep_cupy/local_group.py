@@ -296,7 +296,7 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
     While the ranks run, the interpreter's GIL switch interval is at most
     :data:`RANK_SWITCH_INTERVAL_S`: a rank thread whose CUDA wait has ended gets the GIL back
     from a busy peer thread within that time instead of CPython's default 5 ms, which stalled
-    every rank's next launch (docs/PERF_NOTES.md has the measurements behind the value).
+    every rank's next launch (docs/PERFORMANCE.md has the measurements behind the value).
 
     The rank threads are daemon threads, always waited for while they are healthy; only a rank
     still stuck ``timeout_s`` after another failed is left behind (and named), so that it cannot

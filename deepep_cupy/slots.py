@@ -66,7 +66,7 @@ POLLS_PER_CLOCK_CHECK = 1024
 #: How to make room for more tokens per rank.
 BUFFER_ADVICE = ("create the Buffer with deepep_cupy.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, "
                  "num_max_tokens_per_rank=...) bytes for the tokens a rank dispatches")
-#: What every rank must do once a Buffer is unusable (the README's "After a timeout").
+#: What every rank must do once a Buffer is unusable (docs/FAILURES.md, "After a timeout").
 RECOVERY = ("The Buffer is unusable: destroy it on every rank (buffer.destroy()) and create a new one on the "
             "same communicator")
 

@@ -101,7 +101,7 @@ class ArrayLib:
 
     #: Whether a fresh dispatch allocated ahead returns its small outputs as views carved out of
     #: the handle's allocation (:meth:`carve`) instead of allocating and trimming each: fewer calls
-    #: with CuPy; with PyTorch the views measured slower than the allocations (docs/PERF_NOTES.md).
+    #: with CuPy; with PyTorch the views measured slower than the allocations (docs/PERFORMANCE.md).
     carves_outputs = False
 
     def reinterpret(self, array, dtype_name: str):

@@ -1,5 +1,5 @@
 """How many bytes per second a few SMs move: 16-byte register copies against bulk asynchronous
-copies (TMA), for the two patterns of the in-place transfers (issue 12, docs/PERF_NOTES.md):
+copies (TMA), for the two patterns of the in-place transfers (issue 12, docs/PERFORMANCE.md):
 
 * fan-out: each row of x read once and stored to one or two destinations (the in-place dispatch
   writes a token to its own buffer and to the peer's);

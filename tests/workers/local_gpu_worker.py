@@ -95,7 +95,7 @@ class RecordingBuffer:
     With ``sharing_gpu`` (ranks of this process share its GPU) every dispatch and combine starts
     with a barrier of the ranks: a rank checking the last call's outputs may use a PyTorch or CuPy
     kernel for the first time, and loading it waits until the GPU's running kernels end, among
-    them a peer's next call waiting for this rank (README, in-process ranks; docs/PERF_NOTES.md).
+    them a peer's next call waiting for this rank (docs/GROUPS.md, "Ranks sharing a GPU").
     """
 
     def __init__(self, buf, sharing_gpu=False):
