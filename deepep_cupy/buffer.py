@@ -143,19 +143,23 @@ class Buffer(DispatchPath, CombinePath):
             (scaled by the token count, plus 1/8 and 64 rows) so that the transfer starts before
             the host has this call's counts; the arrays returned are exact-size views of those
             allocations. A call that receives more than that is redone with exact sizes (one more
-            count exchange), as is the first. While it waits for its counts, a dispatch like the
-            previous one (same arguments' kinds and token count) allocates the next one's outputs
-            (up to 64 MiB, held until then), so that the next launches its transfer at once.
-            False: the host waits for the counts and allocates exactly (no spare rows, one host
-            round trip more on the GPU's critical path).
+            count exchange), as are the first and one whose guess is above the largest receive
+            count seen (the bound on memory allocated ahead: deepep_cupy/capacity.py). While it
+            waits for its counts, a dispatch like the previous one (same arguments' kinds and
+            token count) allocates the next one's outputs (up to 512 MiB, held until then), so that
+            the next launches its transfer at once. False: every call learns its counts first, in
+            a round that moves nothing, then allocates exactly (no spare rows, one count exchange
+            more per call).
 
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).
         rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes (0),
         low_latency_mode (False), explicitly_destroy, device_id, timeout_s: the settings.
         last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
-            (the host waited for the counts), ``"ahead"`` (allocated ahead, it fitted) or
-            ``"retried"`` (allocated ahead, too small, redone exactly).
+            (its counts learned first), ``"ahead"`` (allocated ahead, it fitted), ``"retried"``
+            (allocated ahead, too small, redone exactly) or ``"fixed"`` (``num_worst_tokens``).
+        last_dispatch_rows_allocated: the received rows the last fresh dispatch (without
+            ``num_worst_tokens``) allocated, the most of its rounds.
         last_count_wait_s: seconds the last fresh dispatch's host waited for the receive counts
             (the rest of its host time is Python and driver work).
     """
