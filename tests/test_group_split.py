@@ -222,7 +222,7 @@ def _torch_rank_main(rank: int, size: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
         world = as_group(dist.group.WORLD)
-        rails = world.split([list(range(l, size, 2)) for l in range(2)])
+        rails = world.split([list(range(local, size, 2)) for local in range(2)])
         record = {"rail": [rails.rank, rails.size, rails.allgather(rank)],
                   "rail_global": [rails.global_rank(i) for i in range(rails.size)]}
         # A group that is not the world: split it among its own ranks only.
