@@ -204,7 +204,7 @@ def _rail_partition(group: Any, rail: Sequence[int]) -> Tuple[List[List[int]], L
 
 
 def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_id: int,
-                   timeout_s: float) -> RailTransport:
+                   timeout_s: float, *, memory: Any = None) -> RailTransport:
     """The rail transport of this rank (collective over the whole ``group``).
 
     Args:
@@ -215,6 +215,8 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
         device_id: this rank's CUDA device.
         timeout_s: how long a host wait of the transport may last before it raises
             :class:`deepep_cupy.DeepEPTimeoutError` (MPI and local transports).
+        memory: the device operations of the transport (default: CUDA's, through CuPy; tests pass
+            host memory standing in, tests/transport_fakes.py). Unused by the torch NCCL transport.
 
     Returns:
         A :class:`RailTransport`; :meth:`RailTransport.close` it when done.
@@ -226,11 +228,11 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
         if chosen == "local":
             from ._transport_local import LocalRailTransport
 
-            return LocalRailTransport(rail_group, mine, device_id, timeout_s)
+            return LocalRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
         if chosen == "mpi":
             from ._transport_mpi import MpiRailTransport
 
-            return MpiRailTransport(rail_group, mine, device_id, timeout_s)
+            return MpiRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
         from .comm import TorchGroup
 
         if isinstance(group, TorchGroup):
@@ -239,7 +241,7 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
             return TorchNcclRailTransport(rail_group, mine, device_id, timeout_s)
         from ._transport_nccl import NcclRailTransport
 
-        return NcclRailTransport(rail_group, mine, device_id, timeout_s)
+        return NcclRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
     except BaseException:
         rail_group.free()
         raise
