@@ -30,15 +30,17 @@ def _transport(mode, cuda_aware, timeout_s=60.0):
     from deepep_cupy.comm import MPIGroup
 
     world = MPIGroup(MPI.COMM_WORLD)
-    rail = world.split([list(range(world.size))])
-    memory = HostMemory() if mode != "gpu" else None
-    device_id = 0
     if mode == "gpu":
+        # The real thing: make_transport (rails from every rank, CuPy's copies and pinned memory).
         import cupy
 
-        device_id = cupy.cuda.Device().id
-    return MpiRailTransport(rail, list(range(world.size)), device_id, timeout_s, cuda_aware=cuda_aware,
-                            memory=memory)
+        from deepep_cupy.transports import make_transport
+
+        t = make_transport("mpi", world, list(range(world.size)), cupy.cuda.Device().id, timeout_s)
+        t.cuda_aware = cuda_aware
+        return t
+    rail = world.split([list(range(world.size))])
+    return MpiRailTransport(rail, list(range(world.size)), 0, timeout_s, cuda_aware=cuda_aware, memory=HostMemory())
 
 
 def _cases(size):
@@ -51,11 +53,28 @@ def _cases(size):
     return cases
 
 
+def _select_gpu():
+    """One GPU per rank where there are enough; else every rank on GPU 0 (one_gpu_ranks.py)."""
+    import cupy
+    from mpi4py import MPI
+
+    cupy.cuda.Device(MPI.COMM_WORLD.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+
+
 def run_cases(mode):
     from transport_fakes import expected_recv, packed_send
 
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    mismatches, done = [], 0
+    mismatches, done, extra = [], 0, {}
+    if mode == "gpu":
+        from mpi4py import MPI
+
+        from deepep_cupy.comm import MPIGroup
+        from deepep_cupy.nodes import discover_topology
+
+        _select_gpu()
+        # The real P2P probe: one host, GPUs that map each other (or one GPU shared) -> one node.
+        extra["ranks_per_node"] = discover_topology(MPIGroup(MPI.COMM_WORLD)).ranks_per_node
     paths = [False, True] if mode == "host" else [False]
     for cuda_aware in paths:
         t = _transport(mode, cuda_aware)
@@ -85,7 +104,7 @@ def run_cases(mode):
             done += 1
         ints = t.alltoall_ints([100 * rank + p for p in range(t.size)])
         t.close()
-    return {"rank": rank, "mismatches": mismatches, "cases": done, "ints": ints}
+    return {"rank": rank, "mismatches": mismatches, "cases": done, "ints": ints, **extra}
 
 
 def run_timeout():
