@@ -164,6 +164,69 @@ def test_make_transport_refuses_rails_that_do_not_partition_the_group(no_env):
     assert "partition: expected non-empty, disjoint lists" in str(info.value.exception)
 
 
+class ThreadsAsMpi(MPIGroup):
+    """A rank of a thread group that looks like an mpi4py communicator to the transport choice."""
+
+    def __init__(self, group):
+        self._group = group
+
+    rank = property(lambda self: self._group.rank)
+    size = property(lambda self: self._group.size)
+
+    def allgather(self, obj):
+        return self._group.allgather(obj)
+
+
+def _rank():
+    return int(threading.current_thread().name.rsplit("-", 1)[1])
+
+
+def _agree_on(n, monkeypatch, kind=None, nccl_on=lambda r: True, gpu_of=lambda r: f"0000:{r:02x}:00.0",
+              rails=None):
+    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl() if nccl_on(_rank()) else None)
+    monkeypatch.setattr(transports, "gpu_address", lambda device_id: gpu_of(_rank()))
+    rails = rails or [list(range(n))] * n
+    return run(lambda g: transports._agree(ThreadsAsMpi(g), kind, rails[g.rank], 0), n)
+
+
+def test_every_rank_takes_nccl_when_every_rank_can(no_env, monkeypatch):
+    assert _agree_on(4, monkeypatch, rails=[[0, 2], [1, 3], [0, 2], [1, 3]]) == [
+        ("nccl", [[0, 2], [1, 3]])] * 4
+
+
+def test_every_rank_takes_mpi_when_one_rank_cannot_load_nccl(no_env, monkeypatch):
+    assert [k for k, _ in _agree_on(3, monkeypatch, nccl_on=lambda r: r != 1)] == ["mpi"] * 3
+
+
+def test_ranks_of_a_rail_sharing_a_gpu_take_mpi(no_env, monkeypatch):
+    assert [k for k, _ in _agree_on(2, monkeypatch, gpu_of=lambda r: "0000:01:00.0")] == ["mpi"] * 2
+
+
+def test_nccl_asked_for_ranks_sharing_a_gpu_is_refused_on_every_rank(no_env, monkeypatch):
+    with pytest.raises(RankFailed) as info:
+        _agree_on(2, monkeypatch, kind="nccl", gpu_of=lambda r: "0000:01:00.0")
+    assert all(isinstance(e, ValueError) and "NCCL refuses two ranks on one GPU" in str(e)
+               for e in info.value.failures.values())
+    assert sorted(info.value.failures) == [0, 1]
+
+
+def test_a_kind_one_rank_cannot_use_is_refused_on_every_rank(no_env, monkeypatch):
+    with pytest.raises(RankFailed) as info:
+        _agree_on(3, monkeypatch, kind="nccl", nccl_on=lambda r: r != 2)
+    failures = info.value.failures
+    assert sorted(failures) == [0, 1, 2] and all(isinstance(e, ValueError) for e in failures.values())
+    assert str(failures[0]).startswith("rank 2: transport: 'nccl' over an mpi4py communicator needs")
+
+
+def test_ranks_asking_for_different_kinds_are_refused(monkeypatch):
+    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl())
+    monkeypatch.setattr(transports, "gpu_address", lambda device_id: f"gpu{_rank()}")
+    with pytest.raises(RankFailed) as info:
+        run(lambda g: transports._agree(ThreadsAsMpi(g), "mpi" if g.rank else "nccl", [0, 1], 0), 2)
+    assert all(isinstance(e, RankMismatchError) for e in info.value.failures.values())
+    assert "ranks chose different transports, got ['nccl', 'mpi']" in str(info.value.exception)
+
+
 # ---------------------------------------------------------------------------------------------
 # The local transport (threads, host memory)
 
