@@ -216,10 +216,10 @@ def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int)
     from .comm import MPIGroup
 
     mine = [int(r) for r in rail]
-    if group.rank not in mine:
-        raise ValueError(f"rail: expected a list of ranks holding this rank ({group.rank}), got {mine}")
-    # A kind this rank cannot use is refused on every rank (after the gather), so none waits.
+    # What this rank refuses is refused on every rank (after the gather), so that none waits.
     try:
+        if group.rank not in mine:
+            raise ValueError(f"rail: expected a list of ranks holding this rank ({group.rank}), got {mine}")
         explicit = _requested_kind(kind) is not None
         proposal, refusal = choose_kind(kind, group), None
     except ValueError as exc:

@@ -154,7 +154,8 @@ def test_make_transport_splits_the_group_into_the_rails(no_env):
 def test_make_transport_refuses_a_rail_without_this_rank(no_env):
     with pytest.raises(RankFailed) as info:
         run(lambda g: make_transport("local", g, [0], 0, 5), 2)
-    assert "rail: expected a list of ranks holding this rank (1), got [0]" in str(info.value)
+    assert sorted(info.value.failures) == [0, 1]
+    assert str(info.value.failures[0]) == "rank 1: rail: expected a list of ranks holding this rank (1), got [0]"
 
 
 def test_make_transport_refuses_rails_that_do_not_partition_the_group(no_env):
