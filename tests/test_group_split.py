@@ -202,6 +202,8 @@ def test_mpi_group_splits_into_nodes_and_rails(n):
         assert r["rail"] == [rail.index(rank), len(rail), rail], r
         assert r["reversed"] == [n - 1 - rank, n, list(range(n - 1, -1, -1))], r
         assert r["freed"] is True
+        # Nodes from the host names (one host here), and simulated nodes of 2 ranks.
+        assert r["topology"] == [[rank, n, 2], rail, [rank, n, n]], r
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,14 +10,18 @@ def main() -> dict:
     from mpi4py import MPI
 
     from deepep_cupy.comm import MPIGroup
+    from deepep_cupy.nodes import discover_topology
 
     group = MPIGroup(MPI.COMM_WORLD)
     rank, size = group.rank, group.size
     nodes = group.split([[n, n + 1] for n in range(0, size, 2)])
     rails = group.split([list(range(local, size, 2)) for local in range(2)])
     backwards = group.split([list(range(size - 1, -1, -1))])
+    simulated = discover_topology(group, ranks_per_node=2)
+    one_host = discover_topology(group, peers_mappable=True)
     record = {
         "rank": rank,
+        "topology": [list(simulated), simulated.rail_ranks(), list(one_host)],
         "node": [nodes.rank, nodes.size, nodes.allgather(rank)],
         "rail": [rails.rank, rails.size, rails.allgather(rank)],
         "reversed": [backwards.rank, backwards.size, backwards.allgather(rank)],
