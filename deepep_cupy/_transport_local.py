@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
-from .errors import RankMismatchError
+from .errors import DeepEPTimeoutError, RankMismatchError
 from .transports import RailTransport, offsets
 
 
@@ -61,8 +61,7 @@ class LocalRailTransport(RailTransport):
         recv_bytes = self._counts("recv_bytes", recv_bytes)
         me, memory = self.rank, self._memory
         memory.record(self._ready, stream)
-        posts = self._group.allgather((recv_ptr, self.device_id, send_bytes, recv_bytes, self._ready),
-                                      timeout_s=self.timeout_s)
+        posts = self._gather((recv_ptr, self.device_id, send_bytes, recv_bytes, self._ready), "alltoallv")
         # Every rank checks the whole matrix, so all of them raise together (and nobody waits).
         wrong = [(p, q) for p in range(self.size) for q in range(self.size) if posts[p][2][q] != posts[q][3][p]]
         if wrong:
@@ -81,15 +80,24 @@ class LocalRailTransport(RailTransport):
             memory.copy_peer(peer_ptr + offsets(posts[p][3])[me], peer_device, send_ptr + send_off[p],
                              self.device_id, nbytes, stream)
         memory.record(self._done, stream)
-        dones = self._group.allgather(self._done, timeout_s=self.timeout_s)
+        dones = self._gather(self._done, "alltoallv (second phase)")
         for p in range(self.size):
             if p != me and recv_bytes[p]:
                 memory.wait(stream, dones[p])
 
     def alltoall_ints(self, values: Sequence[int]) -> List[int]:
         values = self._check_ints(values)
-        rows = self._group.allgather(values, timeout_s=self.timeout_s)
+        rows = self._gather(values, "alltoall_ints")
         return [int(rows[p][self.rank]) for p in range(self.size)]
+
+    def _gather(self, obj: Any, what: str) -> List[Any]:
+        """The rail group's allgather; a timeout names the rail's ranks as the Buffer's group numbers them."""
+        try:
+            return self._group.allgather(obj, timeout_s=self.timeout_s)
+        except DeepEPTimeoutError as exc:
+            me = self.rail[self.rank]
+            raise DeepEPTimeoutError(f"rank {me}: local rail {what} timed out (rail ranks 0..{self.size - 1} are "
+                                     f"global ranks {self.rail}): {exc}", rank=me, kernel=f"local rail {what}") from exc
 
     def close(self) -> None:
         if self._group is not None:

@@ -134,6 +134,7 @@ class TorchNcclRailTransport(RailTransport):
         self.device_id = device_id
         self.timeout_s = float(timeout_s)
         self._device = torch.device("cuda", device_id)
+        self._stream: Any = (None, None)    # (raw stream, its torch.cuda.ExternalStream): the last one used
 
     def _bytes(self, ptr: int, nbytes: int) -> Any:
         torch = self._torch
@@ -154,8 +155,9 @@ class TorchNcclRailTransport(RailTransport):
                              f"{recv_bytes[me]}")
         # A collective, so every rank of the rail takes part in every call (also with nothing to
         # move), as torch's lazily made NCCL communicators need; NCCL copies the self entry on the device.
-        with torch.cuda.device(self.device_id), \
-                torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self._device)):
+        if self._stream[0] != stream:
+            self._stream = (stream, torch.cuda.ExternalStream(stream, device=self._device))
+        with torch.cuda.device(self.device_id), torch.cuda.stream(self._stream[1]):
             torch.distributed.all_to_all_single(
                 self._bytes(recv_ptr, sum(recv_bytes)), self._bytes(send_ptr, sum(send_bytes)),
                 output_split_sizes=recv_bytes, input_split_sizes=send_bytes,

@@ -295,7 +295,7 @@ def test_local_alltoallv_refuses_counts_that_disagree_on_every_rank():
 
 def test_local_alltoallv_names_the_peer_that_never_comes():
     def body(group):
-        t = LocalRailTransport(group, [0, 1], group.rank, 0.3, memory=HostMemory())
+        t = LocalRailTransport(group, [4, 7], group.rank, 0.3, memory=HostMemory())
         if group.rank == 0:
             buf = np.zeros(4, np.uint8)
             t.alltoallv(buf.ctypes.data, [0, 2], buf.ctypes.data, [0, 2], STREAM)
@@ -303,7 +303,9 @@ def test_local_alltoallv_names_the_peer_that_never_comes():
     with pytest.raises(RankFailed) as info:
         run(body, 2)
     assert isinstance(info.value.exception, DeepEPTimeoutError)
-    assert "for ranks [1]" in str(info.value.exception)
+    message = str(info.value.exception)
+    assert message.startswith("rank 4: local rail alltoallv timed out (rail ranks 0..1 are global ranks [4, 7])")
+    assert "for ranks [1]" in message
 
 
 def test_local_alltoallv_checks_its_counts_before_anything_moves():
