@@ -667,10 +667,13 @@ def test_mpi_alltoallv_delivers_every_chunk_staged_and_direct(n):
     assert proc.returncode == 0, describe(proc)
     records = sorted(worker_records(proc.stdout), key=lambda r: r["rank"])
     assert [r["rank"] for r in records] == list(range(n)), describe(proc)
+    rails = [[0, 2], [1, 3]] if n == 4 else [list(range(n))]
     for r in records:
+        rail = rails[r["rank"] % len(rails)]
+        assert (r["rail"], r["rail_size"], r["rail_rank"]) == (rail, len(rail), rail.index(r["rank"])), r
         assert r["mismatches"] == [], r
         assert r["cases"] >= 10
-        assert r["ints"] == [100 * p + r["rank"] for p in range(n)]
+        assert r["ints"] == [100 * p + r["rail_rank"] for p in range(len(rail))]
 
 
 @pytest.mark.mpi

@@ -23,24 +23,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def _transport(mode, cuda_aware, timeout_s=60.0):
+    """The MPI transport of this rank's rail, made by make_transport: with 4 ranks, simulated nodes
+    of 2 (rails [0, 2] and [1, 3]); otherwise one rank per node (one rail of every rank)."""
     from mpi4py import MPI
     from transport_fakes import HostMemory
 
-    from deepep_cupy._transport_mpi import MpiRailTransport
     from deepep_cupy.comm import MPIGroup
+    from deepep_cupy.transports import make_transport
 
     world = MPIGroup(MPI.COMM_WORLD)
+    per_node = 2 if world.size == 4 else 1
+    rail = list(range(world.rank % per_node, world.size, per_node))
     if mode == "gpu":
-        # The real thing: make_transport (rails from every rank, CuPy's copies and pinned memory).
         import cupy
 
-        from deepep_cupy.transports import make_transport
-
-        t = make_transport("mpi", world, list(range(world.size)), cupy.cuda.Device().id, timeout_s)
-        t.cuda_aware = cuda_aware
-        return t
-    rail = world.split([list(range(world.size))])
-    return MpiRailTransport(rail, list(range(world.size)), 0, timeout_s, cuda_aware=cuda_aware, memory=HostMemory())
+        t = make_transport("mpi", world, rail, cupy.cuda.Device().id, timeout_s)   # CuPy's copies, pinned memory
+    else:
+        t = make_transport("mpi", world, rail, 0, timeout_s, memory=HostMemory())
+    t.cuda_aware = cuda_aware
+    return t
 
 
 def _cases(size):
@@ -78,39 +79,49 @@ def run_cases(mode):
     paths = [False, True] if mode == "host" else [False]
     for cuda_aware in paths:
         t = _transport(mode, cuda_aware)
-        rank = t.rank
+        me = t.rank
         for i, counts in enumerate(_cases(t.size)):
             seed = 1000 * int(cuda_aware) + i
-            send = packed_send(rank, counts, seed)
-            recv_bytes = [counts[p][rank] for p in range(t.size)]
-            want = expected_recv(rank, counts, seed)
+            send = packed_send(me, counts, seed)
+            recv_bytes = [counts[p][me] for p in range(t.size)]
+            want = expected_recv(me, counts, seed)
             if mode == "gpu":
-                import cupy
-
-                stream = cupy.cuda.Stream(non_blocking=True)
-                d_send = cupy.asarray(send) if send.size else cupy.empty(1, cupy.uint8)
-                d_recv = cupy.full(max(1, sum(recv_bytes)), 0xEE, cupy.uint8)
-                t.alltoallv(d_send.data.ptr, counts[rank], d_recv.data.ptr, recv_bytes, stream.ptr)
-                stream.synchronize()
-                got = cupy.asnumpy(d_recv)[:sum(recv_bytes)]
+                got = _move_on_gpu(t, send, counts[me], recv_bytes)
             else:
                 recv = np.full(sum(recv_bytes) + 1, 0xEE, np.uint8)
-                t.alltoallv(send.ctypes.data, counts[rank], recv.ctypes.data, recv_bytes, 0)
-                got = recv[:-1]
-                if recv[-1] != 0xEE:
-                    mismatches.append({"cuda_aware": cuda_aware, "case": i, "what": "wrote past the end"})
-            if not np.array_equal(got, want):
+                t.alltoallv(send.ctypes.data, counts[me], recv.ctypes.data, recv_bytes, 0)
+                got = recv
+            if got[-1] != 0xEE:
+                mismatches.append({"cuda_aware": cuda_aware, "case": i, "what": "wrote past the end"})
+            if not np.array_equal(got[:-1], want):
                 mismatches.append({"cuda_aware": cuda_aware, "case": i, "counts": counts})
             done += 1
-        ints = t.alltoall_ints([100 * rank + p for p in range(t.size)])
+        ints = t.alltoall_ints([100 * me + p for p in range(t.size)])
+        rail_rank, rail_size, rail = t.rank, t.size, t.rail
         t.close()
-    return {"rank": rank, "mismatches": mismatches, "cases": done, "ints": ints, **extra}
+    return {"rank": rank, "rail_rank": rail_rank, "rail_size": rail_size, "rail": rail, "mismatches": mismatches,
+            "cases": done, "ints": ints, **extra}
+
+
+def _move_on_gpu(t, send, send_bytes, recv_bytes):
+    """alltoallv on device buffers, everything on one non-blocking stream; the bytes received plus one."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        d_send = cupy.asarray(send) if send.size else cupy.empty(1, cupy.uint8)
+        d_recv = cupy.full(sum(recv_bytes) + 1, 0xEE, cupy.uint8)
+        t.alltoallv(d_send.data.ptr, send_bytes, d_recv.data.ptr, recv_bytes, stream.ptr)
+        got = cupy.asnumpy(d_recv, stream=stream)
+    stream.synchronize()
+    return got
 
 
 def run_timeout():
     from deepep_cupy.errors import DeepEPError
 
     t = _transport("host", cuda_aware=False, timeout_s=1.0)
+    assert t.size == t.rail[-1] + 1, "the timeout case wants every rank on one rail"
     error, kind = None, None
     buf = np.zeros(16, np.uint8)
     if t.rank != t.size - 1:
