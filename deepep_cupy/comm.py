@@ -210,7 +210,8 @@ class TorchGroup(Group):
         dist = self._dist
         # A group smaller than the world: only its own ranks call new_group, so it must not wait
         # for the others (use_local_synchronization); torch's rule otherwise: every rank creates
-        # every part, in the same order.
+        # every part, in the same order. (Torch names a locally synchronised group by its ranks and
+        # the number of groups this process has: the ranks of a part must have made as many.)
         local_sync = self._size < dist.get_world_size()
         backend = dist.get_backend(self._group)
         mine = None
