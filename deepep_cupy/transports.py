@@ -1,0 +1,301 @@
+"""Rail transports: how bytes travel between nodes, from a rank to its rail peers.
+
+A rail is the ranks with the same local index on every node (:meth:`NodeTopology.rail_ranks`),
+one per node, in node order. Between nodes, the library only ever moves bytes along a rail, with
+one operation: an all-to-all of variable byte counts on device memory, ordered on a CUDA stream
+(:meth:`RailTransport.alltoallv`), plus a small host all-to-all of counts.
+
+One interface, one implementation per transport (as CuPy's ``cupyx.distributed`` does):
+
+* ``"nccl"`` (:mod:`deepep_cupy._transport_nccl`): grouped ``ncclSend``/``ncclRecv``, through
+  the ProcessGroup of a ``torch.distributed`` NCCL group, or through a CuPy NCCL communicator
+  per rail whose id is broadcast over an mpi4py communicator. Enqueued on the stream.
+* ``"mpi"`` (:mod:`deepep_cupy._transport_mpi`): mpi4py ``Ialltoallv`` on device buffers where
+  the MPI is CUDA-aware, staged through pinned host memory where it is not. Synchronous.
+* ``"local"`` (:mod:`deepep_cupy._transport_local`): ranks that are threads of one process
+  (:class:`deepep_cupy.local_group.ThreadGroup`): device-to-device copies ordered by events.
+
+All of them move bytes, so their results are identical.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Any, List, Optional, Sequence, Tuple
+
+from .errors import RankMismatchError
+
+#: Environment variable: the transport :func:`make_transport` picks when its ``kind`` is None.
+TRANSPORT_ENV = "DEEPEP_CUPY_TRANSPORT"
+
+#: The transports by name.
+TRANSPORT_KINDS = ("nccl", "mpi", "local")
+
+
+class RailTransport(abc.ABC):
+    """Moves bytes between the ranks of one rail (one rank per node).
+
+    Attributes:
+        name: ``"nccl"``, ``"mpi"`` or ``"local"``.
+        size: ranks in the rail (the number of nodes).
+        rank: this rank's index in the rail (its node index).
+        rail: the global ranks of the rail (in the Buffer's group), in rail order.
+    """
+
+    name: str = ""
+
+    def __init__(self, rail: Sequence[int], rank: int):
+        self.rail = [int(r) for r in rail]
+        self.size = len(self.rail)
+        self.rank = rank
+
+    @abc.abstractmethod
+    def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
+                  stream: int) -> None:
+        """Send ``send_bytes[p]`` bytes to rail peer ``p`` and receive ``recv_bytes[p]`` from it.
+
+        Every rank of the rail calls it, with matching counts (``send_bytes[q]`` on rank ``p``
+        equals ``recv_bytes[p]`` on rank ``q``).
+
+        Args:
+            send_ptr: device pointer (this rank's GPU) of the bytes to send, packed by peer:
+                peer ``p``'s bytes start at ``sum(send_bytes[:p])``.
+            send_bytes: ``size`` non-negative ints.
+            recv_ptr: device pointer of the receive buffer, packed by peer likewise.
+            recv_bytes: ``size`` non-negative ints.
+            stream: a raw ``cudaStream_t``: the move starts after the work queued on it so far,
+                and work queued on it afterwards sees the received bytes. The self entry
+                (``p == rank``) is a device-to-device copy. Both buffers must stay alive until
+                that work has run.
+        """
+
+    @abc.abstractmethod
+    def alltoall_ints(self, values: Sequence[int]) -> List[int]:
+        """Host all-to-all of one int per peer.
+
+        Args:
+            values: ``size`` ints, ``values[p]`` for rail peer ``p``.
+
+        Returns:
+            ``size`` ints, entry ``p`` being what rail peer ``p`` passed for this rank.
+        """
+
+    def close(self) -> None:
+        """Release the transport's resources (idempotent)."""
+        return None
+
+    # -- shared argument checks ----------------------------------------------------------------
+
+    def _counts(self, name: str, counts: Sequence[int]) -> List[int]:
+        try:
+            values = [int(c) for c in counts]
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}: expected {self.size} ints, got {counts!r}") from None
+        if len(values) != self.size or any(v < 0 for v in values):
+            raise ValueError(f"{name}: expected {self.size} non-negative byte counts (one per rail peer), "
+                             f"got {values}")
+        return values
+
+    def _check_ints(self, values: Sequence[int]) -> List[int]:
+        try:
+            ints = [int(v) for v in values]
+        except (TypeError, ValueError):
+            raise TypeError(f"values: expected {self.size} ints, got {values!r}") from None
+        if len(ints) != self.size:
+            raise ValueError(f"values: expected one int per rail peer ({self.size}), got {len(ints)}")
+        return ints
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rail={self.rail}, rank={self.rank})"
+
+
+def offsets(counts: Sequence[int]) -> List[int]:
+    """Exclusive prefix sums: where each peer's bytes start in a packed buffer."""
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+def _requested_kind(kind: Optional[str]) -> Optional[str]:
+    source = "kind"
+    if kind is None:
+        kind = os.environ.get(TRANSPORT_ENV, "").strip() or None
+        source = TRANSPORT_ENV
+    if kind is None:
+        return None
+    if not isinstance(kind, str) or kind.lower() not in TRANSPORT_KINDS:
+        raise ValueError(f"{source}: expected one of {list(TRANSPORT_KINDS)}, got {kind!r}")
+    return kind.lower()
+
+
+def nccl_module() -> Any:
+    """CuPy's NCCL bindings (``cupy.cuda.nccl``), or None when NCCL cannot be loaded."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # CuPy warns when libnccl is missing; None says it
+            from cupy.cuda import nccl
+    except Exception:
+        return None
+    return nccl if getattr(nccl, "available", False) else None
+
+
+def _torch_backend(group: Any) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group.process_group)).lower()
+
+
+def choose_kind(kind: Optional[str], group: Any) -> str:
+    """The transport for ``group``: ``kind``, else :data:`TRANSPORT_ENV`, else automatic.
+
+    Automatic: an in-process group -> ``"local"``; a ``torch.distributed`` group on the NCCL
+    backend -> ``"nccl"``; an mpi4py communicator -> ``"nccl"`` where CuPy can load NCCL, else
+    ``"mpi"``.
+
+    Raises:
+        ValueError: an unknown kind, or one this group cannot use.
+    """
+    from .comm import MPIGroup, TorchGroup
+
+    requested = _requested_kind(kind)
+    kind_of_group = ("in-process" if group.in_process else "torch.distributed" if isinstance(group, TorchGroup)
+                     else "mpi4py" if isinstance(group, MPIGroup) else type(group).__name__)
+    if requested is None:
+        if group.in_process:
+            return "local"
+        if isinstance(group, TorchGroup):
+            backend = _torch_backend(group)
+            if backend != "nccl":
+                raise ValueError(f"transport: a torch.distributed group on the {backend!r} backend has no rail "
+                                 "transport between nodes (use the NCCL backend, or an mpi4py communicator)")
+            return "nccl"
+        if isinstance(group, MPIGroup):
+            return "nccl" if nccl_module() is not None else "mpi"
+        raise ValueError(f"transport: no rail transport for a {kind_of_group} group")
+    usable = {"local": group.in_process,
+              "mpi": isinstance(group, MPIGroup),
+              "nccl": isinstance(group, (MPIGroup, TorchGroup))}[requested]
+    if not usable:
+        needs = {"local": "an in-process group (run_local_group)", "mpi": "an mpi4py communicator",
+                 "nccl": "a torch.distributed NCCL group or an mpi4py communicator"}[requested]
+        raise ValueError(f"transport: {requested!r} needs {needs}, got a {kind_of_group} group")
+    if requested == "nccl" and isinstance(group, TorchGroup) and _torch_backend(group) != "nccl":
+        raise ValueError(f"transport: 'nccl' over a torch.distributed group needs the NCCL backend, "
+                         f"got {_torch_backend(group)!r}")
+    if requested == "nccl" and isinstance(group, MPIGroup) and nccl_module() is None:
+        raise ValueError("transport: 'nccl' over an mpi4py communicator needs CuPy's NCCL bindings, which cannot "
+                         "load NCCL here (pip install nvidia-nccl-cu12), or choose 'mpi'")
+    return requested
+
+
+def gpu_address(device_id: int) -> Optional[str]:
+    """The PCI address of CUDA device ``device_id`` (None where CUDA cannot say: CPU machines)."""
+    from .nodes import _pci_address
+
+    try:
+        from cupy.cuda import runtime
+
+        return _pci_address(runtime.deviceGetPCIBusId(device_id))
+    except Exception:
+        return None
+
+
+def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int) -> Tuple[str, List[List[int]]]:
+    """The transport every rank takes, and every rank's rail (each once, in the order first seen).
+
+    Each rank proposes a kind (:func:`choose_kind`); an explicit kind must be the same everywhere.
+    Automatic choices fall back to ``"mpi"`` where ``"nccl"`` cannot serve every rank of an
+    mpi4py communicator: CuPy cannot load NCCL on some rank, or two ranks of a rail share a GPU
+    (NCCL refuses that; tests run ranks on one GPU).
+    """
+    from .comm import MPIGroup
+
+    mine = [int(r) for r in rail]
+    # What this rank refuses is refused on every rank (after the gather), so that none waits.
+    try:
+        if group.rank not in mine:
+            raise ValueError(f"rail: expected a list of ranks holding this rank ({group.rank}), got {mine}")
+        explicit = _requested_kind(kind) is not None
+        proposal, refusal = choose_kind(kind, group), None
+    except ValueError as exc:
+        explicit, proposal, refusal = True, None, str(exc)
+    address = None if group.in_process else gpu_address(device_id)
+    everyone = group.allgather((mine, proposal, explicit, address, refusal))
+    refusals = {r: e[4] for r, e in enumerate(everyone) if e[4] is not None}
+    if refusals:
+        first = min(refusals)
+        raise ValueError(refusal if refusal is not None else f"rank {first}: {refusals[first]}")
+    parts: List[List[int]] = []
+    for other, *_ in everyone:
+        if other not in parts:
+            parts.append(other)
+    proposals = [e[1] for e in everyone]
+    if len(set(proposals)) > 1:
+        if any(e[2] for e in everyone) or set(proposals) != {"nccl", "mpi"}:
+            raise RankMismatchError(f"transport: ranks chose different transports, got {proposals} (rank order)")
+        return "mpi", parts     # NCCL is not loadable on every rank
+    chosen = proposals[0]
+    if chosen == "nccl":
+        where = {r: e[3] for r, e in enumerate(everyone)}
+        shared = [part for part in parts
+                  if len({where[r] for r in part if where[r] is not None}) < len([r for r in part if where[r]])]
+        if shared:
+            if explicit or not isinstance(group, MPIGroup):
+                raise ValueError(f"transport: NCCL refuses two ranks on one GPU, and rails {shared} share GPUs "
+                                 "(choose 'mpi')")
+            return "mpi", parts
+    return chosen, parts
+
+
+def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_id: int,
+                   timeout_s: float, *, memory: Any = None) -> RailTransport:
+    """The rail transport of this rank (collective over the whole ``group``).
+
+    Args:
+        kind: ``"nccl"``, ``"mpi"``, ``"local"`` or None (see :func:`choose_kind`).
+        group: the Buffer's :class:`deepep_cupy.comm.Group`.
+        rail: the global ranks of this rank's rail, in node order (``NodeTopology.rail_ranks()``).
+            The rails of all ranks must partition the group.
+        device_id: this rank's CUDA device.
+        timeout_s: how long a host wait of the transport may last before it raises
+            :class:`deepep_cupy.DeepEPTimeoutError` (MPI and local transports).
+        memory: the device operations of the transport (default: CUDA's, through CuPy; tests pass
+            host memory standing in, tests/transport_fakes.py). Unused by the torch NCCL transport.
+
+    Returns:
+        A :class:`RailTransport`; :meth:`RailTransport.close` it when done.
+
+    Raises:
+        ValueError: a kind the group cannot use, a rail without this rank, rails that do not
+            partition the group, or NCCL asked for ranks that share a GPU.
+        RankMismatchError: ranks asked for different transports.
+    """
+    chosen, parts = _agree(group, kind, rail, device_id)
+    mine = [int(r) for r in rail]
+    rail_group = group.split(parts)
+    try:
+        if chosen == "local":
+            from ._transport_local import LocalRailTransport
+
+            return LocalRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
+        if chosen == "mpi":
+            from ._transport_mpi import MpiRailTransport
+
+            return MpiRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
+        from .comm import TorchGroup
+
+        if isinstance(group, TorchGroup):
+            from ._transport_nccl import TorchNcclRailTransport
+
+            return TorchNcclRailTransport(rail_group, mine, device_id, timeout_s)
+        from ._transport_nccl import NcclRailTransport
+
+        return NcclRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
+    except BaseException:
+        rail_group.free()
+        raise
