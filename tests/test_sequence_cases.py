@@ -2,10 +2,12 @@
 the inputs and reference of small steps, and the soak's ``--list`` (tests/workers/sequence_soak.py)."""
 
 import collections
+import json
+import textwrap
 
 import numpy as np
 import pytest
-from _harness import WORKERS, describe, run_python
+from _harness import WORKERS, describe, run_python, worker_records
 from workers import memory_bounds as mb
 from workers import random_cases as rc
 from workers import sequence_cases as sc
@@ -216,3 +218,112 @@ def test_the_soak_lists_its_sequences_without_a_gpu():
 def test_the_soak_refuses_bad_arguments(args, message):
     run = run_python([SOAK, *args], timeout=120)
     assert run.returncode == 2 and message in run.stderr, describe(run)
+
+
+# ---------------------------------------------------------------------------------------------
+# The soak with its GPU parts replaced: rank threads without devices, a Buffer that does nothing,
+# a run_step told which steps fail (a wrong result, rows above the bound, a device peak above the
+# limit) or hang.
+FAKE_GPU_DRIVER = textwrap.dedent('''
+    import contextlib, json, sys, time
+    sys.path.insert(0, sys.argv[1])  # the soak imports its sibling workers as a script does
+    import deepep_cupy as ep
+    import sequence_soak as soak
+
+    plan = {kind: [tuple(k) for k in keys] for kind, keys in json.loads(sys.argv[2]).items()}
+
+    class FakeBuffer:
+        def __init__(self, group, nvl_bytes, timeout_s):
+            self.group = group
+
+        def destroy(self):
+            pass
+
+    def run_step(ctx, state, seq, step, memo):
+        rank, key = ctx["group"].rank, (seq["seed"], step["index"])
+        if key in plan["hang"]:
+            time.sleep(60)
+        if key in plan["mismatch"] and rank == 1:
+            return False, "Mismatch: recv_x: 1 of 8 elements differ", {}
+        info = {"rank": rank, "recv": 100, "device": ctx["device"], "peak": 4 << 20 if ctx["leader"] else None,
+                "exact_bytes": 2 << 20, "bound_bytes": 0, "allocation": "ahead"}
+        if step["kind"] == "fresh":
+            rows = 10 ** 6 if key in plan["rows"] and rank == 0 else 150
+            info.update(rows_allocated=rows, allowed=164, largest_before=0, guess_largest=100, bound=164,
+                        steady=False, most_rows=10 ** 6)
+        if key in plan["peak"] and ctx["leader"]:
+            info["peak"] = 1 << 40
+        return True, None, info
+
+    run_local_group = ep.run_local_group
+    ep.run_local_group = lambda fn, n, devices, *, timeout_s, num_sms: run_local_group(
+        fn, n, devices, timeout_s=timeout_s, use_devices=False)
+    ep.Buffer = FakeBuffer
+    soak.run_step = run_step
+    soak.warm_combine_kernels = lambda num_ranks: None
+    soak.visible_gpus = lambda args: (1, 132)
+    soak.torch_stream = lambda seq, device: contextlib.nullcontext()
+    sys.exit(soak.main(sys.argv[3:]))
+''')
+
+
+def run_fake_soak(tmp_path, args, timeout=120, **plan):
+    driver = tmp_path / "fake_gpu_sequence_soak.py"
+    driver.write_text(FAKE_GPU_DRIVER)
+    kinds = {kind: [list(k) for k in plan.get(kind, ())] for kind in ("mismatch", "rows", "peak", "hang")}
+    return run_python([driver, WORKERS, json.dumps(kinds), *args], timeout=timeout)
+
+
+def first_fresh_step(seq, after=0):
+    return next(s["index"] for s in seq["steps"][after:] if s["kind"] == "fresh")
+
+
+def test_the_soak_reports_each_failing_sequence_at_its_step_and_goes_on(tmp_path):
+    seqs = {s["seed"]: s for s in sc.random_sequences(30, 8, 12, num_gpus=1)}
+    rows_step = first_fresh_step(seqs[33], 3)
+    plan = dict(mismatch=[(31, 4)], rows=[(33, rows_step)], peak=[(36, 0)])
+    run = run_fake_soak(tmp_path, ["--seed", 30, "--sequences", 8, "--steps", 12, "--records"], **plan)
+    assert run.returncode == 1, describe(run)
+    failures = {f["seed"]: f for f in worker_records(run.stdout, "FAIL")}
+    assert sorted(failures) == [31, 33, 36], describe(run)
+    assert failures[31]["failed_step"] == 4 and "Mismatch: recv_x" in failures[31]["errors"]["1"]
+    assert failures[33]["failed_step"] == rows_step and failures[33]["errors"]["0"].startswith("bound: allocated")
+    assert failures[36]["failed_step"] == 0 and "bound: device 0 peaked" in failures[36]["errors"]["0"]
+    for seed, failure in failures.items():
+        assert failure["reproduce"] == f"make soak-sequences SOAK_SEQUENCE_SEED={seed} SOAK_SEQUENCES=1 SOAK_STEPS=12"
+        assert failure["sequence"] == sc.describe_sequence(seqs[seed])
+        assert failure["step_description"] == sc.describe_step(seqs[seed]["steps"][failure["failed_step"]])
+    sequences = {r["seed"]: r for r in worker_records(run.stdout, "SEQUENCE")}
+    assert sorted(sequences) == list(range(30, 38))
+    assert {s: r["steps"] for s, r in sequences.items()} == {
+        s: failures[s]["failed_step"] + 1 if s in failures else 12 for s in seqs}
+    steps = worker_records(run.stdout, "STEP")
+    assert len(steps) == sum(r["steps"] for r in sequences.values())
+    assert all(len(s["ranks"]) == seqs[s["seed"]]["num_ranks"] for s in steps)
+    summary = worker_records(run.stdout, "SUMMARY")[-1]
+    assert summary["failed"] == [31, 33, 36] and summary["sequences"] == 8 and summary["seeds"] == [30, 37]
+    # The worst ratios include the steps that failed for them.
+    assert summary["worst_rows"] == {"ratio": 10 ** 4, "seed": 33, "step": rows_step, "rank": 0, "rows": 10 ** 6,
+                                     "recv": 100}
+    assert summary["worst_peak"]["seed"] == 36 and summary["worst_peak"]["step"] == 0
+    passing = run_fake_soak(tmp_path, ["--seed", 30, "--sequences", 2, "--steps", 3])
+    summary = worker_records(passing.stdout, "SUMMARY")[-1]
+    # 4 MiB of peak per device over 2 MiB of exact outputs per rank (one GPU: every rank on it).
+    fewest_ranks = min(seqs[s]["num_ranks"] for s in (30, 31))
+    assert summary["worst_rows"]["ratio"] == 1.5 and summary["worst_peak"]["ratio"] == round(2 / fewest_ranks, 3)
+
+
+def test_a_soak_without_failures_exits_with_0_and_prints_no_step_records(tmp_path):
+    run = run_fake_soak(tmp_path, ["--seed", 3, "--sequences", 4, "--steps", 5])
+    assert run.returncode == 0, describe(run)
+    assert not worker_records(run.stdout, "FAIL") and not worker_records(run.stdout, "STEP")
+    assert worker_records(run.stdout, "SUMMARY")[-1]["steps"] == 20
+    assert "sequence soak: 4 sequences of 5 steps, seeds 3..6, 0 failed" in run.stdout
+
+
+def test_a_sequence_past_its_deadline_is_named_and_ends_the_soak(tmp_path):
+    run = run_fake_soak(tmp_path, ["--seed", 5, "--sequences", 2, "--steps", 4, "--sequence-deadline", 2],
+                        hang=[(5, 2)])
+    assert run.returncode == 3, describe(run)
+    hang = worker_records(run.stdout, "HANG")
+    assert hang and hang[0]["seed"] == 5 and hang[0]["step"] == 2, describe(run)
