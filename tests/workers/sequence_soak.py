@@ -326,8 +326,7 @@ def run_step(ctx, state, seq, step, memo):
         check_dispatch(step, seq, work, state)
 
     def combine():
-        out, want_x = work["out"], None
-        recv_x, recv_topk, recv_weights, _, handle, _ = out
+        recv_x, _, recv_weights, _, handle, _ = work["out"]
         handle = state.handle if step["kind"] == "cached" else handle
         weights = recv_weights if seq["with_weights"] and step["kind"] != "cached" else None
         combined_x, combined_w, _ = buf.combine(recv_x, handle, topk_weights=weights, config=config)
@@ -499,6 +498,7 @@ def run_sequence(ctx, seq, memo, watchdog, args):
             if rank == 0:
                 memo.clear()
                 watchdog.step = step["index"]
+            group.barrier()  # nobody asks for this step's before it is cleared
             ok, error, info = run_step(ctx, state, seq, step, memo)
             everyone = group.allgather((ok, error, info))
             steps_run += 1
