@@ -108,7 +108,8 @@ class CupyMemoryCounter:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a collection inside a count may give bytes back on the same thread.
+        self._lock = threading.RLock()
         self.in_use = 0
         self.peak = 0
 
