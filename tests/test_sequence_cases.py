@@ -306,11 +306,14 @@ def test_the_soak_reports_each_failing_sequence_at_its_step_and_goes_on(tmp_path
     assert summary["worst_rows"] == {"ratio": 10 ** 4, "seed": 33, "step": rows_step, "rank": 0, "rows": 10 ** 6,
                                      "recv": 100}
     assert summary["worst_peak"]["seed"] == 36 and summary["worst_peak"]["step"] == 0
+    assert summary["worst_peak_of_limit"]["seed"] == 36 and summary["worst_peak_of_limit"]["ratio"] > 1
     passing = run_fake_soak(tmp_path, ["--seed", 30, "--sequences", 2, "--steps", 3])
     summary = worker_records(passing.stdout, "SUMMARY")[-1]
     # 4 MiB of peak per device over 2 MiB of exact outputs per rank (one GPU: every rank on it).
     fewest_ranks = min(seqs[s]["num_ranks"] for s in (30, 31))
     assert summary["worst_rows"]["ratio"] == 1.5 and summary["worst_peak"]["ratio"] == round(2 / fewest_ranks, 3)
+    limit = mb.peak_limit(fewest_ranks * (2 << 20), 0, fewest_ranks)
+    assert summary["worst_peak_of_limit"]["ratio"] == round((4 << 20) / limit, 3)
 
 
 def test_a_soak_without_failures_exits_with_0_and_prints_no_step_records(tmp_path):

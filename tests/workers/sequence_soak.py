@@ -35,8 +35,8 @@ Output, one line each (``TAG {json}``):
               how, the bound; per device the peak, the exact outputs' bytes and the limit
     SEQUENCE  every sequence (only with ``--records``): ok, steps run, worst ratios
     ERROR     a rank count's group broke down outside any step
-    SUMMARY   sequences, failed seeds, steps, the worst ratio of rows allocated to exact rows and of
-              peak memory to exact outputs, seconds
+    SUMMARY   sequences, failed seeds, steps, the worst ratio of rows allocated to exact rows, of
+              peak memory to exact outputs and of peak memory to its limit, seconds
 then one plain line with the same summary. Exit status 1 if any sequence failed.
 """
 
@@ -456,11 +456,13 @@ def check_step_memory(infos, devices):
 
 class Worst:
     """The worst ratios seen: rows allocated / exact rows (fresh dispatches receiving rows), peak
-    device bytes / exact output bytes (steps with at least RATIO_FLOOR_BYTES of outputs)."""
+    device bytes / exact output bytes (steps with at least RATIO_FLOOR_BYTES of outputs), and peak
+    device bytes / their limit (every step: how close a step came to failing)."""
 
     def __init__(self):
         self.rows = {"ratio": 0.0}
         self.peak = {"ratio": 0.0}
+        self.of_limit = {"ratio": 0.0}
 
     def note(self, seed, step, infos, devices):
         for info in infos:
@@ -470,6 +472,10 @@ class Worst:
                     self.rows = {"ratio": round(ratio, 3), "seed": seed, "step": step, "rank": info["rank"],
                                  "rows": info["rows_allocated"], "recv": info["recv"]}
         for device in devices:
+            ratio = device["peak_bytes"] / device["limit_bytes"]
+            if ratio > self.of_limit["ratio"]:
+                self.of_limit = {"ratio": round(ratio, 3), "seed": seed, "step": step, "device": device["device"],
+                                 "peak_bytes": device["peak_bytes"], "limit_bytes": device["limit_bytes"]}
             if device["exact_bytes"] >= RATIO_FLOOR_BYTES:
                 ratio = device["peak_bytes"] / device["exact_bytes"]
                 if ratio > self.peak["ratio"]:
@@ -481,6 +487,8 @@ class Worst:
             self.rows = other.rows
         if other.peak["ratio"] > self.peak["ratio"]:
             self.peak = other.peak
+        if other.of_limit["ratio"] > self.of_limit["ratio"]:
+            self.of_limit = other.of_limit
 
 
 def run_sequence(ctx, seq, memo, watchdog, args):
@@ -569,6 +577,7 @@ def sequence_record(record, seq, args):
             "sequence": describe_sequence(seq), "failed_step": failure.get("step"),
             "step_description": failure.get("step_description"), "errors": failure.get("errors", {}),
             "worst_rows": record["worst"].rows, "worst_peak": record["worst"].peak,
+            "worst_peak_of_limit": record["worst"].of_limit,
             "reproduce": reproduce_command(record["seed"], args)}
 
 
@@ -622,10 +631,11 @@ def summarize(records, args, seconds):
     summary = {"sequences": len(records), "passed": len(records) - len(failed), "failed": failed,
                "steps": sum(r["steps"] for r in records), "steps_per_sequence": args.steps,
                "seeds": [args.seed, args.seed + args.sequences - 1], "worst_rows": worst.rows,
-               "worst_peak": worst.peak, "seconds": round(seconds, 1)}
+               "worst_peak": worst.peak, "worst_peak_of_limit": worst.of_limit, "seconds": round(seconds, 1)}
     line = (f"sequence soak: {len(records)} sequences of {args.steps} steps, seeds {args.seed}.."
             f"{args.seed + args.sequences - 1}, {len(failed)} failed{' ' + str(failed) if failed else ''}; worst rows "
-            f"allocated / received {worst.rows['ratio']}, worst peak / exact outputs {worst.peak['ratio']}; "
+            f"allocated / received {worst.rows['ratio']}, worst peak / exact outputs {worst.peak['ratio']}, "
+            f"worst peak / limit {worst.of_limit['ratio']}; "
             f"{seconds:.1f} s")
     return summary, line
 
