@@ -1,4 +1,4 @@
-# deepep_cupy: make test | lint | bench | soak | install | clean | distclean | which
+# deepep_cupy: make test | lint | bench | soak | soak-cases | soak-sequences | install | clean | distclean | which
 #
 # Which Python runs things:
 #   * $(PYTHON) (default python3) itself, when it can already import cupy, mpi4py, numpy and
@@ -12,7 +12,8 @@
 # Examples: make test PYTEST_ARGS='-k comm'   make bench BENCH_ARGS='--help'
 #           make test PYTHON=python3.12       make install EXTRAS=cuda13,test
 #           make install EXTRAS=cuda12,test,torch,plots   (PyTorch and matplotlib: their tests run)
-#           make soak SOAK_SEED=1234 SOAK_CASES=1   (one random case alone: a failing seed)
+#           make soak-cases SOAK_SEED=1234 SOAK_CASES=1   (one random case alone: a failing seed)
+#           make soak-sequences SOAK_SEQUENCE_SEED=1234 SOAK_SEQUENCES=1   (one sequence alone)
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -21,11 +22,20 @@ VENV        ?= .venv
 EXTRAS      ?= cuda12,test
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
+# make soak runs the random-case soak, then the sequence soak; soak-cases and soak-sequences run
+# one of them alone.
 # The random-case soak (tests/workers/random_soak.py): seeds SOAK_SEED .. SOAK_SEED+SOAK_CASES-1
 # (make test runs seeds 0..49); SOAK_ARGS: e.g. --gpus 2, --timeout 20, --list.
 SOAK_CASES  ?= 1000
 SOAK_SEED   ?= 1000
 SOAK_ARGS   ?=
+# The sequence soak (tests/workers/sequence_soak.py): SOAK_SEQUENCES sequences of SOAK_STEPS calls on
+# one Buffer, seeds SOAK_SEQUENCE_SEED .. +SOAK_SEQUENCES-1 (make test runs 20 of 50 steps, seeds
+# 0..19); SOAK_SEQUENCE_ARGS: e.g. --gpus 2, --timeout 20, --records, --list.
+SOAK_SEQUENCES     ?= 200
+SOAK_STEPS         ?= 50
+SOAK_SEQUENCE_SEED ?= 1000
+SOAK_SEQUENCE_ARGS ?=
 PIP_FLAGS   ?=
 
 REPO    := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
@@ -55,7 +65,7 @@ endif
 # The checkout comes first on the import path (no install needed, and it wins over stale installs).
 export PYTHONPATH := $(REPO)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test lint bench soak install clean distclean which
+.PHONY: test lint bench soak soak-cases soak-sequences install clean distclean which
 
 # One line before the tests when an optional package is missing: which tests skip, and how to add it.
 define OPTIONAL_NOTE
@@ -81,8 +91,14 @@ lint: $(SETUP)
 bench: $(SETUP)
 	$(PY) -m deepep_cupy.bench $(BENCH_ARGS)
 
-soak: $(SETUP)
+soak: soak-cases soak-sequences
+
+soak-cases: $(SETUP)
 	$(PY) tests/workers/random_soak.py --cases $(SOAK_CASES) --seed $(SOAK_SEED) $(SOAK_ARGS)
+
+soak-sequences: $(SETUP)
+	$(PY) tests/workers/sequence_soak.py --sequences $(SOAK_SEQUENCES) --steps $(SOAK_STEPS) \
+		--seed $(SOAK_SEQUENCE_SEED) $(SOAK_SEQUENCE_ARGS)
 
 ifeq ($(USE_VENV),1)
 install: $(STAMP)

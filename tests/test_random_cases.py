@@ -301,7 +301,7 @@ def test_the_soak_reports_each_failing_seed_and_goes_on(tmp_path):
     assert [f["seed"] for f in sorted(failures, key=lambda f: f["seed"])] == fail
     for failure in failures:
         assert list(failure["errors"]) == ["1"] and "Mismatch: recv_x" in failure["errors"]["1"]
-        assert failure["reproduce"] == f"make soak SOAK_SEED={failure['seed']} SOAK_CASES=1"
+        assert failure["reproduce"] == f"make soak-cases SOAK_SEED={failure['seed']} SOAK_CASES=1"
         assert failure["case"] == rc.describe_case(cases[failure["seed"]])
     records = worker_records(run.stdout, "CASE")
     assert sorted(r["seed"] for r in records) == list(seeds)

@@ -87,7 +87,7 @@ def parse_args(argv):
 def reproduce_command(seed, args):
     """The command that runs case ``seed`` alone on this machine."""
     extra = f" SOAK_ARGS='--gpus {args.gpus}'" if args.gpus else ""
-    return f"make soak SOAK_SEED={seed} SOAK_CASES=1{extra}"
+    return f"make soak-cases SOAK_SEED={seed} SOAK_CASES=1{extra}"
 
 
 def by_rank_count(cases):
