@@ -175,6 +175,11 @@ def device_view(array, info: tensors.ArrayInfo, device_id: int):
     return cupy.ndarray(info.shape, dtype, memory, strides=info.strides)
 
 
+def device_pointer(values) -> int:
+    """The device address of a CuPy array."""
+    return values.data.ptr
+
+
 def to_float32(values, dtype_name: str):
     """float32 of ``values`` stored as ``dtype_name`` (BF16: uint16 bits)."""
     cupy = _cupy()
@@ -386,7 +391,7 @@ class InternodePath:
         send_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(send_counts)]
         recv_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(recv_counts)]
         received = cupy.empty((sum(recv_bytes) // record_bytes if record_bytes else 0, record_bytes), cupy.uint8)
-        self.transport.alltoallv(send_buffer.data.ptr, send_bytes, received.data.ptr, recv_bytes, run_on)
+        self.transport.alltoallv(device_pointer(send_buffer), send_bytes, device_pointer(received), recv_bytes, run_on)
         return received
 
     def _in_node_order(self, received, own_block, recv_counts: Sequence[int]):
@@ -418,7 +423,8 @@ class InternodePath:
             packed_nodes = cupy.asarray(np.asarray(self.packed_nodes, dtype=np.int64))
             in_node = (node_of[None, :, :] == packed_nodes[:, None, None]).any(axis=2)  # [N (packed), T]
             bad = ((topk < -1) | (topk >= num_experts)).any() if T and K else cupy.zeros((), cupy.bool_)
-            host = cupy.concatenate([in_node.sum(axis=1), bad.astype(cupy.int64)[None]]).get()
+            bad = cupy.asarray(bad).reshape(1).astype(cupy.int64)
+            host = cupy.asnumpy(cupy.concatenate([in_node.sum(axis=1), bad]))
             packed_counts = [int(c) for c in host[:N]]
             send_counts = [0] * N
             for n, c in zip(self.packed_nodes, packed_counts):
@@ -484,7 +490,7 @@ class InternodePath:
             else:
                 inner = None
                 num_recv = M
-                counts = cupy.bincount(fw_topk[fw_topk >= 0], minlength=experts_per_node).get() if M else \
+                counts = cupy.asnumpy(cupy.bincount(fw_topk[fw_topk >= 0], minlength=experts_per_node)) if M else \
                     np.zeros(experts_per_node, np.int64)
                 expert_list = [] if num_worst_tokens else \
                     [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
@@ -578,7 +584,10 @@ class InternodePath:
             raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
         handle = self._check_handle(handle)
         info = describe(x, "x", self.device_id)
-        check_array(info, "x", COMBINE_DTYPES, 2, (handle.rows, None))
+        check_array(info, "x", COMBINE_DTYPES, 2)
+        if info.shape[0] != handle.rows:
+            received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
+            raise ValueError(f"x: expected {handle.rows} rows ({received}), got {info.shape[0]}")
         if tensors.row_bytes(info.shape[1:], info.dtype_name) % 16:
             raise ValueError("x: rows must be a multiple of 16 bytes")
         w_info = None
