@@ -722,8 +722,8 @@ def _c_strides(shape: Tuple[int, ...], dtype_name: str) -> Tuple[int, ...]:
 
 def create_internode_path(group, topology, *, device_id: int, timeout_s: float, transport_kind: Optional[str],
                           make_intranode: Callable[[Any], Any], shares_gpu: bool = False) -> InternodePath:
-    """Build an :class:`InternodePath` for ``group`` (collective): the node and rail sub-groups
-    (``group.split``), the rail transport (``transports.make_transport``), the node's intranode
+    """Build an :class:`InternodePath` for ``group`` (collective): the node sub-group
+    (``group.split``), the rail transport (``transports.make_transport`` of the rail's ranks), the node's intranode
     engine (``make_intranode(node_group)``, only with more than one rank per node) and a stream order.
 
     Args:
@@ -738,11 +738,10 @@ def create_internode_path(group, topology, *, device_id: int, timeout_s: float, 
     from .transports import make_transport
 
     node_group = group.split(topology.node_partition())
-    rail_group = group.split(topology.rail_partition())
-    releases: List[Callable[[], Any]] = [node_group.free, rail_group.free]
+    releases: List[Callable[[], Any]] = [node_group.free]
     transport = engine = None
     try:
-        transport = make_transport(transport_kind, group, rail_group, device_id, timeout_s)
+        transport = make_transport(transport_kind, group, topology.rail_ranks(), device_id, timeout_s)
         engine = make_intranode(node_group) if topology.ranks_per_node > 1 else None
         order = StreamOrder.create(device_id, shares_gpu)
         return InternodePath(topology, transport, device_id, engine, order, on_destroy=releases,
