@@ -16,7 +16,9 @@ from __future__ import annotations
 import abc
 import socket
 import sys
-from typing import Any, List
+from typing import Any, List, Sequence
+
+from .errors import RankMismatchError
 
 
 class Group(abc.ABC):
@@ -51,6 +53,52 @@ class Group(abc.ABC):
         """The name of the node this rank runs on (used to check that all ranks share one node)."""
         return socket.gethostname()
 
+    def split(self, partition: Sequence[Sequence[int]]) -> "Group":
+        """Split the group into disjoint sub-groups (collective over the whole group).
+
+        Every rank calls it with the same partition of ``range(size)`` (e.g. the nodes, or the
+        rails of :class:`deepep_cupy.nodes.NodeTopology`). Sub-groups support what their parent
+        does; call :meth:`free` on them when done.
+
+        Args:
+            partition: lists of ranks of this group, disjoint, together covering ``range(size)``.
+
+        Returns:
+            The sub-group holding this rank; its ranks are numbered by their position in its list.
+
+        Raises:
+            ValueError: ``partition`` is not a partition of ``range(size)``.
+            RankMismatchError: ranks passed different partitions.
+        """
+        parts = check_partition(partition, self.size)
+        gathered = self.allgather(parts)
+        if any(g != parts for g in gathered):
+            raise RankMismatchError(f"partition: ranks disagree, got {gathered} (rank order)")
+        index = next(i for i, part in enumerate(parts) if self.rank in part)
+        return self._split(parts, index)
+
+    def _split(self, parts: List[List[int]], index: int) -> "Group":
+        """The sub-group of ``parts[index]`` (this rank's part); every rank calls it with the same ``parts``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split into sub-groups")
+
+    def free(self) -> None:
+        """Release what this group holds, if it made it (a sub-group from :meth:`split`); a group
+        wrapped around the user's communicator is left alone. Idempotent."""
+        return None
+
+
+def check_partition(partition: Sequence[Sequence[int]], size: int) -> List[List[int]]:
+    """``partition`` as lists of ints, or ValueError unless it is a partition of ``range(size)``."""
+    try:
+        parts = [[int(r) for r in part] for part in partition]
+    except (TypeError, ValueError):
+        raise ValueError(f"partition: expected lists of ranks, got {partition!r}") from None
+    flat = sorted(r for part in parts for r in part)
+    if any(not part for part in parts) or flat != list(range(size)):
+        raise ValueError(f"partition: expected non-empty, disjoint lists of ranks covering 0..{size - 1}, "
+                         f"got {parts}")
+    return parts
+
 
 class MPIGroup(Group):
     """A :class:`Group` over an mpi4py communicator.
@@ -62,12 +110,13 @@ class MPIGroup(Group):
 
     in_process = False
 
-    def __init__(self, comm: Any):
+    def __init__(self, comm: Any, *, _owned: bool = False):
         for attr in ("Get_rank", "Get_size", "allgather", "Barrier"):
             if not hasattr(comm, attr):
                 raise TypeError(f"group: expected a torch.distributed ProcessGroup, an mpi4py communicator or a "
                                 f"deepep_cupy Group, got {type(comm).__name__}")
         self._comm = comm
+        self._owned = _owned
 
     @property
     def comm(self) -> Any:
@@ -87,6 +136,15 @@ class MPIGroup(Group):
 
     def barrier(self) -> None:
         self._comm.Barrier()
+
+    def _split(self, parts: List[List[int]], index: int) -> "MPIGroup":
+        # Split orders a color's ranks by key: the position in the part.
+        return MPIGroup(self._comm.Split(index, parts[index].index(self.rank)), _owned=True)
+
+    def free(self) -> None:
+        if self._owned and self._comm is not None:
+            comm, self._comm = self._comm, None
+            comm.Free()
 
     def host_name(self) -> str:
         try:
@@ -110,7 +168,7 @@ class TorchGroup(Group):
 
     in_process = False
 
-    def __init__(self, process_group: Any):
+    def __init__(self, process_group: Any, *, _owned: bool = False):
         import torch.distributed as dist
 
         if not isinstance(process_group, dist.ProcessGroup):
@@ -119,6 +177,7 @@ class TorchGroup(Group):
         self._group = process_group
         self._rank = process_group.rank()
         self._size = process_group.size()
+        self._owned = _owned
 
     @property
     def process_group(self) -> Any:
@@ -142,6 +201,35 @@ class TorchGroup(Group):
         # Not dist.barrier: with NCCL it guesses a device and only orders GPU work; an allgather
         # returns on the host once every rank has arrived, on either backend.
         self.allgather(None)
+
+    def global_rank(self, rank: int) -> int:
+        """The rank of this group's ``rank`` in torch's default group (torch's P2P calls take those)."""
+        return self._dist.get_global_rank(self._group, rank)
+
+    def _split(self, parts: List[List[int]], index: int) -> "TorchGroup":
+        dist = self._dist
+        # A group smaller than the world: only its own ranks call new_group, so it must not wait
+        # for the others (use_local_synchronization); torch's rule otherwise: every rank creates
+        # every part, in the same order.
+        local_sync = self._size < dist.get_world_size()
+        backend = dist.get_backend(self._group)
+        mine = None
+        for i, part in enumerate(parts):
+            members = [self.global_rank(r) for r in part]
+            if members != sorted(members):
+                raise ValueError(f"partition: a torch.distributed group numbers its ranks in ascending order, "
+                                 f"so every part must be ascending, got {part}")
+            if local_sync and i != index:
+                continue
+            made = dist.new_group(members, backend=backend, use_local_synchronization=local_sync)
+            if i == index:
+                mine = made
+        return TorchGroup(mine, _owned=True)
+
+    def free(self) -> None:
+        if self._owned and self._group is not None:
+            group, self._group = self._group, None
+            self._dist.destroy_process_group(group)
 
 
 def is_torch_process_group(obj: Any) -> bool:

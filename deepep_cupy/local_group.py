@@ -50,6 +50,26 @@ class _Hub:
         self._arrived: Dict[int, str] = {}     # rank -> name of the collective it is waiting in
         self._slots: List[Any] = [None] * size
         self._broken: Optional[Tuple[type, str]] = None
+        self._children: List["_Hub"] = []    # hubs of sub-groups (ThreadGroup.split): aborted with this one
+        self._parent: Optional["_Hub"] = None
+
+    def make_children(self, parts: Sequence[Sequence[int]]) -> List["_Hub"]:
+        """One hub per part (ranks of this hub), with the devices and timeout of its ranks here."""
+        children = [_Hub(len(part), [self.devices[r] for r in part], self.timeout_s) for part in parts]
+        for child in children:
+            child._parent = self
+        with self._cond:
+            self._children.extend(children)
+            broken = self._broken
+        if broken is not None:
+            for child in children:
+                child.abort(broken[1], broken[0])
+        return children
+
+    def forget_child(self, child: "_Hub") -> None:
+        with self._cond:
+            if child in self._children:
+                self._children.remove(child)
 
     @property
     def broken(self) -> Optional[str]:
@@ -62,6 +82,9 @@ class _Hub:
             if self._broken is None:
                 self._broken = (error_type, reason)
             self._cond.notify_all()
+            children = list(self._children)
+        for child in children:
+            child.abort(reason, error_type)
 
     def _raise_broken(self, rank: int, what: str) -> None:
         error_type, reason = self._broken
@@ -220,8 +243,19 @@ class ThreadGroup(Group):
         self._hub.wait(self._rank, "barrier", timeout_s)
 
     def abort(self, reason: str) -> None:
-        """Break the group so that no rank stays blocked in a collective (e.g. after an error)."""
+        """Break the group so that no rank stays blocked in a collective (e.g. after an error).
+        Sub-groups made by :meth:`split` break with it."""
         self._hub.abort(f"rank {self._rank}: {reason}")
+
+    def _split(self, parts: List[List[int]], index: int) -> "ThreadGroup":
+        # Rank 0 makes every part's hub; the others take theirs from it.
+        hubs = self.allgather(self._hub.make_children(parts) if self._rank == 0 else None)[0]
+        return ThreadGroup(hubs[index], parts[index].index(self._rank))
+
+    def free(self) -> None:
+        """A sub-group stops following its parent's aborts (its hub is released with its last user)."""
+        if self._hub._parent is not None:
+            self._hub._parent.forget_child(self._hub)
 
     def __repr__(self) -> str:
         return f"ThreadGroup(rank={self._rank}, size={self.size}, device={self.device_id})"

@@ -1,0 +1,245 @@
+"""Rail transports: how bytes travel between nodes, from a rank to its rail peers.
+
+A rail is the ranks with the same local index on every node (:meth:`NodeTopology.rail_ranks`),
+one per node, in node order. Between nodes, the library only ever moves bytes along a rail, with
+one operation: an all-to-all of variable byte counts on device memory, ordered on a CUDA stream
+(:meth:`RailTransport.alltoallv`), plus a small host all-to-all of counts.
+
+One interface, one implementation per transport (as CuPy's ``cupyx.distributed`` does):
+
+* ``"nccl"`` (:mod:`deepep_cupy._transport_nccl`): grouped ``ncclSend``/``ncclRecv``, through
+  the ProcessGroup of a ``torch.distributed`` NCCL group, or through a CuPy NCCL communicator
+  per rail whose id is broadcast over an mpi4py communicator. Enqueued on the stream.
+* ``"mpi"`` (:mod:`deepep_cupy._transport_mpi`): mpi4py ``Ialltoallv`` on device buffers where
+  the MPI is CUDA-aware, staged through pinned host memory where it is not. Synchronous.
+* ``"local"`` (:mod:`deepep_cupy._transport_local`): ranks that are threads of one process
+  (:class:`deepep_cupy.local_group.ThreadGroup`): device-to-device copies ordered by events.
+
+All of them move bytes, so their results are identical.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Any, List, Optional, Sequence, Tuple
+
+#: Environment variable: the transport :func:`make_transport` picks when its ``kind`` is None.
+TRANSPORT_ENV = "DEEPEP_CUPY_TRANSPORT"
+
+#: The transports by name.
+TRANSPORT_KINDS = ("nccl", "mpi", "local")
+
+
+class RailTransport(abc.ABC):
+    """Moves bytes between the ranks of one rail (one rank per node).
+
+    Attributes:
+        name: ``"nccl"``, ``"mpi"`` or ``"local"``.
+        size: ranks in the rail (the number of nodes).
+        rank: this rank's index in the rail (its node index).
+        rail: the global ranks of the rail (in the Buffer's group), in rail order.
+    """
+
+    name: str = ""
+
+    def __init__(self, rail: Sequence[int], rank: int):
+        self.rail = [int(r) for r in rail]
+        self.size = len(self.rail)
+        self.rank = rank
+
+    @abc.abstractmethod
+    def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
+                  stream: int) -> None:
+        """Send ``send_bytes[p]`` bytes to rail peer ``p`` and receive ``recv_bytes[p]`` from it.
+
+        Every rank of the rail calls it, with matching counts (``send_bytes[q]`` on rank ``p``
+        equals ``recv_bytes[p]`` on rank ``q``).
+
+        Args:
+            send_ptr: device pointer (this rank's GPU) of the bytes to send, packed by peer:
+                peer ``p``'s bytes start at ``sum(send_bytes[:p])``.
+            send_bytes: ``size`` non-negative ints.
+            recv_ptr: device pointer of the receive buffer, packed by peer likewise.
+            recv_bytes: ``size`` non-negative ints.
+            stream: a raw ``cudaStream_t``: the move starts after the work queued on it so far,
+                and work queued on it afterwards sees the received bytes. The self entry
+                (``p == rank``) is a device-to-device copy. Both buffers must stay alive until
+                that work has run.
+        """
+
+    @abc.abstractmethod
+    def alltoall_ints(self, values: Sequence[int]) -> List[int]:
+        """Host all-to-all of one int per peer.
+
+        Args:
+            values: ``size`` ints, ``values[p]`` for rail peer ``p``.
+
+        Returns:
+            ``size`` ints, entry ``p`` being what rail peer ``p`` passed for this rank.
+        """
+
+    def close(self) -> None:
+        """Release the transport's resources (idempotent)."""
+        return None
+
+    # -- shared argument checks ----------------------------------------------------------------
+
+    def _counts(self, name: str, counts: Sequence[int]) -> List[int]:
+        try:
+            values = [int(c) for c in counts]
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}: expected {self.size} ints, got {counts!r}") from None
+        if len(values) != self.size or any(v < 0 for v in values):
+            raise ValueError(f"{name}: expected {self.size} non-negative byte counts (one per rail peer), "
+                             f"got {values}")
+        return values
+
+    def _check_ints(self, values: Sequence[int]) -> List[int]:
+        try:
+            ints = [int(v) for v in values]
+        except (TypeError, ValueError):
+            raise TypeError(f"values: expected {self.size} ints, got {values!r}") from None
+        if len(ints) != self.size:
+            raise ValueError(f"values: expected one int per rail peer ({self.size}), got {len(ints)}")
+        return ints
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rail={self.rail}, rank={self.rank})"
+
+
+def offsets(counts: Sequence[int]) -> List[int]:
+    """Exclusive prefix sums: where each peer's bytes start in a packed buffer."""
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+def _requested_kind(kind: Optional[str]) -> Optional[str]:
+    source = "kind"
+    if kind is None:
+        kind = os.environ.get(TRANSPORT_ENV, "").strip() or None
+        source = TRANSPORT_ENV
+    if kind is None:
+        return None
+    if not isinstance(kind, str) or kind.lower() not in TRANSPORT_KINDS:
+        raise ValueError(f"{source}: expected one of {list(TRANSPORT_KINDS)}, got {kind!r}")
+    return kind.lower()
+
+
+def nccl_module() -> Any:
+    """CuPy's NCCL bindings (``cupy.cuda.nccl``), or None when NCCL cannot be loaded."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # CuPy warns when libnccl is missing; None says it
+            from cupy.cuda import nccl
+    except Exception:
+        return None
+    return nccl if getattr(nccl, "available", False) else None
+
+
+def _torch_backend(group: Any) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group.process_group)).lower()
+
+
+def choose_kind(kind: Optional[str], group: Any) -> str:
+    """The transport for ``group``: ``kind``, else :data:`TRANSPORT_ENV`, else automatic.
+
+    Automatic: an in-process group -> ``"local"``; a ``torch.distributed`` group on the NCCL
+    backend -> ``"nccl"``; an mpi4py communicator -> ``"nccl"`` where CuPy can load NCCL, else
+    ``"mpi"``.
+
+    Raises:
+        ValueError: an unknown kind, or one this group cannot use.
+    """
+    from .comm import MPIGroup, TorchGroup
+
+    requested = _requested_kind(kind)
+    kind_of_group = ("in-process" if group.in_process else "torch.distributed" if isinstance(group, TorchGroup)
+                     else "mpi4py" if isinstance(group, MPIGroup) else type(group).__name__)
+    if requested is None:
+        if group.in_process:
+            return "local"
+        if isinstance(group, TorchGroup):
+            backend = _torch_backend(group)
+            if backend != "nccl":
+                raise ValueError(f"transport: a torch.distributed group on the {backend!r} backend has no rail "
+                                 "transport between nodes (use the NCCL backend, or an mpi4py communicator)")
+            return "nccl"
+        if isinstance(group, MPIGroup):
+            return "nccl" if nccl_module() is not None else "mpi"
+        raise ValueError(f"transport: no rail transport for a {kind_of_group} group")
+    usable = {"local": group.in_process,
+              "mpi": isinstance(group, MPIGroup),
+              "nccl": isinstance(group, (MPIGroup, TorchGroup))}[requested]
+    if not usable:
+        needs = {"local": "an in-process group (run_local_group)", "mpi": "an mpi4py communicator",
+                 "nccl": "a torch.distributed NCCL group or an mpi4py communicator"}[requested]
+        raise ValueError(f"transport: {requested!r} needs {needs}, got a {kind_of_group} group")
+    if requested == "nccl" and isinstance(group, TorchGroup) and _torch_backend(group) != "nccl":
+        raise ValueError(f"transport: 'nccl' over a torch.distributed group needs the NCCL backend, "
+                         f"got {_torch_backend(group)!r}")
+    if requested == "nccl" and isinstance(group, MPIGroup) and nccl_module() is None:
+        raise ValueError("transport: 'nccl' over an mpi4py communicator needs CuPy's NCCL bindings, which cannot "
+                         "load NCCL here (pip install nvidia-nccl-cu12), or choose 'mpi'")
+    return requested
+
+
+def _rail_partition(group: Any, rail: Sequence[int]) -> Tuple[List[List[int]], List[int]]:
+    """Every rank's rail, gathered (each once, in the order first seen), and this rank's."""
+    mine = [int(r) for r in rail]
+    if group.rank not in mine:
+        raise ValueError(f"rail: expected a list of ranks holding this rank ({group.rank}), got {mine}")
+    parts: List[List[int]] = []
+    for other in group.allgather(mine):
+        if other not in parts:
+            parts.append(other)
+    return parts, mine
+
+
+def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_id: int,
+                   timeout_s: float) -> RailTransport:
+    """The rail transport of this rank (collective over the whole ``group``).
+
+    Args:
+        kind: ``"nccl"``, ``"mpi"``, ``"local"`` or None (see :func:`choose_kind`).
+        group: the Buffer's :class:`deepep_cupy.comm.Group`.
+        rail: the global ranks of this rank's rail, in node order (``NodeTopology.rail_ranks()``).
+            The rails of all ranks must partition the group.
+        device_id: this rank's CUDA device.
+        timeout_s: how long a host wait of the transport may last before it raises
+            :class:`deepep_cupy.DeepEPTimeoutError` (MPI and local transports).
+
+    Returns:
+        A :class:`RailTransport`; :meth:`RailTransport.close` it when done.
+    """
+    chosen = choose_kind(kind, group)
+    parts, mine = _rail_partition(group, rail)
+    rail_group = group.split(parts)
+    try:
+        if chosen == "local":
+            from ._transport_local import LocalRailTransport
+
+            return LocalRailTransport(rail_group, mine, device_id, timeout_s)
+        if chosen == "mpi":
+            from ._transport_mpi import MpiRailTransport
+
+            return MpiRailTransport(rail_group, mine, device_id, timeout_s)
+        from .comm import TorchGroup
+
+        if isinstance(group, TorchGroup):
+            from ._transport_nccl import TorchNcclRailTransport
+
+            return TorchNcclRailTransport(rail_group, mine, device_id, timeout_s)
+        from ._transport_nccl import NcclRailTransport
+
+        return NcclRailTransport(rail_group, mine, device_id, timeout_s)
+    except BaseException:
+        rail_group.free()
+        raise

@@ -1,0 +1,43 @@
+"""MPI worker for tests/test_group_split.py: splits MPI.COMM_WORLD into nodes of two ranks, into
+rails (even and odd ranks) and into one part in reverse order, and prints ``RESULT {json}``."""
+
+import json
+import sys
+import traceback
+
+
+def main() -> dict:
+    from mpi4py import MPI
+
+    from deepep_cupy.comm import MPIGroup
+
+    group = MPIGroup(MPI.COMM_WORLD)
+    rank, size = group.rank, group.size
+    nodes = group.split([[n, n + 1] for n in range(0, size, 2)])
+    rails = group.split([list(range(local, size, 2)) for local in range(2)])
+    backwards = group.split([list(range(size - 1, -1, -1))])
+    record = {
+        "rank": rank,
+        "node": [nodes.rank, nodes.size, nodes.allgather(rank)],
+        "rail": [rails.rank, rails.size, rails.allgather(rank)],
+        "reversed": [backwards.rank, backwards.size, backwards.allgather(rank)],
+    }
+    nodes.barrier()
+    for sub in (nodes, rails, backwards):
+        sub.free()
+    record["freed"] = all(sub.comm is None for sub in (nodes, rails, backwards))
+    group.barrier()
+    return record
+
+
+if __name__ == "__main__":
+    try:
+        result = main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
