@@ -308,7 +308,7 @@ class InternodePath:
             T = topk.shape[0]
             valid = (topk >= 0) & (topk < num_experts)
             ids = topk[valid]
-            per_expert = cupy.bincount(ids, minlength=num_experts).astype(cupy.int32)
+            per_expert = _counts(ids, num_experts)
             in_rank = cupy.zeros((T, R), dtype=cupy.bool_)
             rows = cupy.nonzero(valid)[0]
             in_rank[rows, ids // (num_experts // R)] = True
@@ -490,8 +490,7 @@ class InternodePath:
             else:
                 inner = None
                 num_recv = M
-                counts = cupy.asnumpy(cupy.bincount(fw_topk[fw_topk >= 0], minlength=experts_per_node)) if M else \
-                    np.zeros(experts_per_node, np.int64)
+                counts = cupy.asnumpy(_counts(fw_topk[fw_topk >= 0], experts_per_node))
                 expert_list = [] if num_worst_tokens else \
                     [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
                 recv_x, recv_scales, recv_topk, recv_weights = x_in, scales_in, topk_in, weights_in
@@ -700,6 +699,14 @@ class InternodePath:
                         release()
                     except Exception:
                         pass
+
+
+def _counts(ids, length: int):
+    """int32 occurrences of each id in ``[0, length)`` (``ids`` non-negative; may be empty)."""
+    cupy = _cupy()
+    if not ids.size:
+        return cupy.zeros(length, cupy.int32)
+    return cupy.bincount(ids, minlength=length).astype(cupy.int32)
 
 
 def _byte_rows(values, info: tensors.ArrayInfo):
