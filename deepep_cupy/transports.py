@@ -24,6 +24,8 @@ import abc
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
+from .errors import RankMismatchError
+
 #: Environment variable: the transport :func:`make_transport` picks when its ``kind`` is None.
 TRANSPORT_ENV = "DEEPEP_CUPY_TRANSPORT"
 
@@ -191,20 +193,67 @@ def choose_kind(kind: Optional[str], group: Any) -> str:
     return requested
 
 
-def _rail_partition(group: Any, rail: Sequence[int]) -> Tuple[List[List[int]], List[int]]:
-    """Every rank's rail, gathered (each once, in the order first seen), and this rank's."""
+def gpu_address(device_id: int) -> Optional[str]:
+    """The PCI address of CUDA device ``device_id`` (None where CUDA cannot say: CPU machines)."""
+    from .nodes import _pci_address
+
+    try:
+        from cupy.cuda import runtime
+
+        return _pci_address(runtime.deviceGetPCIBusId(device_id))
+    except Exception:
+        return None
+
+
+def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int) -> Tuple[str, List[List[int]]]:
+    """The transport every rank takes, and every rank's rail (each once, in the order first seen).
+
+    Each rank proposes a kind (:func:`choose_kind`); an explicit kind must be the same everywhere.
+    Automatic choices fall back to ``"mpi"`` where ``"nccl"`` cannot serve every rank of an
+    mpi4py communicator: CuPy cannot load NCCL on some rank, or two ranks of a rail share a GPU
+    (NCCL refuses that; tests run ranks on one GPU).
+    """
+    from .comm import MPIGroup
+
     mine = [int(r) for r in rail]
     if group.rank not in mine:
         raise ValueError(f"rail: expected a list of ranks holding this rank ({group.rank}), got {mine}")
+    # A kind this rank cannot use is refused on every rank (after the gather), so none waits.
+    try:
+        explicit = _requested_kind(kind) is not None
+        proposal, refusal = choose_kind(kind, group), None
+    except ValueError as exc:
+        explicit, proposal, refusal = True, None, str(exc)
+    address = None if group.in_process else gpu_address(device_id)
+    everyone = group.allgather((mine, proposal, explicit, address, refusal))
+    refusals = {r: e[4] for r, e in enumerate(everyone) if e[4] is not None}
+    if refusals:
+        first = min(refusals)
+        raise ValueError(refusal if refusal is not None else f"rank {first}: {refusals[first]}")
     parts: List[List[int]] = []
-    for other in group.allgather(mine):
+    for other, *_ in everyone:
         if other not in parts:
             parts.append(other)
-    return parts, mine
+    proposals = [e[1] for e in everyone]
+    if len(set(proposals)) > 1:
+        if any(e[2] for e in everyone) or set(proposals) != {"nccl", "mpi"}:
+            raise RankMismatchError(f"transport: ranks chose different transports, got {proposals} (rank order)")
+        return "mpi", parts     # NCCL is not loadable on every rank
+    chosen = proposals[0]
+    if chosen == "nccl":
+        where = {r: e[3] for r, e in enumerate(everyone)}
+        shared = [part for part in parts
+                  if len({where[r] for r in part if where[r] is not None}) < len([r for r in part if where[r]])]
+        if shared:
+            if explicit or not isinstance(group, MPIGroup):
+                raise ValueError(f"transport: NCCL refuses two ranks on one GPU, and rails {shared} share GPUs "
+                                 "(choose 'mpi')")
+            return "mpi", parts
+    return chosen, parts
 
 
 def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_id: int,
-                   timeout_s: float) -> RailTransport:
+                   timeout_s: float, *, memory: Any = None) -> RailTransport:
     """The rail transport of this rank (collective over the whole ``group``).
 
     Args:
@@ -215,22 +264,29 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
         device_id: this rank's CUDA device.
         timeout_s: how long a host wait of the transport may last before it raises
             :class:`deepep_cupy.DeepEPTimeoutError` (MPI and local transports).
+        memory: the device operations of the transport (default: CUDA's, through CuPy; tests pass
+            host memory standing in, tests/transport_fakes.py). Unused by the torch NCCL transport.
 
     Returns:
         A :class:`RailTransport`; :meth:`RailTransport.close` it when done.
+
+    Raises:
+        ValueError: a kind the group cannot use, a rail without this rank, rails that do not
+            partition the group, or NCCL asked for ranks that share a GPU.
+        RankMismatchError: ranks asked for different transports.
     """
-    chosen = choose_kind(kind, group)
-    parts, mine = _rail_partition(group, rail)
+    chosen, parts = _agree(group, kind, rail, device_id)
+    mine = [int(r) for r in rail]
     rail_group = group.split(parts)
     try:
         if chosen == "local":
             from ._transport_local import LocalRailTransport
 
-            return LocalRailTransport(rail_group, mine, device_id, timeout_s)
+            return LocalRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
         if chosen == "mpi":
             from ._transport_mpi import MpiRailTransport
 
-            return MpiRailTransport(rail_group, mine, device_id, timeout_s)
+            return MpiRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
         from .comm import TorchGroup
 
         if isinstance(group, TorchGroup):
@@ -239,7 +295,7 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
             return TorchNcclRailTransport(rail_group, mine, device_id, timeout_s)
         from ._transport_nccl import NcclRailTransport
 
-        return NcclRailTransport(rail_group, mine, device_id, timeout_s)
+        return NcclRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
     except BaseException:
         rail_group.free()
         raise
