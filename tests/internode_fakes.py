@@ -197,6 +197,17 @@ class ModelEngine:
         self.destroyed = True
 
 
+class EventOrder(FakeOrder):
+    """A FakeOrder whose asynchronous calls return events with an address (waitable by EventOverlap)."""
+
+    def finish(self, caller_ptr, run_on, lib, async_finish, arrays, outputs=(), allocated_on_comm=False,
+               check_errors=None):
+        done = super().finish(caller_ptr, run_on, lib, async_finish, arrays, outputs, allocated_on_comm, check_errors)
+        if done.event is not None:
+            done.event = SimpleNamespace(ptr=0xE7, synchronize=lambda: None)
+        return done
+
+
 def make_paths(num_nodes: int, ranks_per_node: int):
     """Per rank, its InternodePath with thread collaborators (build and use them on one thread each)."""
     R = num_nodes * ranks_per_node
@@ -207,7 +218,7 @@ def make_paths(num_nodes: int, ranks_per_node: int):
         topo = NodeTopology(rank, R, ranks_per_node)
         engine = ModelEngine(nodes[topo.node], topo.local_rank) if ranks_per_node > 1 else None
         paths.append(internode.InternodePath(topo, ThreadRail(rails[topo.local_rank], topo.node), DEVICE, engine,
-                                             FakeOrder()))
+                                             EventOrder()))
     return paths
 
 

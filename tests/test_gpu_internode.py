@@ -6,12 +6,16 @@ Shapes (nodes x ranks per node): 2x1, 2x2, 4x1 and 3x2, in one mpiexec job per r
 ``DEEPEP_TEST_ONE_GPU_MPI=1`` all ranks share one GPU.
 """
 
+import os
+
 import pytest
 from _harness import WORKERS, describe, gpu_count, gpus_needed_under_mpiexec, records_by, run_mpi
 
 #: Ranks of each mpiexec job and the ranks per node of the Buffers it makes in turn.
 JOBS = {2: (1,), 4: (2, 1), 6: (2,)}
 SHAPES = [(2, 1), (2, 2), (4, 1), (3, 2)]
+#: Seconds one mpiexec job may take (kernel compilation included).
+JOB_TIMEOUT_S = float(os.environ.get("DEEPEP_TEST_INTERNODE_JOB_S", "600"))
 SCENARIOS = ["bf16", "fp16", "fp32", "fp8", "fp8 column scales", "topk -1 aligned", "uneven and zero",
              "all to one node", "num_worst_tokens", "async previous_event", "torch bf16", "torch fp8"]
 
@@ -22,8 +26,9 @@ def internode_results():
     for num_ranks, ranks_per_node in JOBS.items():
         if gpu_count() < gpus_needed_under_mpiexec(num_ranks):
             continue
-        run = run_mpi(num_ranks, [str(WORKERS / "internode_worker.py"), *map(str, ranks_per_node)], timeout=600,
-                      env={"DEEPEP_TEST_TIMEOUT_S": "60"})
+        run = run_mpi(num_ranks, [str(WORKERS / "internode_worker.py"), *map(str, ranks_per_node)],
+                      timeout=JOB_TIMEOUT_S,
+                      env={"DEEPEP_TEST_TIMEOUT_S": os.environ.get("DEEPEP_TEST_TIMEOUT_S", "60")})
         outputs[num_ranks] = run
         results.update({(num_ranks, case): entries for case, entries in records_by(run.stdout, "case").items()})
     return results, outputs
