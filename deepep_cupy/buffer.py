@@ -149,6 +149,7 @@ class Buffer(DispatchPath, CombinePath):
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).
         topology: the :class:`deepep_cupy.nodes.NodeTopology` of an internode Buffer (else None).
+        internode_transport: the name of an internode Buffer's rail transport (else None).
         rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes,
         low_latency_mode (False), explicitly_destroy, device_id, timeout_s: the settings.
         last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
@@ -177,7 +178,7 @@ class Buffer(DispatchPath, CombinePath):
         self._set_up_host(compat.resolve_group(group, comm), num_nvl_bytes, timeout_s, device, allocate_ahead)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.num_rdma_bytes = int(num_rdma_bytes)
-        self.topology = None
+        self.topology = self.internode_transport = None
         if self._set_up_internode(ranks_per_node, internode_transport):
             return
         with self._on_device:
@@ -217,6 +218,7 @@ class Buffer(DispatchPath, CombinePath):
                 transport_kind=transport, shares_gpu=shares_gpu,
                 make_intranode=lambda node_group: Buffer(node_group, self.num_nvl_bytes, **settings))
         self.topology, self._internode, self._order = topology, path, path.order
+        self.internode_transport = path.transport.name
         # The operations are the internode path's: instance attributes in front of the intranode
         # methods (the intranode state stays empty; the engine of the node is an intranode Buffer).
         for name in ("get_dispatch_layout", "dispatch", "combine", "destroy", "check_kernel_errors", "barrier"):

@@ -24,7 +24,7 @@ def built(monkeypatch):
 
     def path(group, topology, **settings):
         asked.update(settings, topology=topology, group=group)
-        return SimpleNamespace(order=SimpleNamespace(stream="the path's stream"),
+        return SimpleNamespace(order=SimpleNamespace(stream="the path's stream"), transport=SimpleNamespace(name="mpi"),
                                **{name: (lambda *a, _name=name, **k: _name) for name in
                                   ("get_dispatch_layout", "dispatch", "combine", "destroy", "check_kernel_errors",
                                    "barrier")})
@@ -41,7 +41,7 @@ def test_a_buffer_with_rdma_bytes_across_nodes_routes_every_operation_to_the_int
     assert built["topology"] == nodes.NodeTopology(1, 4, 2) and buf.topology is built["topology"]
     assert built["device_id"] == 0 and built["timeout_s"] == 7.0
     assert [buf.get_dispatch_layout(), buf.dispatch(), buf.combine()] == ["get_dispatch_layout", "dispatch", "combine"]
-    assert buf.comm_stream == "the path's stream"
+    assert buf.comm_stream == "the path's stream" and buf.internode_transport == "mpi"
     assert buf.num_rdma_bytes == 1 << 20 and buf.num_ranks == 4
     with buf:
         pass  # leaving the context destroys through the path
