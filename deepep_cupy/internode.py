@@ -432,6 +432,8 @@ class InternodePath:
             # A rank with expert ids out of range tells its rail peers (-1 counts), so that they raise too.
             recv_counts = self.transport.alltoall_ints([-1] * N if host[N] else send_counts)
             if host[N] or any(c < 0 for c in recv_counts):
+                self._refuse_on_the_node(lib, info, scales_info, weights_info, K, experts_per_node, expert_alignment,
+                                         num_worst_tokens, config)
                 raise ValueError(f"topk_idx: expert ids out of [-1, {num_experts}) on "
                                  f"{'this rank' if host[N] else 'a rank of this rail'}; no tokens were moved")
             token_ids = cupy.flatnonzero(in_node.ravel()) % max(T, 1)
@@ -505,6 +507,32 @@ class InternodePath:
                                  (rows, scales, topk_idx, topk_weights, *outputs), outputs)
         recv = recv_x if recv_scales is None else (recv_x, recv_scales)
         return recv, recv_topk, recv_weights, expert_list, handle, event
+
+    def _refuse_on_the_node(self, lib, info, scales_info, weights_info, num_topk: int, experts_per_node: int,
+                            expert_alignment: int, num_worst_tokens: int, config) -> None:
+        """Make the other ranks of this node raise too (they are on other rails: nothing told them):
+        an intranode dispatch of one token with an expert id out of range, with this call's kinds
+        of arguments, which the intranode count exchange refuses on every rank of the node
+        (``ValueError``; with ``num_worst_tokens`` at their next call, as intranode)."""
+        if self.intranode is None:
+            return  # one rank per node: every rank is on this rail and raises
+        cupy = _cupy()
+        topk = cupy.full((1, num_topk), -1, cupy.int64)
+        topk[0, 0] = experts_per_node
+        rows = self._to_lib(lib, cupy.zeros((1, *info.shape[1:]), STORAGE[info.dtype_name]), info.dtype_name)
+        x = rows if scales_info is None else \
+            (rows, self._to_lib(lib, cupy.ones((1, *scales_info.shape[1:]), cupy.float32), "float32"))
+        weights = None if weights_info is None else self._to_lib(lib, cupy.zeros((1, num_topk), cupy.float32),
+                                                                 "float32")
+        topk = self._to_lib(lib, topk, "int64")
+        per_rank, _, per_expert, in_rank, _ = self.intranode.get_dispatch_layout(topk, experts_per_node)
+        try:
+            self.intranode.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
+                                    expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                    config=config)
+        except ValueError:
+            pass  # the refusal this rank raises anyway, with its own message
 
     def _pad_rows(self, lib, rows: int, received: int, *arrays):
         """Outputs of ``rows`` rows (one rank per node, ``num_worst_tokens``): the ``received``

@@ -142,7 +142,9 @@ class ModelEngine:
         self.destroyed = False
 
     def get_dispatch_layout(self, topk_idx, num_experts):
-        per_rank, per_expert, in_rank = ref.get_dispatch_layout(np.asarray(topk_idx), num_experts, self.hub.size)
+        topk = np.asarray(topk_idx)
+        topk = np.where(topk < num_experts, topk, -1)  # the GPU layout does not count ids out of range
+        per_rank, per_expert, in_rank = ref.get_dispatch_layout(topk, num_experts, self.hub.size)
         return on_device(per_rank), None, on_device(per_expert), on_device(in_rank), None
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, is_token_in_rank=None, num_tokens_per_expert=None,

@@ -173,6 +173,26 @@ def test_expert_ids_out_of_range_raise_on_the_rank_and_its_rail_peers_before_any
     assert run_ranks(paths, body) == [[], []]
 
 
+def test_expert_ids_out_of_range_on_one_rank_raise_on_every_rank_of_every_node(monkeypatch):
+    use_host_arrays(monkeypatch)
+    paths = make_paths(2, 2)
+    inputs = make_inputs(9, 4, 16, 2, "bfloat16", counts=[3, 4, 5, 6])
+    inputs[1]["topk"][2, 1] = 16  # rank 1 (node 0, rail 1)
+
+    def body(rank, path):
+        mine = inputs[rank]
+        with pytest.raises(ValueError) as raised:
+            path.dispatch(on_device(mine["x"]), num_tokens_per_expert=on_device(np.zeros(16, np.int32)),
+                          topk_idx=on_device(mine["topk"]), topk_weights=on_device(mine["weights"]))
+        return str(raised.value), path.transport.calls
+
+    outcomes = run_ranks(paths, body)
+    assert [o[1] for o in outcomes][1::2] == [[], []]  # rail 1 moved nothing
+    assert "expert ids out of [-1, 16) on this rank" in outcomes[1][0]
+    assert "a rank of this rail" in outcomes[3][0]
+    assert all("topk_idx" in o[0] for o in outcomes)  # rail 0 learns it in its nodes' intranode stage
+
+
 # --- argument checks (before anything moves) ---------------------------------------------------
 
 @pytest.fixture
