@@ -16,7 +16,7 @@ import numpy as np
 from deepep_cupy import internode_reference as iref
 
 ROW_BYTES = 7168 * 2                  # BF16 hidden 7168
-RECORD_BYTES = ROW_BYTES + 8 * 8 + 4 * 8 + 0  # + top-8 ids and weights (16-byte multiple already)
+RECORD_BYTES = ROW_BYTES + 8 * 8 + 4 * 8  # + top-8 ids and weights (a 16-byte multiple already)
 
 
 def grouped_routing(rng, num_tokens, num_experts, num_topk, num_nodes, num_groups):
