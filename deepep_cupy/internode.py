@@ -31,7 +31,7 @@ topology, the rail transport, the intranode engine) are given to it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from .config import Config
 from .events import EventOverlap
 from .tensors import ITEMSIZE, STORAGE, check_array, describe
 
-__all__ = ["InternodeHandle", "InternodePath", "create_internode_path", "record_layout"]
+__all__ = ["InternodeHandle", "InternodePath", "RecordLayout", "create_internode_path"]
 
 #: Element types of x that combine sums (FP8 is dispatched only).
 COMBINE_DTYPES = ("bfloat16", "float16", "float32")
@@ -49,15 +49,56 @@ DISPATCH_DTYPES = COMBINE_DTYPES + ("float8_e4m3fn",)
 RECORD_ALIGN = 16
 
 
-def record_layout(row_bytes: int, scale_bytes: int, num_topk: int, with_weights: bool,
-                  with_topk: bool = True) -> Tuple[int, int, int, int]:
-    """``(record bytes, scales offset, top-k offset, weights offset)`` of one token crossing a rail:
-    its row, its FP8 scales, its int64 top-k ids, its float32 weights, padded to 16 bytes."""
-    scales_off = row_bytes
-    topk_off = scales_off + scale_bytes
-    weights_off = topk_off + (8 * num_topk if with_topk else 0)
-    end = weights_off + (4 * num_topk if with_weights else 0)
-    return -(-end // RECORD_ALIGN) * RECORD_ALIGN, scales_off, topk_off, weights_off
+class RecordLayout(NamedTuple):
+    """One token's record on a rail: its row, its FP8 scales, its int64 top-k ids, its float32
+    weights (each part present or not), padded to 16 bytes."""
+    row_bytes: int
+    scale_bytes: int = 0
+    num_topk: int = 0      # top-k ids carried (0: none)
+    num_weights: int = 0   # weights carried (0: none)
+
+    @property
+    def scales_off(self) -> int:
+        return self.row_bytes
+
+    @property
+    def topk_off(self) -> int:
+        return self.scales_off + self.scale_bytes
+
+    @property
+    def weights_off(self) -> int:
+        return self.topk_off + 8 * self.num_topk
+
+    @property
+    def bytes(self) -> int:
+        end = self.weights_off + 4 * self.num_weights
+        return -(-end // RECORD_ALIGN) * RECORD_ALIGN
+
+    def pack(self, token_ids, rows, scales=None, topk=None, weights=None):
+        """uint8 records ``[tokens, bytes]`` of the tokens ``token_ids`` (None: every row, in
+        order); ``rows`` as uint8 ``[T, row_bytes]``, the others as ``[T, n]`` of their dtype."""
+        cupy = _cupy()
+        count = rows.shape[0] if token_ids is None else len(token_ids)
+        records = cupy.empty((count, self.bytes), cupy.uint8)
+        for offset, values in ((0, rows), (self.scales_off, scales), (self.topk_off, topk),
+                               (self.weights_off, weights)):
+            if values is not None:
+                picked = values if token_ids is None else values[token_ids]
+                part = cupy.ascontiguousarray(picked).view(cupy.uint8)
+                records[:, offset:offset + part.shape[1]] = part
+        return records
+
+    def part(self, records, offset: int, width: int, dtype, shape: Tuple[int, ...]):
+        """One part of every record, as contiguous ``dtype`` elements of ``shape``."""
+        return _cupy().ascontiguousarray(records[:, offset:offset + width]).view(dtype).reshape(shape)
+
+
+class _Forwarded(NamedTuple):
+    """The intranode stage's inputs (CuPy arrays, storage dtypes), forwarded tokens in node order."""
+    rows: Any
+    scales: Any
+    topk: Any
+    weights: Any
 
 
 class InternodeHandle:
@@ -404,109 +445,116 @@ class InternodePath:
     def _fresh_dispatch(self, rows, scales, info, scales_info, topk_idx, topk_info, topk_weights, weights_info,
                         num_experts, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                         allocate_on_comm_stream):
-        cupy = _cupy()
         lib, dev = info.lib, self.device_id
-        topo = self.topology
-        N, me = topo.num_nodes, topo.node
+        N = self.topology.num_nodes
         experts_per_node = num_experts // N
         T, K = topk_info.shape
         caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
         with self._on(lib, run_on):
-            x_rows = _byte_rows(device_view(rows, info, dev), info)
+            x_rows, x_scales = self._read_x(rows, scales, info, scales_info)
             topk = device_view(topk_idx, topk_info, dev)
             weights = None if weights_info is None else device_view(topk_weights, weights_info, dev)
-            x_scales = None if scales_info is None else _scale_rows(device_view(scales, scales_info, dev), scales_info)
-
-            # Which nodes each token goes to, in packed node order; the counts and a bad-id verdict
-            # reach the host in one copy.
-            node_of = cupy.where(topk >= 0, topk // experts_per_node, -1)
-            packed_nodes = cupy.asarray(np.asarray(self.packed_nodes, dtype=np.int64))
-            in_node = (node_of[None, :, :] == packed_nodes[:, None, None]).any(axis=2)  # [N (packed), T]
-            bad = ((topk < -1) | (topk >= num_experts)).any() if T and K else cupy.zeros((), cupy.bool_)
-            bad = cupy.asarray(bad).reshape(1).astype(cupy.int64)
-            host = cupy.asnumpy(cupy.concatenate([in_node.sum(axis=1), bad]))
-            packed_counts = [int(c) for c in host[:N]]
-            send_counts = [0] * N
-            for n, c in zip(self.packed_nodes, packed_counts):
-                send_counts[n] = c
+            send_counts, token_ids, bad = self._route(topk, num_experts)
             # A rank with expert ids out of range tells its rail peers (-1 counts), so that they raise too.
-            recv_counts = self.transport.alltoall_ints([-1] * N if host[N] else send_counts)
-            if host[N] or any(c < 0 for c in recv_counts):
+            recv_counts = self.transport.alltoall_ints([-1] * N if bad else send_counts)
+            if bad or any(c < 0 for c in recv_counts):
                 self._refuse_on_the_node(lib, info, scales_info, weights_info, K, experts_per_node, expert_alignment,
                                          num_worst_tokens, config)
                 raise ValueError(f"topk_idx: expert ids out of [-1, {num_experts}) on "
-                                 f"{'this rank' if host[N] else 'a rank of this rail'}; no tokens were moved")
-            token_ids = cupy.flatnonzero(in_node.ravel()) % max(T, 1)
-
-            # The records: row, scales, top-k ids, weights.
-            row_bytes = x_rows.shape[1]
-            scale_bytes = 0 if x_scales is None else 4 * x_scales.shape[1]
-            record, scales_off, topk_off, weights_off = record_layout(row_bytes, scale_bytes, K, weights is not None)
-            packed = cupy.empty((len(token_ids), record), cupy.uint8)
-            packed[:, :row_bytes] = x_rows[token_ids]
-            if x_scales is not None:
-                packed[:, scales_off:topk_off] = cupy.ascontiguousarray(x_scales[token_ids]).view(cupy.uint8)
-            packed[:, topk_off:topk_off + 8 * K] = cupy.ascontiguousarray(topk[token_ids]).view(cupy.uint8)
-            if weights is not None:
-                packed[:, weights_off:weights_off + 4 * K] = cupy.ascontiguousarray(weights[token_ids]).view(
-                    cupy.uint8)
-            remote = len(token_ids) - send_counts[me]
-            received = self._exchange(packed, record, send_counts, recv_counts, run_on)
-            self.last_internode_rows = remote
-            forwarded = self._in_node_order(received, packed[remote:], recv_counts)
-            M = forwarded.shape[0]
-
-            # The intranode stage's inputs: top-k made node-local, weights 0 where the id is not.
-            fw_topk = cupy.ascontiguousarray(forwarded[:, topk_off:topk_off + 8 * K]).view(cupy.int64)
-            first = me * experts_per_node
-            local = (fw_topk >= first) & (fw_topk < first + experts_per_node)
-            fw_topk = cupy.where(local, fw_topk - first, -1)
-            fw_weights = None
-            if weights is not None:
-                fw_weights = cupy.ascontiguousarray(forwarded[:, weights_off:weights_off + 4 * K]).view(cupy.float32)
-                fw_weights = cupy.where(local, fw_weights, cupy.float32(0))
-            fw_rows = cupy.ascontiguousarray(forwarded[:, :row_bytes]).view(STORAGE[info.dtype_name]).reshape(
-                (M, *info.shape[1:]))
-            fw_scales = None
-            if x_scales is not None:
-                fw_scales = cupy.ascontiguousarray(forwarded[:, scales_off:topk_off]).view(cupy.float32).reshape(
-                    (M, *scales_info.shape[1:]))
-            x_in = self._to_lib(lib, fw_rows, info.dtype_name)
-            scales_in = None if fw_scales is None else self._to_lib(lib, fw_scales, "float32")
-            topk_in = self._to_lib(lib, fw_topk, "int64")
-            weights_in = None if fw_weights is None else self._to_lib(lib, fw_weights, "float32")
-
-            if self.intranode is not None:
-                engine = self.intranode
-                per_rank, _, per_expert, in_rank, _ = engine.get_dispatch_layout(topk_in, experts_per_node)
-                recv_x, recv_topk, recv_weights, expert_list, inner, _ = engine.dispatch(
-                    x_in if scales_in is None else (x_in, scales_in), num_tokens_per_rank=per_rank,
-                    is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_in,
-                    topk_weights=weights_in, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                    config=config)
-                num_recv = None if num_worst_tokens else inner.num_recv_tokens
-                if scales_in is not None:
-                    recv_x, recv_scales = recv_x
-                else:
-                    recv_scales = None
-            else:
-                inner = None
-                num_recv = M
-                counts = cupy.asnumpy(_counts(fw_topk[fw_topk >= 0], experts_per_node))
-                expert_list = [] if num_worst_tokens else \
-                    [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
-                recv_x, recv_scales, recv_topk, recv_weights = x_in, scales_in, topk_in, weights_in
-                if num_worst_tokens:
-                    recv_x, recv_scales, recv_topk, recv_weights = self._pad_rows(
-                        lib, num_worst_tokens, M, (fw_rows, info.dtype_name), (fw_scales, "float32"),
-                        (fw_topk, "int64"), (fw_weights, "float32"))
+                                 f"{'this rank' if bad else 'a rank of this rail'}; no tokens were moved")
+            layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1], K,
+                                  0 if weights is None else K)
+            forwarded = self._forward(layout.pack(token_ids, x_rows, x_scales, topk, weights), layout, send_counts,
+                                      recv_counts, run_on)
+            inputs = self._node_inputs(forwarded, layout, info, scales_info, experts_per_node)
+            outputs, expert_list, inner, num_recv = self._deliver(lib, inputs, info, experts_per_node,
+                                                                  expert_alignment, num_worst_tokens, config)
             handle = InternodeHandle(id(self), T, token_ids, send_counts, recv_counts, inner, num_recv,
                                      num_worst_tokens, K)
-            outputs = (recv_x, recv_scales, recv_topk, recv_weights)
             event = self._finish(lib, caller, run_on, async_finish,
                                  (rows, scales, topk_idx, topk_weights, *outputs), outputs)
+        recv_x, recv_scales, recv_topk, recv_weights = outputs
         recv = recv_x if recv_scales is None else (recv_x, recv_scales)
         return recv, recv_topk, recv_weights, expert_list, handle, event
+
+    def _read_x(self, rows, scales, info, scales_info):
+        """x as uint8 rows ``[T, row bytes]`` and its scales as ``[T, S]`` (None without), CuPy views."""
+        dev = self.device_id
+        x_rows = _byte_rows(device_view(rows, info, dev), info)
+        x_scales = None if scales_info is None else _scale_rows(device_view(scales, scales_info, dev), scales_info)
+        return x_rows, x_scales
+
+    def _route(self, topk, num_experts: int):
+        """``(send_counts per node, the tokens of each node in packed order, whether an id is out of
+        range)``: the counts and the verdict reach the host in one copy."""
+        cupy = _cupy()
+        N = self.topology.num_nodes
+        T, K = topk.shape
+        node_of = cupy.where(topk >= 0, topk // (num_experts // N), -1)
+        packed_nodes = cupy.asarray(np.asarray(self.packed_nodes, dtype=np.int64))
+        in_node = (node_of[None, :, :] == packed_nodes[:, None, None]).any(axis=2)  # [N (packed order), T]
+        bad = ((topk < -1) | (topk >= num_experts)).any() if T and K else cupy.zeros((), cupy.bool_)
+        bad = cupy.asarray(bad).reshape(1).astype(cupy.int64)
+        host = cupy.asnumpy(cupy.concatenate([in_node.sum(axis=1), bad]))
+        send_counts = [0] * N
+        for n, count in zip(self.packed_nodes, host[:N]):
+            send_counts[n] = int(count)
+        token_ids = cupy.flatnonzero(in_node.ravel()) % max(T, 1)
+        return send_counts, token_ids, bool(host[N])
+
+    def _forward(self, packed, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int],
+                 run_on: int):
+        """Send ``packed`` (records in packed order) over the rail; the forwarded records in node order."""
+        remote = packed.shape[0] - send_counts[self.topology.node]
+        received = self._exchange(packed, layout.bytes, send_counts, recv_counts, run_on)
+        self.last_internode_rows = remote
+        return self._in_node_order(received, packed[remote:], recv_counts)
+
+    def _node_inputs(self, forwarded, layout: RecordLayout, info, scales_info, experts_per_node: int) -> _Forwarded:
+        """The forwarded records unpacked, top-k made node-local (-1 and weight 0 where the id is not)."""
+        cupy = _cupy()
+        M, K = forwarded.shape[0], layout.num_topk
+        topk = layout.part(forwarded, layout.topk_off, 8 * K, cupy.int64, (M, K))
+        first = self.topology.node * experts_per_node
+        local = (topk >= first) & (topk < first + experts_per_node)
+        weights = None
+        if layout.num_weights:
+            weights = layout.part(forwarded, layout.weights_off, 4 * K, cupy.float32, (M, K))
+            weights = cupy.where(local, weights, cupy.float32(0))
+        rows = layout.part(forwarded, 0, layout.row_bytes, STORAGE[info.dtype_name], (M, *info.shape[1:]))
+        scales = None if scales_info is None else \
+            layout.part(forwarded, layout.scales_off, layout.scale_bytes, cupy.float32, (M, *scales_info.shape[1:]))
+        return _Forwarded(rows, scales, cupy.where(local, topk - first, -1), weights)
+
+    def _deliver(self, lib, inputs: _Forwarded, info, experts_per_node: int, expert_alignment: int,
+                 num_worst_tokens: int, config):
+        """The forwarded tokens to the ranks of this node owning their experts: ``(outputs [recv_x,
+        recv_scales, recv_topk, recv_weights], expert counts, intranode handle, received rows)``."""
+        M = inputs.rows.shape[0]
+        x_in = self._to_lib(lib, inputs.rows, info.dtype_name)
+        scales_in = None if inputs.scales is None else self._to_lib(lib, inputs.scales, "float32")
+        topk_in = self._to_lib(lib, inputs.topk, "int64")
+        weights_in = None if inputs.weights is None else self._to_lib(lib, inputs.weights, "float32")
+        if self.intranode is None:  # one rank per node: the forwarded tokens are the outputs
+            counts = _cupy().asnumpy(_counts(inputs.topk[inputs.topk >= 0], experts_per_node))
+            expert_list = [] if num_worst_tokens else \
+                [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
+            if num_worst_tokens:
+                outputs = self._pad_rows(lib, num_worst_tokens, M, (inputs.rows, info.dtype_name),
+                                         (inputs.scales, "float32"), (inputs.topk, "int64"),
+                                         (inputs.weights, "float32"))
+            else:
+                outputs = [x_in, scales_in, topk_in, weights_in]
+            return outputs, expert_list, None, M
+        engine = self.intranode
+        per_rank, _, per_expert, in_rank, _ = engine.get_dispatch_layout(topk_in, experts_per_node)
+        recv_x, recv_topk, recv_weights, expert_list, inner, _ = engine.dispatch(
+            x_in if scales_in is None else (x_in, scales_in), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_in, topk_weights=weights_in,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, config=config)
+        recv_x, recv_scales = recv_x if scales_in is not None else (recv_x, None)
+        return [recv_x, recv_scales, recv_topk, recv_weights], expert_list, inner, \
+            None if num_worst_tokens else inner.num_recv_tokens
 
     def _refuse_on_the_node(self, lib, info, scales_info, weights_info, num_topk: int, experts_per_node: int,
                             expert_alignment: int, num_worst_tokens: int, config) -> None:
@@ -555,31 +603,17 @@ class InternodePath:
     def _cached_dispatch(self, rows, scales, info, scales_info, handle: InternodeHandle, config, previous_event,
                          async_finish, allocate_on_comm_stream):
         cupy = _cupy()
-        lib, dev = info.lib, self.device_id
-        me = self.topology.node
+        lib = info.lib
         caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
         with self._on(lib, run_on):
-            x_rows = _byte_rows(device_view(rows, info, dev), info)
-            x_scales = None if scales_info is None else _scale_rows(device_view(scales, scales_info, dev), scales_info)
-            row_bytes = x_rows.shape[1]
-            scale_bytes = 0 if x_scales is None else 4 * x_scales.shape[1]
-            record, scales_off, topk_off, _ = record_layout(row_bytes, scale_bytes, 0, False, with_topk=False)
-            token_ids = handle.send_token_idx
-            packed = cupy.empty((len(token_ids), record), cupy.uint8)
-            packed[:, :row_bytes] = x_rows[token_ids]
-            if x_scales is not None:
-                packed[:, scales_off:topk_off] = cupy.ascontiguousarray(x_scales[token_ids]).view(cupy.uint8)
-            remote = len(token_ids) - handle.send_counts[me]
-            received = self._exchange(packed, record, handle.send_counts, handle.recv_counts, run_on)
-            self.last_internode_rows = remote
-            forwarded = self._in_node_order(received, packed[remote:], handle.recv_counts)
+            x_rows, x_scales = self._read_x(rows, scales, info, scales_info)
+            layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
+            forwarded = self._forward(layout.pack(handle.send_token_idx, x_rows, x_scales), layout, handle.send_counts,
+                                      handle.recv_counts, run_on)
             M = forwarded.shape[0]
-            fw_rows = cupy.ascontiguousarray(forwarded[:, :row_bytes]).view(STORAGE[info.dtype_name]).reshape(
-                (M, *info.shape[1:]))
-            fw_scales = None
-            if x_scales is not None:
-                fw_scales = cupy.ascontiguousarray(forwarded[:, scales_off:topk_off]).view(cupy.float32).reshape(
-                    (M, *scales_info.shape[1:]))
+            fw_rows = layout.part(forwarded, 0, layout.row_bytes, STORAGE[info.dtype_name], (M, *info.shape[1:]))
+            fw_scales = None if scales_info is None else layout.part(
+                forwarded, layout.scales_off, layout.scale_bytes, cupy.float32, (M, *scales_info.shape[1:]))
             if self.intranode is not None:
                 x_in = self._to_lib(lib, fw_rows, info.dtype_name)
                 scales_in = None if fw_scales is None else self._to_lib(lib, fw_scales, "float32")
@@ -653,17 +687,13 @@ class InternodePath:
             else:
                 partial = device_view(x, info, dev)[:M]
                 partial_w = None if w_info is None else device_view(topk_weights, w_info, dev)[:M]
-            row_bytes = tensors.row_bytes((H,), dtype)
             K = 0 if partial_w is None else partial_w.shape[1]
-            record, _, _, weights_off = record_layout(row_bytes, 0, K, partial_w is not None, with_topk=False)
-            records = cupy.empty((M, record), cupy.uint8)
-            records[:, :row_bytes] = cupy.ascontiguousarray(partial).view(cupy.uint8).reshape(M, row_bytes)
-            if partial_w is not None:
-                records[:, weights_off:weights_off + 4 * K] = cupy.ascontiguousarray(partial_w).view(cupy.uint8)
-            before = sum(handle.recv_counts[:me])
-            own = handle.recv_counts[me]
+            layout = RecordLayout(tensors.row_bytes((H,), dtype), num_weights=K)
+            records = layout.pack(None, _byte_rows(partial, info), weights=partial_w)
+            # Rows in node order; the other nodes' blocks go back over the rail, the own one stays.
+            before, own = sum(handle.recv_counts[:me]), handle.recv_counts[me]
             send = cupy.concatenate([records[:before], records[before + own:]])
-            received = self._exchange(send, record, handle.recv_counts, handle.send_counts, run_on)
+            received = self._exchange(send, layout.bytes, handle.recv_counts, handle.send_counts, run_on)
             back = cupy.concatenate([received, records[before:before + own]])  # packed order, as send_token_idx
 
             combined = cupy.zeros((T, H), cupy.float32)
@@ -680,11 +710,11 @@ class InternodePath:
                     continue
                 tokens = handle.send_token_idx[begin:begin + count]
                 block = back[begin:begin + count]
-                rows = cupy.ascontiguousarray(block[:, :row_bytes]).view(STORAGE[dtype])
+                rows = layout.part(block, 0, layout.row_bytes, STORAGE[dtype], (count, H))
                 combined[tokens] = combined[tokens] + to_float32(rows, dtype)
                 if combined_w is not None:
-                    w = cupy.ascontiguousarray(block[:, weights_off:weights_off + 4 * K]).view(cupy.float32)
-                    combined_w[tokens] = combined_w[tokens] + w
+                    weights = layout.part(block, layout.weights_off, 4 * K, cupy.float32, (count, K))
+                    combined_w[tokens] = combined_w[tokens] + weights
             out = self._to_lib(lib, round_float32(combined, dtype), dtype)
             out_w = None if combined_w is None else self._to_lib(lib, combined_w, "float32")
             outputs = (out, out_w)

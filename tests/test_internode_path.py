@@ -260,5 +260,7 @@ def test_a_path_needs_an_engine_exactly_with_several_ranks_per_node(path):
 
 
 def test_records_are_padded_to_16_bytes():
-    assert internode.record_layout(14336, 0, 8, True) == (14336 + 96, 14336, 14336, 14336 + 64)
-    assert internode.record_layout(7168, 224, 8, False)[0] % 16 == 0
+    full = internode.RecordLayout(14336, 0, 8, 8)
+    assert (full.bytes, full.scales_off, full.topk_off, full.weights_off) == (14336 + 96, 14336, 14336, 14336 + 64)
+    assert internode.RecordLayout(7168, 224, 8).bytes == 7168 + 224 + 64
+    assert internode.RecordLayout(7168, 4).bytes == 7168 + 16
