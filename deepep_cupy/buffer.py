@@ -129,12 +129,19 @@ class Buffer(DispatchPath, CombinePath):
             for an mpi4py communicator).
         num_nvl_bytes: bytes of this rank's NVLink buffer (same on every rank); see
             :func:`deepep_cupy.get_nvl_buffer_size_hint`.
-        num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+        num_rdma_bytes: 0, or > 0 for an internode Buffer (DeepEP's switch): when the group spans
+            several nodes (``ranks_per_node``), every operation takes the hierarchical path of
+            :mod:`deepep_cupy.internode` (a token crosses the network once per destination node,
+            over the rail transport, to the rank of its own local index there, and this library's
+            intranode kernels forward it inside the node); on one node the Buffer is intranode,
+            as DeepEP's is. Its staging comes from CuPy's pool per call
+            (:func:`deepep_cupy.config.get_rdma_buffer_size_hint` says how much).
+        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
         allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink: DeepEP's arguments, accepted
-            so that its scripts run unchanged. Internode and low-latency settings are refused with
-            a ``ValueError`` (``num_rdma_bytes`` must be 0; ``low_latency_mode``, ``allow_mnnvl``,
-            ``use_fabric``, ``enable_shrink`` must be False). ``explicitly_destroy`` is recorded;
-            :meth:`destroy` may be called either way.
+            so that its scripts run unchanged. Low-latency and multi-node NVLink settings are
+            refused with a ``ValueError`` (``low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
+            ``enable_shrink`` must be False). ``explicitly_destroy`` is recorded; :meth:`destroy`
+            may be called either way.
         timeout_s: how long a rank waits for its peers (in kernels and on the host) before it
             raises :class:`deepep_cupy.DeepEPTimeoutError`.
         device: the CUDA device id (default: PyTorch's current device for a ProcessGroup,
@@ -150,10 +157,19 @@ class Buffer(DispatchPath, CombinePath):
             the next launches its transfer at once. False: every call learns its counts first, in
             a round that moves nothing, then allocates exactly (no spare rows, one count exchange
             more per call).
+        ranks_per_node: (internode) split the group into nodes of this many consecutive ranks
+            (simulated nodes on one machine; 1: every GPU its own node); default: the environment
+            variable ``DEEPEP_CUPY_RANKS_PER_NODE``, else the hosts, with every GPU its own node
+            where a host's GPUs cannot map each other's memory (:mod:`deepep_cupy.nodes`).
+        internode_transport: (internode) ``"nccl"``, ``"mpi"`` or ``"local"`` (in-process ranks);
+            default: ``DEEPEP_CUPY_TRANSPORT``, else chosen from the group
+            (:func:`deepep_cupy.transports.make_transport`).
 
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).
-        rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes (0),
+        topology: the :class:`deepep_cupy.nodes.NodeTopology` of an internode Buffer (else None).
+        internode_transport: the name of an internode Buffer's rail transport (else None).
+        rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes,
         low_latency_mode (False), explicitly_destroy, device_id, timeout_s: the settings.
         last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
             (its counts learned first), ``"ahead"`` (allocated ahead, it fitted), ``"retried"``
@@ -174,13 +190,18 @@ class Buffer(DispatchPath, CombinePath):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: Any = None, *, timeout_s: float = 100.0, device: Optional[int] = None,
-                 allocate_ahead: bool = True):
+                 allocate_ahead: bool = True, ranks_per_node: Optional[int] = None,
+                 internode_transport: Optional[str] = None):
         import cupy
 
-        compat.check_intranode_only(num_rdma_bytes, low_latency_mode=low_latency_mode, allow_mnnvl=allow_mnnvl,
-                                    use_fabric=use_fabric, enable_shrink=enable_shrink)
+        compat.check_supported(num_rdma_bytes, low_latency_mode=low_latency_mode, allow_mnnvl=allow_mnnvl,
+                               use_fabric=use_fabric, enable_shrink=enable_shrink)
         self._set_up_host(compat.resolve_group(group, comm), num_nvl_bytes, timeout_s, device, allocate_ahead)
         self.explicitly_destroy = bool(explicitly_destroy)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.topology = self.internode_transport = None
+        if self._set_up_internode(ranks_per_node, internode_transport):
+            return
         with self._on_device:
             self._check_group(cupy)
             shares_gpu = self._group.in_process and self._group.ranks_on_device(self.device_id) > 1
@@ -193,6 +214,37 @@ class Buffer(DispatchPath, CombinePath):
                 self.destroy()
                 raise
         self._group.barrier()
+
+    def _set_up_internode(self, ranks_per_node: Optional[int], transport: Optional[str]) -> bool:
+        """With ``num_rdma_bytes > 0`` on a group of several nodes: route the operations to an
+        :class:`deepep_cupy.internode.InternodePath` (rail transport, node sub-group, an intranode
+        Buffer per node of several ranks) and return True. On one node the Buffer is intranode, as
+        DeepEP's is there (``num_rdma_bytes`` unused); False."""
+        if not self.num_rdma_bytes:
+            if ranks_per_node is not None or transport is not None:
+                raise ValueError("ranks_per_node, internode_transport: internode settings; pass num_rdma_bytes > 0 "
+                                 "(Config.get_rdma_buffer_size_hint) to make an internode Buffer")
+            return False
+        from . import internode
+        from .nodes import discover_topology
+
+        with self._on_device:
+            topology = discover_topology(self._group, ranks_per_node)
+            if topology.num_nodes == 1:
+                return False
+            shares_gpu = self._group.in_process and self._group.ranks_on_device(self.device_id) > 1
+            settings = dict(timeout_s=self.timeout_s, device=self.device_id, allocate_ahead=self.allocate_ahead)
+            path = internode.create_internode_path(
+                self._group, topology, device_id=self.device_id, timeout_s=self.timeout_s,
+                transport_kind=transport, shares_gpu=shares_gpu,
+                make_intranode=lambda node_group: Buffer(node_group, self.num_nvl_bytes, **settings))
+        self.topology, self._internode, self._order = topology, path, path.order
+        self.internode_transport = path.transport.name
+        # The operations are the internode path's: instance attributes in front of the intranode
+        # methods (the intranode state stays empty; the engine of the node is an intranode Buffer).
+        for name in ("get_dispatch_layout", "dispatch", "combine", "destroy", "check_kernel_errors", "barrier"):
+            setattr(self, name, getattr(path, name))
+        return True
 
     def _set_up_host(self, group: Any, num_nvl_bytes: int, timeout_s: float, device: Optional[int],
                      allocate_ahead: bool) -> None:

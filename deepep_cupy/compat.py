@@ -15,9 +15,10 @@ from typing import Any, Optional
 from .events import EventOverlap
 from .tensors import library
 
-#: What :class:`deepep_cupy.Buffer` refuses, with why: DeepEP features outside one NVLink node.
+#: What :class:`deepep_cupy.Buffer` refuses, with why: DeepEP features it does not have.
 _UNSUPPORTED = {
-    "low_latency_mode": "low-latency (RDMA) mode is internode; deepep_cupy moves tokens within one NVLink node",
+    "low_latency_mode": "low-latency (RDMA) mode is not supported; use the normal mode (across nodes too: "
+                        "num_rdma_bytes > 0)",
     "allow_mnnvl": "multi-node NVLink (MNNVL) is not supported; all ranks must share one node",
     "use_fabric": "fabric memory handles are for multi-node NVLink, which is not supported",
     "enable_shrink": "shrinking the group after a rank failure is not supported; destroy the Buffer on every "
@@ -25,16 +26,19 @@ _UNSUPPORTED = {
 }
 
 
-def check_intranode_only(num_rdma_bytes: int, **flags: bool) -> None:
-    """Refuse DeepEP constructor settings that need more than one NVLink node.
+def check_supported(num_rdma_bytes: int, **flags: bool) -> None:
+    """Refuse DeepEP constructor settings this library cannot honour.
+
+    ``num_rdma_bytes > 0`` asks for an internode Buffer (deepep_cupy/internode.py): the
+    hierarchical path when the group spans nodes, the intranode one on one node (as DeepEP).
 
     Raises:
-        ValueError: ``num_rdma_bytes`` is not 0, or one of ``flags`` (named in
+        ValueError: ``num_rdma_bytes`` is not an int >= 0, or one of ``flags`` (named in
             :data:`_UNSUPPORTED`) is true; the message says why.
     """
-    if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes != 0:
-        raise ValueError(f"num_rdma_bytes: expected 0, got {num_rdma_bytes!r}: deepep_cupy is intranode only "
-                         "(RDMA buffers carry internode traffic)")
+    if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes < 0:
+        raise ValueError(f"num_rdma_bytes: expected an int >= 0, got {num_rdma_bytes!r} (0: one node; > 0: an "
+                         "internode Buffer, sized with Config.get_rdma_buffer_size_hint)")
     for name, value in flags.items():
         if value:
             raise ValueError(f"{name}=True: {_UNSUPPORTED[name]}")

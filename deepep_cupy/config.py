@@ -79,9 +79,11 @@ class Config:
                                         num_max_tokens_per_rank=num_max_tokens_per_rank,
                                         recv_x_in_buffer=recv_x_in_buffer)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """DeepEP's RDMA buffer size: always 0 here (intranode only; ``Buffer`` refuses more)."""
-        return 0
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *, num_topk: int = MAX_TOPK,
+                                  num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
+        """Bytes of internode staging (DeepEP's RDMA buffer size): :func:`get_rdma_buffer_size_hint`."""
+        return get_rdma_buffer_size_hint(hidden_bytes, num_ranks, num_topk=num_topk,
+                                         num_max_tokens_per_rank=num_max_tokens_per_rank)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -176,6 +178,32 @@ def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional
                                bool(recv_x_in_buffer))
     c = layout.combine_layout(num_ranks, config.num_channels, tokens, hidden_bytes, num_topk)
     return max(d.total_bytes, c.total_bytes)
+
+
+def get_rdma_buffer_size_hint(hidden_bytes: int, num_ranks: int, *, num_topk: int = MAX_TOPK,
+                              num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
+    """Bytes of internode staging one dispatch or combine of an internode Buffer may take.
+
+    An internode call (deepep_cupy/internode.py) packs each token once per destination node into a
+    record (row, FP8 scales, int64 top-k ids, float32 weights, padded to 16 bytes) and receives
+    as many from the other nodes: at most ``num_max_tokens_per_rank`` tokens times the node count
+    (at most ``num_ranks``: one rank per node) each way. The staging comes from CuPy's memory pool
+    per call, not from a buffer of this size: pass any ``num_rdma_bytes > 0`` to make an internode
+    Buffer; this hint says how much memory the calls may hold at their peak.
+
+    Args:
+        hidden_bytes: bytes of one token row at its widest (``hidden * 2`` for BF16).
+        num_ranks: ranks in the group (across all nodes).
+        num_topk: top-k entries per token.
+        num_max_tokens_per_rank: the most tokens a rank dispatches in one call.
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks: expected a positive int, got {num_ranks!r}")
+    if isinstance(hidden_bytes, bool) or not isinstance(hidden_bytes, int) or hidden_bytes <= 0:
+        raise ValueError(f"hidden_bytes: expected a positive int, got {hidden_bytes!r}")
+    num_scales = max(1, hidden_bytes // 2 // FP8_SCALE_BLOCK)
+    record = -(-(hidden_bytes + 4 * num_scales + 12 * int(num_topk)) // 16) * 16
+    return 2 * int(num_max_tokens_per_rank) * num_ranks * record
 
 
 # The recommended configs, measured on 2 x H200 (docs/PERFORMANCE.md): publishing every 4 tokens

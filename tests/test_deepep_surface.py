@@ -28,7 +28,7 @@ def default_num_sms():
 # --- constructor -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("setting, message", [
-    (dict(num_rdma_bytes=1 << 20), "num_rdma_bytes: expected 0, got 1048576: deepep_cupy is intranode only"),
+    (dict(num_rdma_bytes=-1), r"num_rdma_bytes: expected an int >= 0, got -1 \(0: one node"),
     (dict(low_latency_mode=True), "low_latency_mode=True: low-latency"),
     (dict(allow_mnnvl=True), "allow_mnnvl=True: multi-node NVLink"),
     (dict(use_fabric=True), "use_fabric=True: fabric memory handles"),
@@ -94,7 +94,7 @@ def test_the_small_names_deepep_scripts_touch_exist():
     assert ep.Buffer.is_sm90_compiled() is True
     assert np.dtype(ep.topk_idx_t) == np.int64 if not hasattr(ep.topk_idx_t, "is_floating_point") \
         else str(ep.topk_idx_t) == "torch.int64"
-    assert ep.Config(24, 8, 256, 16, 128).get_rdma_buffer_size_hint(7168 * 2, 2) == 0
+    assert ep.Config(24, 8, 256, 16, 128).get_rdma_buffer_size_hint(7168 * 2, 16) > 0
     assert ep.Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, 2) > 0
 
 

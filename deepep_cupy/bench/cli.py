@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds of loops, the libraries alternating; figures are medians over them")
     g.add_argument("--calls-plot", metavar="PATH", default=None,
                    help="PNG of loop time vs tokens per rank, per op and array library")
+    g = p.add_argument_group("internode (under mpirun; deepep_cupy/bench/internode.py)")
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="L",
+                   help="benchmark an internode Buffer over nodes of L ranks (simulated when a host holds "
+                        "more): bytes to other nodes next to a flat all-to-all's, times, NCCL baseline")
+    g.add_argument("--transport", choices=("nccl", "mpi", "local"), default=None,
+                   help="the internode Buffer's rail transport (default: chosen by the library)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", default=None, help="write every figure and the settings")
     g.add_argument("--plot", metavar="PATH", default=None, help="PNG of GB/s vs tokens per rank")
@@ -156,6 +162,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.tokens_sweep = list(DEFAULT_TOKENS_SWEEP)
     if args.sm_plot and args.sm_sweep is None:
         args.sm_sweep = list(DEFAULT_SM_SWEEP)
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        parser.error("--ranks-per-node must be positive")
     if any(n < 2 or n % 2 for n in args.sm_sweep or ()):
         parser.error("--sm-sweep: SM counts must be even and at least 2")
     return args
@@ -304,12 +312,35 @@ def _main_mpi(args: argparse.Namespace) -> int:
     return 1
 
 
+def _main_internode(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from .internode import run_internode
+    world = MPI.COMM_WORLD
+    try:
+        return world.bcast(run_internode(args), root=0)
+    except SystemExit as exc:
+        if world.Get_size() == 1 or exc.code in (0, None):
+            raise
+        print(f"[rank {world.Get_rank()}] {exc}", file=sys.stderr, flush=True)
+        world.Abort(2)
+    except BaseException:
+        sys.stderr.write(f"[rank {world.Get_rank()}] " + traceback.format_exc())
+        sys.stderr.flush()
+        world.Abort(1)
+    return 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m deepep_cupy.bench``; returns the exit status (1 when a check fails)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # before anything can initialise NCCL
     args = parse_args(argv)
     exit_unless_gpu("python -m deepep_cupy.bench")
     mode = detect_launcher(args)
+    if args.ranks_per_node is not None:
+        if mode != "mpi":
+            raise SystemExit("deepep_cupy.bench: --ranks-per-node runs under mpirun (one process per rank)")
+        return _main_internode(args)
     if mode == "mpi":
         return _main_mpi(args)
     return _main_local(args)
