@@ -335,11 +335,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m deepep_cupy.bench``; returns the exit status (1 when a check fails)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # before anything can initialise NCCL
     args = parse_args(argv)
-    exit_unless_gpu("python -m deepep_cupy.bench")
     mode = detect_launcher(args)
+    if args.ranks_per_node is not None and mode != "mpi":
+        raise SystemExit("deepep_cupy.bench: --ranks-per-node runs under mpirun (one process per rank)")
+    exit_unless_gpu("python -m deepep_cupy.bench")
     if args.ranks_per_node is not None:
-        if mode != "mpi":
-            raise SystemExit("deepep_cupy.bench: --ranks-per-node runs under mpirun (one process per rank)")
         return _main_internode(args)
     if mode == "mpi":
         return _main_mpi(args)
