@@ -17,7 +17,6 @@ from .tensors import library
 
 #: What :class:`deepep_cupy.Buffer` refuses, with why: DeepEP features outside one NVLink node.
 _UNSUPPORTED = {
-    "low_latency_mode": "low-latency (RDMA) mode is internode; deepep_cupy moves tokens within one NVLink node",
     "allow_mnnvl": "multi-node NVLink (MNNVL) is not supported; all ranks must share one node",
     "use_fabric": "fabric memory handles are for multi-node NVLink, which is not supported",
     "enable_shrink": "shrinking the group after a rank failure is not supported; destroy the Buffer on every "
@@ -25,16 +24,24 @@ _UNSUPPORTED = {
 }
 
 
-def check_intranode_only(num_rdma_bytes: int, **flags: bool) -> None:
+def check_intranode_only(num_rdma_bytes: int, low_latency_mode: bool = False, **flags: bool) -> None:
     """Refuse DeepEP constructor settings that need more than one NVLink node.
 
+    With ``low_latency_mode`` the RDMA bytes are the low-latency buffer's (DeepEP's decode API, over
+    NVLink on one node): a positive int. Without it they must be 0.
+
     Raises:
-        ValueError: ``num_rdma_bytes`` is not 0, or one of ``flags`` (named in
+        ValueError: ``num_rdma_bytes`` is not as above, or one of ``flags`` (named in
             :data:`_UNSUPPORTED`) is true; the message says why.
     """
-    if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes != 0:
+    if low_latency_mode:
+        if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes <= 0:
+            raise ValueError(f"num_rdma_bytes: expected a positive int with low_latency_mode=True (the low-latency "
+                             f"buffer; size it with Buffer.get_low_latency_rdma_size_hint), got {num_rdma_bytes!r}")
+    elif isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes != 0:
         raise ValueError(f"num_rdma_bytes: expected 0, got {num_rdma_bytes!r}: deepep_cupy is intranode only "
-                         "(RDMA buffers carry internode traffic)")
+                         "(RDMA buffers carry internode traffic; with low_latency_mode=True they are the "
+                         "low-latency buffer)")
     for name, value in flags.items():
         if value:
             raise ValueError(f"{name}=True: {_UNSUPPORTED[name]}")

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from .constants import (
+    ERROR_BAD_EXPERT_ID,
     ERROR_BUFFER_TOO_SMALL,
     ERROR_DISPATCH_REFUSED,
     ERROR_MISMATCH,
@@ -112,6 +113,10 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
     where_rank, channel, peer, detail = (int(v) for v in record[2:6])
     if code == ERROR_DISPATCH_REFUSED:
         return refused_dispatch_error(detail, where_rank)
+    if code == ERROR_BAD_EXPERT_ID:
+        return ValueError(f"topk_idx: rank {where_rank} passed expert ids outside [-1, num_experts) (such as "
+                          f"{detail}) to an earlier low_latency_dispatch; those entries were sent nowhere. The "
+                          "Buffer stays usable")
     if code == ERROR_BUFFER_TOO_SMALL:
         operation = "combine" if "combine" in stage else "cached dispatch"
         return ValueError(f"num_nvl_bytes: the last {operation} was refused on every rank: its handle has a rank "

@@ -29,7 +29,7 @@ def default_num_sms():
 
 @pytest.mark.parametrize("setting, message", [
     (dict(num_rdma_bytes=1 << 20), "num_rdma_bytes: expected 0, got 1048576: deepep_cupy is intranode only"),
-    (dict(low_latency_mode=True), "low_latency_mode=True: low-latency"),
+    (dict(low_latency_mode=True), "num_rdma_bytes: expected a positive int with low_latency_mode=True"),
     (dict(allow_mnnvl=True), "allow_mnnvl=True: multi-node NVLink"),
     (dict(use_fabric=True), "use_fabric=True: fabric memory handles"),
     (dict(enable_shrink=True), "enable_shrink=True: shrinking the group"),
