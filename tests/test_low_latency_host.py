@@ -190,7 +190,7 @@ def test_a_bad_expert_id_the_kernel_reported_is_raised_by_the_next_call_which_th
     x, topk, _ = inputs()
     record = path.slots.values[slots.ERROR_RECORD:slots.ERROR_RECORD + 6]
     record[:] = [ERROR_BAD_EXPERT_ID, 9, 0, -1, -1, 11]
-    with pytest.raises(ValueError, match=r"topk_idx: rank 0 passed expert ids outside \[-1, num_experts\) \(such as 11\)"):
+    with pytest.raises(ValueError, match=r"topk_idx: rank 0 passed expert ids outside \[-1, num_experts\) \(such as 11"):
         path.path.dispatch(x, topk, M, E)
     assert path.log == []
     path.path.dispatch(x, topk, M, E)
@@ -213,7 +213,8 @@ def test_a_combine_is_one_launch_reading_the_handle_and_writing_the_output(path)
     name, _, params = path.log[-1]
     assert name == "ll_combine_kernel" and params["phases"] == 3
     assert params["combined_x"] == combined.ctypes.data and params["x"] == recv_x.ctypes.data
-    assert params["src_info"] == handle.src_info.ctypes.data and params["layout_range"] == handle.layout_range.ctypes.data
+    assert params["src_info"] == handle.src_info.ctypes.data
+    assert params["layout_range"] == handle.layout_range.ctypes.data
     assert params["topk_weights"] == weights.ctypes.data and params["num_topk"] == K and params["num_tokens"] == 5
 
 
