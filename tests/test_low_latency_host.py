@@ -190,7 +190,7 @@ def test_a_bad_expert_id_the_kernel_reported_is_raised_by_the_next_call_which_th
     x, topk, _ = inputs()
     record = path.slots.values[slots.ERROR_RECORD:slots.ERROR_RECORD + 6]
     record[:] = [ERROR_BAD_EXPERT_ID, 9, 0, -1, -1, 11]
-    with pytest.raises(ValueError, match=r"topk_idx: rank 0 passed expert ids outside \[-1, num_experts\) \(such as 11"):
+    with pytest.raises(ValueError, match=r"topk_idx: rank 0 passed expert ids outside \[-1, num_experts\) \(such"):
         path.path.dispatch(x, topk, M, E)
     assert path.log == []
     path.path.dispatch(x, topk, M, E)
