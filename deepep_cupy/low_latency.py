@@ -46,19 +46,27 @@ UE8M0_PER_INT = 4
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
 
 
+#: Equal data areas of the buffer: dispatch half 0 and 1, combine half 0 and 1, zero-copy rows.
+NUM_AREAS = 5
+_AREA_ALIGN = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class LowLatencyLayout:
-    """Where the data areas of one rank's low-latency buffer lie for calls of these sizes.
+    """Where the data of calls of these sizes lie in a low-latency buffer of ``num_bytes``.
 
-    The header and signal words come first (kernels/low_latency.cu; their offsets are fixed,
-    constants.LL_*), then two dispatch areas of ``[L][R][M]`` records, two combine areas of
-    ``[E][M][hidden]`` BF16 rows and the zero-copy area ``[L][R * M][hidden]`` BF16.
+    The header and signal words come first (kernels/low_latency.cu; fixed offsets, constants.LL_*),
+    then :data:`NUM_AREAS` equal areas at fixed places (the buffer's size alone sets them): the two
+    dispatch halves (``[L][R][M]`` records), the two combine halves (``[E][M][hidden]`` BF16 rows)
+    and the zero-copy rows (``[L][R * M][hidden]`` BF16). Calls of other sizes index the same areas
+    differently, so a half is never written while a call of other sizes still reads the other.
     """
 
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_ranks: int
     num_experts: int
+    num_bytes: int = 0
 
     @property
     def num_local_experts(self) -> int:
@@ -75,32 +83,48 @@ class LowLatencyLayout:
         return -(-(self.hidden * 2 + 16) // 16) * 16
 
     @property
-    def dispatch_half_bytes(self) -> int:
-        return self.num_local_experts * self.rows_per_expert * self.record_bytes
+    def area_bytes_needed(self) -> int:
+        """The largest of the areas these sizes use (a dispatch half: records are the longest rows)."""
+        return max(self.num_local_experts * self.rows_per_expert * self.record_bytes,
+                   self.num_experts * self.num_max_dispatch_tokens_per_rank * self.hidden * 2)
 
     @property
-    def combine_half_bytes(self) -> int:
-        return self.num_experts * self.num_max_dispatch_tokens_per_rank * self.hidden * 2
+    def area_bytes(self) -> int:
+        """Bytes of each data area of a buffer of :attr:`num_bytes`."""
+        return max(0, (self.num_bytes - LL_DATA_OFFSET) // NUM_AREAS) // _AREA_ALIGN * _AREA_ALIGN
+
+    @property
+    def fits(self) -> bool:
+        return self.area_bytes_needed <= self.area_bytes
+
+    @property
+    def bytes_needed(self) -> int:
+        """The smallest buffer in which calls of these sizes fit."""
+        return LL_DATA_OFFSET + NUM_AREAS * -(-self.area_bytes_needed // _AREA_ALIGN) * _AREA_ALIGN
 
     @property
     def dispatch_offset(self) -> int:
         return LL_DATA_OFFSET
 
     @property
+    def dispatch_half_bytes(self) -> int:
+        return self.area_bytes
+
+    @property
     def combine_offset(self) -> int:
-        return self.dispatch_offset + 2 * self.dispatch_half_bytes
+        return LL_DATA_OFFSET + 2 * self.area_bytes
+
+    @property
+    def combine_half_bytes(self) -> int:
+        return self.area_bytes
 
     @property
     def zero_copy_offset(self) -> int:
-        return self.combine_offset + 2 * self.combine_half_bytes
+        return LL_DATA_OFFSET + 4 * self.area_bytes
 
     @property
     def zero_copy_bytes(self) -> int:
         return self.num_local_experts * self.rows_per_expert * self.hidden * 2
-
-    @property
-    def num_bytes(self) -> int:
-        return self.zero_copy_offset + self.zero_copy_bytes
 
 
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -113,7 +137,7 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     _check_positive_int(num_experts, "num_experts")
     if num_experts % num_ranks:
         raise ValueError(f"num_experts: expected a multiple of num_ranks={num_ranks}, got {num_experts}")
-    size = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).num_bytes
+    size = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).bytes_needed
     return -(-size // (2 << 20)) * (2 << 20)
 
 
@@ -240,12 +264,12 @@ class LowLatencyPath:
             raise ValueError(f"num_experts: expected a multiple of the rank count {self.num_ranks}, got {num_experts}")
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"num_experts: at most {MAX_EXPERTS}, got {num_experts}")
-        layout = LowLatencyLayout(num_max, hidden, self.num_ranks, num_experts)
-        if layout.num_bytes > self.num_bytes:
+        layout = LowLatencyLayout(num_max, hidden, self.num_ranks, num_experts, self.num_bytes)
+        if not layout.fits:
             raise ValueError(
                 f"num_rdma_bytes: the low-latency buffer has {self.num_bytes} bytes, calls with "
                 f"num_max_dispatch_tokens_per_rank={num_max}, hidden={hidden}, num_experts={num_experts} on "
-                f"{self.num_ranks} ranks need {layout.num_bytes}; create the Buffer with "
+                f"{self.num_ranks} ranks need {layout.bytes_needed}; create the Buffer with "
                 f"Buffer.get_low_latency_rdma_size_hint({num_max}, {hidden}, {self.num_ranks}, {num_experts}) bytes")
         return layout
 

@@ -228,7 +228,7 @@ def expert_row_of(result: dict, local_expert: int, source: int, token: int) -> i
 
 def combine(expert_outputs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray],
             topk_weights: Sequence[np.ndarray], results: Sequence[dict],
-            num_tokens: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+            ranks: Optional[Sequence[int]] = None) -> List[Optional[np.ndarray]]:
     """Every rank's low-latency combine output, BF16 bits ``uint16 [N_r, H]``.
 
     Args:
@@ -236,14 +236,18 @@ def combine(expert_outputs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray
             the dispatch's layout).
         topk_idxs, topk_weights: per rank, the dispatch's routing and float32 weights ``[N_r, K]``.
         results: :func:`dispatch`'s results (their ``layout_range`` and ``src_info``).
+        ranks: the ranks whose output to compute (default: all; None stands for the others).
     """
     num_ranks = len(expert_outputs)
     L, _, hidden = expert_outputs[0].shape
     outputs = []
     for rank in range(num_ranks):
+        if ranks is not None and rank not in ranks:
+            outputs.append(None)
+            continue
         topk = np.asarray(topk_idxs[rank])
         weights = np.asarray(topk_weights[rank], dtype=np.float32)
-        n = topk.shape[0] if num_tokens is None else num_tokens[rank]
+        n = topk.shape[0]
         acc = np.zeros((n, hidden), np.float32)
         for t in range(n):
             for k in range(topk.shape[1]):

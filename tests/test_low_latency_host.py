@@ -54,17 +54,19 @@ def inputs(num_tokens=5, hidden=H):
 def test_the_size_hint_holds_the_layout_in_whole_2_mib():
     hint = get_low_latency_rdma_size_hint(128, 7168, 8, 256)
     layout = LowLatencyLayout(128, 7168, 8, 256)
-    assert hint % (2 << 20) == 0 and layout.num_bytes <= hint < layout.num_bytes + (2 << 20)
+    assert hint % (2 << 20) == 0 and layout.bytes_needed <= hint < layout.bytes_needed + (2 << 20)
+    assert LowLatencyLayout(128, 7168, 8, 256, hint).fits
+    assert not LowLatencyLayout(129, 7168, 8, 256, hint).fits
     assert ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == hint
 
 
 def test_the_size_hint_grows_with_tokens_hidden_and_experts_but_not_ranks():
     # Every area is per (expert, source rank, token) or per (expert, token): L * R = E rows of M.
-    base = LowLatencyLayout(64, 4096, 4, 64).num_bytes
-    assert LowLatencyLayout(64, 4096, 8, 64).num_bytes == base
+    base = LowLatencyLayout(64, 4096, 4, 64).bytes_needed
+    assert LowLatencyLayout(64, 4096, 8, 64).bytes_needed == base
     for bigger in ((128, 4096, 4, 64), (64, 8192, 4, 64), (64, 4096, 4, 128)):
-        assert LowLatencyLayout(*bigger).num_bytes > base
-        assert get_low_latency_rdma_size_hint(*bigger) >= LowLatencyLayout(*bigger).num_bytes
+        assert LowLatencyLayout(*bigger).bytes_needed > base
+        assert get_low_latency_rdma_size_hint(*bigger) >= LowLatencyLayout(*bigger).bytes_needed
 
 
 def test_the_size_hint_refuses_experts_not_split_evenly():
@@ -74,12 +76,17 @@ def test_the_size_hint_refuses_experts_not_split_evenly():
         get_low_latency_rdma_size_hint(8, 0, 2, 8)
 
 
-def test_the_data_areas_follow_the_signals_without_overlapping():
-    layout = LowLatencyLayout(M, H, R, E)
+def test_the_data_areas_follow_the_signals_at_places_only_the_buffer_size_sets():
+    num_bytes = get_low_latency_rdma_size_hint(M, H, R, E)
+    layout = LowLatencyLayout(M, H, R, E, num_bytes)
+    smaller = LowLatencyLayout(M // 2, H // 2, R, E // 2, num_bytes)
     assert LL_SIGNALS_END <= LL_DATA_OFFSET == layout.dispatch_offset
-    assert layout.combine_offset == layout.dispatch_offset + 2 * L * R * M * layout.record_bytes
-    assert layout.zero_copy_offset == layout.combine_offset + 2 * E * M * H * 2
-    assert layout.num_bytes == layout.zero_copy_offset + L * R * M * H * 2
+    area = layout.area_bytes
+    assert area >= L * R * M * layout.record_bytes and area >= E * M * H * 2 and area % 4096 == 0
+    assert (layout.combine_offset, layout.zero_copy_offset) == (LL_DATA_OFFSET + 2 * area, LL_DATA_OFFSET + 4 * area)
+    assert layout.zero_copy_offset + layout.zero_copy_bytes <= num_bytes
+    for name in ("dispatch_offset", "dispatch_half_bytes", "combine_offset", "combine_half_bytes", "zero_copy_offset"):
+        assert getattr(smaller, name) == getattr(layout, name)
     assert layout.record_bytes % 16 == 0 and layout.record_bytes >= H * 2 + 4
 
 
@@ -233,7 +240,7 @@ def test_a_zero_copy_combine_sends_the_rows_written_into_the_next_combine_buffer
     recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
     area = path.path.next_combine_buffer(handle)
     assert area.shape == (L, R * M, H) and area.dtype == np.uint16
-    layout = LowLatencyLayout(M, H, R, E)
+    layout = LowLatencyLayout(M, H, R, E, path.nvl.num_bytes)
     assert area.ctypes.data == path.nvl.local_ptr + layout.zero_copy_offset
     path.path.combine(recv_x, topk, weights, handle, zero_copy=True)
     assert path.log[-1][2]["x"] == area.ctypes.data
