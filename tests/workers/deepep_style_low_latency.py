@@ -37,9 +37,8 @@ def calc_diff(x, y):
 
 
 def test_main(buffer, num_tokens, hidden, num_experts, num_topk, rank, num_ranks, all_gather, together, seed=0):
-    import torch
-
     import cupy
+    import torch
 
     torch.manual_seed(seed + rank)
     random.seed(seed + rank)
