@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds of loops, the libraries alternating; figures are medians over them")
     g.add_argument("--calls-plot", metavar="PATH", default=None,
                    help="PNG of loop time vs tokens per rank, per op and array library")
+    g = p.add_argument_group("decode (DeepEP's low-latency calls)")
+    g.add_argument("--decode", action="store_true",
+                   help="only the decode table: low-latency dispatch (FP8) and combine, graph-replayed")
+    g.add_argument("--decode-tokens", type=_int_list, default=None,
+                   help="tokens per rank of the decode table (default 1,32,64,128,256)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", default=None, help="write every figure and the settings")
     g.add_argument("--plot", metavar="PATH", default=None, help="PNG of GB/s vs tokens per rank")
@@ -307,6 +312,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m deepep_cupy.bench``; returns the exit status (1 when a check fails)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # before anything can initialise NCCL
     args = parse_args(argv)
+    if args.decode:
+        from .decode import run_decode
+
+        return run_decode(args)
     mode = detect_launcher(args)
     if mode == "mpi":
         return _main_mpi(args)
