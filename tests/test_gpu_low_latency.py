@@ -55,6 +55,9 @@ def _every_rank_passed(run, case, num_ranks):
     assert sorted(e["rank"] for e in entries) == list(range(num_ranks)), entries
     failed = [f"rank {e['rank']}: {e['error']}" for e in entries if not e["ok"]]
     assert not failed, "\n".join(failed)
+    skipped = {e.get("skipped") for e in entries}
+    if skipped != {None}:
+        pytest.skip(f"{case} with {num_ranks} ranks: {sorted(map(str, skipped))}")
 
 
 @pytest.mark.gpu(1)

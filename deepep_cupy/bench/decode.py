@@ -35,14 +35,52 @@ def _rank(group, args, token_counts: Sequence[int]) -> List[Dict[str, Any]]:
     largest = max(token_counts)
     buf = ep.Buffer(group, 0, ep.Buffer.get_low_latency_rdma_size_hint(largest, hidden, R, E),
                     low_latency_mode=True, timeout_s=args.timeout)
+    lib = _graph_library()
     try:
-        return [_measure(group, buf, args, n, largest) for n in token_counts]
+        with _on_rank_stream(lib):
+            return [_measure(group, buf, args, n, largest, lib) for n in token_counts]
     finally:
         group.barrier()
         buf.destroy()
 
 
-def _measure(group, buf, args, n: int, largest: int) -> Dict[str, Any]:
+def _graph_library() -> str:
+    """PyTorch's graphs when it imports: CuPy cannot allocate inside a capture from the async memory
+    pool that in-process ranks sharing a GPU use (deepep_cupy/device_pools.py)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "cupy"
+    return "torch"
+
+
+def _on_rank_stream(lib: str):
+    """PyTorch's work on this rank's CuPy stream (in-process ranks each have their own)."""
+    import contextlib
+
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if lib != "torch" or stream.ptr == 0:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{cupy.cuda.Device().id}"))
+
+
+def _device(a: np.ndarray, lib: str):
+    import cupy
+
+    d = cupy.asarray(a)
+    if lib == "cupy":
+        return d
+    import torch
+
+    t = torch.as_tensor(d, device=f"cuda:{d.device.id}").clone()
+    return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
+
+
+def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]:
     """One row of the table on this rank: ``n`` tokens, calls sized for ``largest``."""
     import cupy
 
@@ -53,10 +91,10 @@ def _measure(group, buf, args, n: int, largest: int) -> Dict[str, Any]:
     R, rank, hidden, E, K = group.size, group.rank, args.hidden, args.num_experts, args.num_topk
     stream = cupy.cuda.get_current_stream()
     rng = np.random.default_rng(args.seed * 1000 + rank * 17 + n)
-    x = cupy.asarray(ref.float32_to_bfloat16_bits(rng.standard_normal((n, hidden), dtype=np.float32)))
-    topk = cupy.asarray(ref.random_routing(rng, n, E, K))
-    weights = cupy.asarray(rng.random((n, K), dtype=np.float32))
-    y = cupy.zeros((E // R, R * largest, hidden), np.uint16)
+    x = _device(ref.float32_to_bfloat16_bits(rng.standard_normal((n, hidden), dtype=np.float32)), lib)
+    topk = _device(ref.random_routing(rng, n, E, K), lib)
+    weights = _device(rng.random((n, K), dtype=np.float32), lib)
+    y = _device(np.zeros((E // R, R * largest, hidden), np.uint16), lib)
     state = {}
 
     def dispatch():
@@ -73,13 +111,13 @@ def _measure(group, buf, args, n: int, largest: int) -> Dict[str, Any]:
     graphs = {}
     for name, fn in (("dispatch", dispatch), ("combine", combine), ("step", step)):
         group.barrier()
-        graphs[name] = Replay("cupy", fn, cupy.cuda.Device().id, thread_local=group.in_process)
+        graphs[name] = Replay(lib, fn, cupy.cuda.Device().id, thread_local=group.in_process)
         if name == "dispatch":
             # The captured dispatch's handle, which the combine graph reads, is written by a replay.
             group.barrier()
             graphs[name]()
             stream.synchronize()
-    recv_rows = int(cupy.asnumpy(graphs["dispatch"].outputs[1]).sum())
+    recv_rows = int(cupy.asnumpy(cupy.asarray(graphs["dispatch"].outputs[1])).sum())
     figures = {"tokens": n, **{f"{k}_bytes": v for k, v in decode_bytes(recv_rows, hidden).items()}}
     for name in ("dispatch", "combine"):
         group.barrier()
@@ -125,6 +163,6 @@ def run_decode(args) -> int:
     num_ranks = args.num_ranks or max(2, cupy.cuda.runtime.getDeviceCount())
     per_rank = run_local_group(lambda group: _rank(group, args, token_counts), num_ranks)
     print(f"decode: {num_ranks} ranks, hidden {args.hidden}, top-{args.num_topk} of {args.num_experts} experts, "
-          f"FP8 dispatch, BF16 combine, CUDA-graph replays")
+          f"FP8 dispatch, BF16 combine, CUDA-graph replays ({_graph_library()})")
     print(decode_table(per_rank), flush=True)
     return 0
