@@ -112,13 +112,16 @@ class Buffer(DispatchPath, CombinePath):
             :class:`deepep_cupy.ThreadGroup`). ``comm=`` may name it instead (DeepEP's keyword
             for an mpi4py communicator).
         num_nvl_bytes: bytes of this rank's NVLink buffer (same on every rank); see
-            :func:`deepep_cupy.get_nvl_buffer_size_hint`.
-        num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
-        allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink: DeepEP's arguments, accepted
-            so that its scripts run unchanged. Internode and low-latency settings are refused with
-            a ``ValueError`` (``num_rdma_bytes`` must be 0; ``low_latency_mode``, ``allow_mnnvl``,
-            ``use_fabric``, ``enable_shrink`` must be False). ``explicitly_destroy`` is recorded;
-            :meth:`destroy` may be called either way.
+            :func:`deepep_cupy.get_nvl_buffer_size_hint`. May be 0 with ``low_latency_mode``
+            (a decode-only Buffer, as DeepEP's ``Buffer(group, 0, num_rdma_bytes, True)``).
+        num_rdma_bytes, low_latency_mode: with ``low_latency_mode=True``, the bytes of the
+            low-latency buffer (decode calls over NVLink on one node; size it with
+            :meth:`get_low_latency_rdma_size_hint`); without it ``num_rdma_bytes`` must be 0.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
+        explicitly_destroy, enable_shrink: DeepEP's arguments, accepted so that its scripts run
+            unchanged (the first two are not used: NVLink carries everything). ``allow_mnnvl``,
+            ``use_fabric``, ``enable_shrink`` must be False (``ValueError``). ``explicitly_destroy``
+            is recorded; :meth:`destroy` may be called either way.
         timeout_s: how long a rank waits for its peers (in kernels and on the host) before it
             raises :class:`deepep_cupy.DeepEPTimeoutError`.
         device: the CUDA device id (default: PyTorch's current device for a ProcessGroup,
@@ -135,8 +138,8 @@ class Buffer(DispatchPath, CombinePath):
 
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).
-        rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes (0),
-        low_latency_mode (False), explicitly_destroy, device_id, timeout_s: the settings.
+        rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes (0 without
+        low_latency_mode), low_latency_mode, explicitly_destroy, device_id, timeout_s: the settings.
         last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
             (the host waited for the counts), ``"ahead"`` (allocated ahead, it fitted) or
             ``"retried"`` (allocated ahead, too small, redone exactly).
