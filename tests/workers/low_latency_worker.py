@@ -40,8 +40,8 @@ FP8_MODES = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
              "fp8_round_scale": dict(use_fp8=True, round_scale=True), "fp8_ue8m0": dict(use_fp8=True, use_ue8m0=True)}
 CASES = ("bf16_eager", "bf16_hook", "fp8_eager", "fp8_hook", "fp8_round_scale_eager", "fp8_round_scale_hook",
          "fp8_ue8m0_eager", "fp8_ue8m0_hook", "token_counts_1_to_128", "two_calls_in_flight", "zero_copy", "stats",
-         "hidden_7168_fp8", "async_finish", "graph_cupy", "graph_torch", "graph_torch_hook_fp8",
-         "deepep_style_torch")
+         "hidden_7168_fp8", "async_finish", "clean_then_calls", "bad_expert_id_is_reported", "graph_cupy",
+         "graph_torch", "graph_torch_hook_fp8", "deepep_style_torch", "lone_call_times_out")
 assert set(CASES) >= {f"{mode}_{hook}" for mode in FP8_MODES for hook in ("eager", "hook")}
 
 
@@ -339,6 +339,75 @@ def case_async_finish(ctx):
     check_combine(combined, inputs, results, ctx.rank, "async combine")
 
 
+def case_clean(ctx):
+    ctx.together()
+    ctx.buf.clean_low_latency_buffer(M, H, ctx.E)
+    dispatch_and_combine(ctx, "fp8", False, seed=900)
+    dispatch_and_combine(ctx, "bf16", True, seed=901)
+
+
+def case_bad_expert_id(ctx):
+    """Rank 0 names expert E (out of range) once: sent nowhere, reported by a ValueError on rank 0
+    alone (by the call itself where ranks share a GPU in one process, which waits; else by the next
+    check), and the Buffer goes on."""
+    inputs = draw(800, ctx.R, ctx.E)
+    fixed = Drawn(dict(i, topk=i["topk"].copy()) for i in inputs)
+    fixed.key = inputs.key + ("first id of rank 0 dropped",)
+    fixed[0]["topk"][0, 0] = -1
+    bad = fixed[ctx.rank]["topk"].copy()
+    if ctx.rank == 0:
+        bad[0, 0] = ctx.E
+    mine = fixed[ctx.rank]
+    x, weights, y = (to_device(mine[k]) for k in ("x", "weights", "y"))
+    raised = []
+    ctx.together()
+    try:
+        ctx.buf.low_latency_dispatch(x, to_device(bad), M, ctx.E, use_fp8=False)
+        ctx.synchronize()
+        ctx.buf.check_kernel_errors()
+    except ValueError as exc:
+        raised.append(str(exc))
+    if len(raised) != (ctx.rank == 0) or (raised and f"rank 0 passed expert ids outside [-1, num_experts) (such as "
+                                          f"{ctx.E})" not in raised[0]):
+        raise Mismatch(f"rank {ctx.rank}: expected {int(ctx.rank == 0)} ValueError naming id {ctx.E}, got {raised}")
+    ctx.synchronize()
+    results = reference(fixed, ctx.E, "bf16")
+    topk = to_device(mine["topk"])
+    ctx.together()
+    out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, use_fp8=False)
+    ctx.synchronize()
+    check_dispatch(out, results[ctx.rank], "bf16", "after the refused id")
+    ctx.together()
+    combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
+    ctx.synchronize()
+    check_combine(combined, fixed, results, ctx.rank, "after the refused id")
+
+
+def case_lone_call_times_out(ctx):
+    """Rank 0 dispatches alone on a Buffer with a 2 s timeout: a DeepEPTimeoutError naming the stage
+    and rank 0, then every rank destroys that Buffer."""
+    import deepep_cupy as ep
+
+    num_bytes = ep.Buffer.get_low_latency_rdma_size_hint(M, H, ctx.R, ctx.E)
+    short = ep.Buffer(ctx.group, 0, num_bytes, low_latency_mode=True, timeout_s=2.0)
+    try:
+        if ctx.rank == 0:
+            mine = draw(810, ctx.R, ctx.E)[0]
+            start = time.time()
+            try:
+                short.low_latency_dispatch(to_device(mine["x"]), to_device(mine["topk"]), M, ctx.E, use_fp8=False)
+                ctx.synchronize()
+                short.check_kernel_errors()
+            except ep.DeepEPTimeoutError as exc:
+                if "rank 0: low-latency dispatch receive timed out" not in str(exc) or time.time() - start > 30:
+                    raise Mismatch(f"unexpected timeout report after {time.time() - start:.1f} s: {exc}") from exc
+            else:
+                raise Mismatch("a dispatch that no other rank joined did not time out")
+        ctx.group.barrier()
+    finally:
+        short.destroy()
+
+
 class GraphStep:
     """Fixed input buffers and the decode step a graph captures: dispatch, a stand-in expert (the
     received BF16 rows as they are, or the fixed rows y after an FP8 dispatch), combine."""
@@ -428,7 +497,8 @@ def run_case(ctx, name):
                 return dispatch_and_combine(ctx, mode, hook == "hook", seed=CASES.index(name))
     cases = {"token_counts_1_to_128": case_token_counts, "two_calls_in_flight": case_two_in_flight,
              "zero_copy": case_zero_copy, "stats": case_stats, "hidden_7168_fp8": case_hidden_7168,
-             "async_finish": case_async_finish,
+             "async_finish": case_async_finish, "clean_then_calls": case_clean,
+             "bad_expert_id_is_reported": case_bad_expert_id, "lone_call_times_out": case_lone_call_times_out,
              "graph_cupy": lambda c: graph_case(c, "cupy", "bf16", False, 700),
              "graph_torch": lambda c: graph_case(c, "torch", "bf16", False, 710),
              "graph_torch_hook_fp8": lambda c: graph_case(c, "torch", "fp8_ue8m0", True, 720),
