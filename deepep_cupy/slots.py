@@ -115,8 +115,8 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
         return refused_dispatch_error(detail, where_rank)
     if code == ERROR_BAD_EXPERT_ID:
         return ValueError(f"topk_idx: rank {where_rank} passed expert ids outside [-1, num_experts) (such as "
-                          f"{detail}) to a low_latency_dispatch (this call, or an earlier one the host did not wait for); "
-                          "those entries were sent nowhere. The Buffer stays usable")
+                          f"{detail}) to a low_latency_dispatch (this call, or an earlier one the host did not "
+                          "wait for); those entries were sent nowhere. The Buffer stays usable")
     if code == ERROR_BUFFER_TOO_SMALL:
         operation = "combine" if "combine" in stage else "cached dispatch"
         return ValueError(f"num_nvl_bytes: the last {operation} was refused on every rank: its handle has a rank "
