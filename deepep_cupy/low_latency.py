@@ -41,6 +41,8 @@ __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_la
 
 #: Blocks per launch when the GPU is not shared (latency, not bandwidth: every block spins).
 DEFAULT_NUM_SMS = 32
+#: Plans a path keeps per op before it forgets them all (a decode loop uses a handful).
+MAX_PLANS = 256
 #: UE8M0 exponent bytes per int32 of the packed scales.
 UE8M0_PER_INT = 4
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
@@ -294,6 +296,8 @@ class LowLatencyPath:
                 plan = self._dispatch_plan(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                            use_fp8, round_scale, use_ue8m0)
+            if len(self._dispatch_plans) >= MAX_PLANS:
+                self._dispatch_plans.clear()
             self._dispatch_plans[key] = plan
         if num_tokens != topk_rows:
             raise ValueError(f"topk_idx: expected one row per token of x ({num_tokens}), got {topk_rows}")
@@ -417,6 +421,8 @@ class LowLatencyPath:
         if plan is None:
             with self._on_device:
                 plan = self._combine_plan(x, topk_idx, topk_weights, handle, out)
+            if len(self._combine_plans) >= MAX_PLANS:
+                self._combine_plans.clear()
             self._combine_plans[key] = plan
         if weight_rows != num_tokens or (out is not None and out_rows != num_tokens):
             raise ValueError(f"topk_weights/out: expected {num_tokens} rows (those of topk_idx), got {weight_rows}"

@@ -296,3 +296,34 @@ def test_a_low_latency_buffer_takes_zero_nvlink_bytes_and_positive_rdma_bytes():
 def test_the_module_names_are_exported():
     assert low_latency.get_low_latency_rdma_size_hint is get_low_latency_rdma_size_hint
     assert {"LowLatencyPath", "LowLatencyHandle", "get_low_latency_rdma_size_hint"} <= set(low_latency.__all__)
+
+
+def _imports_of(module) -> set:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_the_low_latency_path_knows_no_buffer_and_its_model_is_pure_numpy():
+    from deepep_cupy import low_latency_reference
+
+    assert not {".buffer", ".dispatch_path", ".combine_path"} & _imports_of(low_latency)
+    assert _imports_of(low_latency_reference) <= {"__future__", "typing", "numpy", ".constants", ".reference"}
+
+
+def test_plans_are_kept_per_kind_of_arguments_and_forgotten_past_a_bound(path, monkeypatch):
+    x, topk, _ = inputs()
+    path.path.dispatch(x, topk, M, E)
+    path.path.dispatch(x, topk, M, E)
+    assert len(path.path._dispatch_plans) == 1
+    monkeypatch.setattr(low_latency, "MAX_PLANS", 1)
+    path.path.dispatch(x, topk, M, E, use_fp8=False)
+    assert len(path.path._dispatch_plans) == 1 and len(path.log) == 3
