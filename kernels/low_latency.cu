@@ -12,12 +12,14 @@
 //                                      (epoch << 32) | rows rank s sent local expert le
 //   int flags[2][MAX_EXPERTS]          at LL_COMBINE_FLAGS_OFFSET: per half, per global expert e:
 //                                      the epoch of the combine whose rows e's owner has all sent
-//   dispatch area [2][L][R][M] records at dispatch_off (half_bytes each): record = the row (BF16,
-//                                      or FP8 then float scales[hidden / 128]), the source token
-//                                      index at record_bytes - 16
-//   combine area [2][E][M][hidden] bf16 at combine_off (combine_half_bytes each): the row expert e
+//   then five equal data areas at places the buffer's size alone sets (a call of other sizes
+//   indexes them differently but never crosses into another):
+//   dispatch halves, [L][R][M] records at dispatch_off + half * half_bytes: record = the row
+//                                      (BF16, or FP8 then float scales[hidden / 128]), the source
+//                                      token index at record_bytes - 16
+//   combine halves, [E][M][hidden] bf16 at combine_off + half * half_bytes: the row expert e
 //                                      returns for token t of this rank
-//   zero-copy area [L][R * M][hidden]  (the host passes it as x of a zero-copy combine)
+//   zero-copy rows [L][R * M][hidden]  (the host passes them as x of a zero-copy combine)
 //
 // Calls: op 0 is dispatch, 1 combine. The n-th send of an op (counted by the kernel in the
 // sender's header, so a replayed CUDA graph counts on) uses half n & 1 and epoch n + 1 in every
