@@ -33,6 +33,7 @@ from .events import EventOverlap
 from .handle import DispatchHandle
 from .ipc import NvlBuffer
 from .launch import KernelCall, parameter_struct
+from .low_latency import LowLatencyPath, get_low_latency_rdma_size_hint
 from .next_outputs import NextOutputs
 from .slots import ERROR_RECORD, HostSlots
 from .sm_budget import check_sm_budget
@@ -128,20 +129,24 @@ class Buffer(DispatchPath, CombinePath):
             :class:`deepep_cupy.ThreadGroup`). ``comm=`` may name it instead (DeepEP's keyword
             for an mpi4py communicator).
         num_nvl_bytes: bytes of this rank's NVLink buffer (same on every rank); see
-            :func:`deepep_cupy.get_nvl_buffer_size_hint`.
-        num_rdma_bytes: 0, or > 0 for an internode Buffer (DeepEP's switch): when the group spans
+            :func:`deepep_cupy.get_nvl_buffer_size_hint`. May be 0 with ``low_latency_mode``
+            (a decode-only Buffer, as DeepEP's ``Buffer(group, 0, num_rdma_bytes, True)``).
+        num_rdma_bytes: with ``low_latency_mode=True``, the bytes of the low-latency buffer (decode
+            calls over NVLink on one node; size it with :meth:`get_low_latency_rdma_size_hint`).
+            Otherwise 0, or > 0 for an internode Buffer (DeepEP's switch): when the group spans
             several nodes (``ranks_per_node``), every operation takes the hierarchical path of
             :mod:`deepep_cupy.internode` (a token crosses the network once per destination node,
             over the rail transport, to the rank of its own local index there, and this library's
             intranode kernels forward it inside the node); on one node the Buffer is intranode,
             as DeepEP's is. Its staging comes from CuPy's pool per call
             (:func:`deepep_cupy.config.get_rdma_buffer_size_hint` says how much).
-        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
-        allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink: DeepEP's arguments, accepted
-            so that its scripts run unchanged. Low-latency and multi-node NVLink settings are
-            refused with a ``ValueError`` (``low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
-            ``enable_shrink`` must be False). ``explicitly_destroy`` is recorded; :meth:`destroy`
-            may be called either way.
+        low_latency_mode: DeepEP's decode API (:meth:`low_latency_dispatch`,
+            :meth:`low_latency_combine`) on the ranks of one node.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
+        explicitly_destroy, enable_shrink: DeepEP's arguments, accepted so that its scripts run
+            unchanged (the first two are not used: NVLink carries everything). ``allow_mnnvl``,
+            ``use_fabric``, ``enable_shrink`` must be False (``ValueError``). ``explicitly_destroy``
+            is recorded; :meth:`destroy` may be called either way.
         timeout_s: how long a rank waits for its peers (in kernels and on the host) before it
             raises :class:`deepep_cupy.DeepEPTimeoutError`.
         device: the CUDA device id (default: PyTorch's current device for a ProcessGroup,
@@ -169,8 +174,8 @@ class Buffer(DispatchPath, CombinePath):
         group: the group as it was given (the ProcessGroup, communicator or Group).
         topology: the :class:`deepep_cupy.nodes.NodeTopology` of an internode Buffer (else None).
         internode_transport: the name of an internode Buffer's rail transport (else None).
-        rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes,
-        low_latency_mode (False), explicitly_destroy, device_id, timeout_s: the settings.
+        rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+        explicitly_destroy, device_id, timeout_s: the settings.
         last_dispatch_allocation: how the last fresh dispatch sized its outputs: ``"exact"``
             (its counts learned first), ``"ahead"`` (allocated ahead, it fitted), ``"retried"``
             (allocated ahead, too small, redone exactly) or ``"fixed"`` (``num_worst_tokens``).
@@ -196,20 +201,32 @@ class Buffer(DispatchPath, CombinePath):
 
         compat.check_supported(num_rdma_bytes, low_latency_mode=low_latency_mode, allow_mnnvl=allow_mnnvl,
                                use_fabric=use_fabric, enable_shrink=enable_shrink)
-        self._set_up_host(compat.resolve_group(group, comm), num_nvl_bytes, timeout_s, device, allocate_ahead)
+        self._set_up_host(compat.resolve_group(group, comm), num_nvl_bytes, timeout_s, device, allocate_ahead,
+                          low_latency_mode=low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.num_rdma_bytes = int(num_rdma_bytes)
         self.topology = self.internode_transport = None
-        if self._set_up_internode(ranks_per_node, internode_transport):
+        if not low_latency_mode and self._set_up_internode(ranks_per_node, internode_transport):
             return
         with self._on_device:
             self._check_group(cupy)
             shares_gpu = self._group.in_process and self._group.ranks_on_device(self.device_id) > 1
-            self._nvl = NvlBuffer(self._group, self.num_nvl_bytes)
+            # A low-latency Buffer (DeepEP's decode API) may have no NVLink buffer for the normal
+            # calls (num_nvl_bytes=0); its own buffer is num_rdma_bytes, owned by its LowLatencyPath.
+            self._nvl = NvlBuffer(self._group, self.num_nvl_bytes) if self.num_nvl_bytes else None
             try:
                 self._attach(HostSlots(self.rank, self.timeout_s, self._group.in_process),
-                             StreamOrder.create(self.device_id, shares_gpu), self._nvl.peer_ptrs.data.ptr)
-                kernels.warm_up(self.num_ranks, every_instance=shares_gpu)
+                             StreamOrder.create(self.device_id, shares_gpu),
+                             self._nvl.peer_ptrs.data.ptr if self._nvl is not None else 0)
+                if self._nvl is not None:
+                    kernels.warm_up(self.num_ranks, every_instance=shares_gpu)
+                if low_latency_mode:
+                    self.low_latency_mode = True
+                    self.num_rdma_bytes = int(num_rdma_bytes)
+                    self._low_latency = LowLatencyPath.create(
+                        self._group, self.num_rdma_bytes, order=self._order, slots=self._slots,
+                        timeout_s=self.timeout_s, device_id=self.device_id, on_device=self._on_device,
+                        ranks_on_gpu=self._group.ranks_on_device(self.device_id) if self._group.in_process else 1)
             except BaseException:
                 self.destroy()
                 raise
@@ -247,9 +264,11 @@ class Buffer(DispatchPath, CombinePath):
         return True
 
     def _set_up_host(self, group: Any, num_nvl_bytes: int, timeout_s: float, device: Optional[int],
-                     allocate_ahead: bool) -> None:
+                     allocate_ahead: bool, low_latency_mode: bool = False) -> None:
         """The Buffer's host-side state (no GPU work): checked settings, counters, plan cache."""
-        if isinstance(num_nvl_bytes, bool) or not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
+        if low_latency_mode and num_nvl_bytes == 0:
+            pass  # a decode-only Buffer, as DeepEP's: Buffer(group, 0, num_rdma_bytes, low_latency_mode=True)
+        elif isinstance(num_nvl_bytes, bool) or not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
             raise ValueError(f"num_nvl_bytes: expected a positive int, got {num_nvl_bytes!r} (size it with "
                              "deepep_cupy.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))")
         if not timeout_s > 0:
@@ -279,6 +298,7 @@ class Buffer(DispatchPath, CombinePath):
         self.last_dispatch_allocation: Optional[str] = None
         self.last_dispatch_rows_allocated: Optional[int] = None
         self._nvl: Optional[NvlBuffer] = None
+        self._low_latency: Optional[LowLatencyPath] = None
         self._slots: Optional[HostSlots] = None
         self._order: Optional[StreamOrder] = None
         self._capacity_guess = ReceiveCapacityGuess()
@@ -336,6 +356,95 @@ class Buffer(DispatchPath, CombinePath):
     def is_sm90_compiled() -> bool:
         """True: the kernels are compiled at run time for the GPU in use (DeepEP's name; FP8 works)."""
         return True
+
+    # -----------------------------------------------------------------------------------------
+    # Decode: DeepEP's low-latency API (deepep_cupy/low_latency.py does the work)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` for a low-latency Buffer (DeepEP's name):
+        :func:`deepep_cupy.low_latency.get_low_latency_rdma_size_hint`."""
+        return get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def _low_latency_path(self) -> LowLatencyPath:
+        if self._low_latency is None:
+            raise ValueError("low_latency_mode: this Buffer was created without low_latency_mode=True; create it as "
+                             "Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(...), low_latency_mode=True)")
+        return self._low_latency
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each token to the owner of each of its experts, packed per expert (decode).
+
+        Args:
+            x: BF16 ``[num_tokens, hidden]``, ``num_tokens <= num_max_dispatch_tokens_per_rank``
+                (the same on every rank); hidden a multiple of 8 (of 128 for FP8, 512 for UE8M0).
+            topk_idx: int64 ``[num_tokens, num_topk]``, expert ids or -1; a token names an expert at
+                most once. Ids outside ``[-1, num_experts)`` are sent nowhere and make the next
+                call raise ``ValueError``.
+            cumulative_local_expert_recv_stats: None or int32 ``[num_local_experts]``: each
+                expert's received rows are added to it.
+            dispatch_wait_recv_cost_stats: None or int64 ``[num_ranks]``: per source rank, the
+                nanoseconds (GPU global timer) this rank's receive waited for its counts are added,
+                summed over the local experts.
+            use_fp8: cast to FP8 e4m3 in the kernel, with a float32 scale per 128 channels
+                (``amax / 448``, amax of the group floored at 1e-4).
+            round_scale: round each scale up to a power of two; use_ue8m0: and return them as
+                packed exponent bytes (implies round_scale).
+            async_finish: return an event instead of making the current stream wait.
+            return_recv_hook: issue only the send; ``hook()`` issues the receive (on the stream
+                current then). Two calls may be in flight (send, send, hook, hook).
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``: recv_x BF16 ``[L, R * M, hidden]`` or
+            ``(fp8 [L, R * M, hidden], scales)`` with scales float32 ``[L, R * M, hidden // 128]``
+            (column-major: a transposed view) or int32 ``[L, R * M, hidden // 512]`` (UE8M0, 4
+            exponent bytes per int); recv_count int32 ``[L]``; rows of expert ``l``: source rank 0's
+            tokens first, then rank 1's ..., each by source token index; ``handle`` (DeepEP's
+            tuple: src_info int32 ``[L, R * M]``, layout_range int64 ``[L, R]`` = begin << 32 |
+            count, M, hidden, num_experts); ``hook`` is None without return_recv_hook.
+        """
+        return self._low_latency_path().dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out=None):
+        """Send each expert's rows back and sum them per token with their weights (decode).
+
+        Args:
+            x: BF16 ``[L, R * M, hidden]`` in the layout of the dispatch that gave ``handle``.
+            topk_idx, topk_weights: that dispatch's routing (int64) and float32 weights
+                ``[num_tokens, num_topk]``.
+            use_logfmt: must be False (LogFMT is not implemented: ``ValueError``).
+            zero_copy: send the rows written into :meth:`get_next_low_latency_combine_buffer`
+                instead of ``x`` (then only checked for shape).
+            async_finish, return_recv_hook: as for :meth:`low_latency_dispatch`.
+            out: None or BF16 ``[num_tokens, hidden]`` to write into.
+
+        Returns:
+            ``(combined_x, event, hook)``: combined_x[t] = sum over k (in order, ids != -1) of
+            ``topk_weights[t, k] * row of (t, topk_idx[t, k])``, in float32, rounded to BF16.
+        """
+        return self._low_latency_path().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                                async_finish, return_recv_hook, out)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """BF16 ``[L, R * M, hidden]``, a view of this rank's low-latency buffer: write the expert
+        outputs there and call :meth:`low_latency_combine` with ``zero_copy=True``."""
+        return self._low_latency_path().next_combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency signal words and call counters on every rank (collective; the host
+        waits for this rank's calls first). Not needed between calls: the signals carry epochs."""
+        from .low_latency import clean_arguments
+
+        clean_arguments(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._low_latency_path().clean(self._group.barrier)
 
     # -----------------------------------------------------------------------------------------
     # Set-up
@@ -411,7 +520,7 @@ class Buffer(DispatchPath, CombinePath):
         way out after a timeout: it does not raise because a call or a kernel failed, and a new
         Buffer on the same communicator works afterwards (docs/FAILURES.md, "After a timeout").
         """
-        if self._nvl is None and self._slots is None:
+        if self._nvl is None and self._slots is None and self._low_latency is None:
             return
         with self._on_device:
             try:
@@ -423,7 +532,7 @@ class Buffer(DispatchPath, CombinePath):
                     self._order.synchronize()
             except Exception:
                 pass
-            if self._nvl is not None and self._slots is not None:
+            if (self._nvl is not None or self._low_latency is not None) and self._slots is not None:
                 # No peer may still write into our buffer when it is freed.
                 try:
                     self._group.barrier()
@@ -433,6 +542,9 @@ class Buffer(DispatchPath, CombinePath):
 
     def _release(self) -> None:
         try:
+            if self._low_latency is not None:
+                low_latency, self._low_latency = self._low_latency, None
+                low_latency.close()
             if self._nvl is not None:
                 nvl, self._nvl = self._nvl, None
                 nvl.close()
@@ -471,6 +583,9 @@ class Buffer(DispatchPath, CombinePath):
         self._slots.raise_if_failed()
 
     def _config(self, config: Optional[Config], kind: str) -> Config:
+        if not self.num_nvl_bytes:
+            raise ValueError(f"{kind}: this Buffer has no NVLink buffer (num_nvl_bytes=0, a low-latency Buffer); "
+                             "create it with num_nvl_bytes > 0 for dispatch and combine")
         if config is None:
             chosen = (kind, Buffer.num_sms if Buffer._num_sms_chosen else None)
             config = self._default_configs.get(chosen)

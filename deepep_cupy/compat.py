@@ -17,8 +17,6 @@ from .tensors import library
 
 #: What :class:`deepep_cupy.Buffer` refuses, with why: DeepEP features it does not have.
 _UNSUPPORTED = {
-    "low_latency_mode": "low-latency (RDMA) mode is not supported; use the normal mode (across nodes too: "
-                        "num_rdma_bytes > 0)",
     "allow_mnnvl": "multi-node NVLink (MNNVL) is not supported; all ranks must share one node",
     "use_fabric": "fabric memory handles are for multi-node NVLink, which is not supported",
     "enable_shrink": "shrinking the group after a rank failure is not supported; destroy the Buffer on every "
@@ -26,19 +24,25 @@ _UNSUPPORTED = {
 }
 
 
-def check_supported(num_rdma_bytes: int, **flags: bool) -> None:
+def check_supported(num_rdma_bytes: int, low_latency_mode: bool = False, **flags: bool) -> None:
     """Refuse DeepEP constructor settings this library cannot honour.
 
     ``num_rdma_bytes > 0`` asks for an internode Buffer (deepep_cupy/internode.py): the
-    hierarchical path when the group spans nodes, the intranode one on one node (as DeepEP).
+    hierarchical path when the group spans nodes, the intranode one on one node (as DeepEP). With
+    ``low_latency_mode`` the RDMA bytes are the low-latency buffer's (DeepEP's decode API, over
+    NVLink on one node): a positive int.
 
     Raises:
-        ValueError: ``num_rdma_bytes`` is not an int >= 0, or one of ``flags`` (named in
+        ValueError: ``num_rdma_bytes`` is not as above, or one of ``flags`` (named in
             :data:`_UNSUPPORTED`) is true; the message says why.
     """
     if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes < 0:
         raise ValueError(f"num_rdma_bytes: expected an int >= 0, got {num_rdma_bytes!r} (0: one node; > 0: an "
-                         "internode Buffer, sized with Config.get_rdma_buffer_size_hint)")
+                         "internode Buffer, sized with Config.get_rdma_buffer_size_hint, or with "
+                         "low_latency_mode=True the low-latency buffer)")
+    if low_latency_mode and num_rdma_bytes == 0:
+        raise ValueError("num_rdma_bytes: expected a positive int with low_latency_mode=True (the low-latency "
+                         "buffer; size it with Buffer.get_low_latency_rdma_size_hint), got 0")
     for name, value in flags.items():
         if value:
             raise ValueError(f"{name}=True: {_UNSUPPORTED[name]}")

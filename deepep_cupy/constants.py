@@ -89,11 +89,30 @@ ABORT_INT = 24
 #: :data:`HOST_FAILURES` code: its host failed after the call had launched kernels). Written before
 #: the mark.
 ABORT_REASON_INT = 25
+#: A low-latency dispatch met expert ids outside [-1, num_experts) (sent nowhere); the record's
+#: detail is one of them.
+ERROR_BAD_EXPERT_ID = 7
+
+#: The low-latency buffer (deepep_cupy/low_latency.py, kernels/low_latency.cu): int indices of the
+#: rank's call counters (op * 2 + {send, receive}; op 0 dispatch, 1 combine), of the exit counters
+#: of its grids (op * 4 + phases) and of the release words ((op * 2 + half) * MAX_RANKS + reader);
+#: byte offsets of the dispatch counts (int64, per half MAX_EXPERTS), of the combine flags (int,
+#: per half MAX_EXPERTS) and of the first data area. The signal words sit at fixed places whatever
+#: the call's sizes, so that no call's data lands on them.
+LL_CALLS_INT = 64
+LL_EXITS_INT = 72
+LL_RELEASED_INT = 128
+LL_DISPATCH_COUNTS_OFFSET = 1024
+LL_COMBINE_FLAGS_OFFSET = LL_DISPATCH_COUNTS_OFFSET + 2 * 8 * MAX_EXPERTS
+LL_SIGNALS_END = LL_COMBINE_FLAGS_OFFSET + 2 * 4 * MAX_EXPERTS
+LL_DATA_OFFSET = -(-LL_SIGNALS_END // 4096) * 4096
 
 #: Stage names as error records and exceptions name them, by the id the kernels report.
 KERNEL_STAGES: Dict[int, str] = {
     1: "barrier", 2: "notify_dispatch", 3: "cached dispatch check", 4: "dispatch sender",
     5: "dispatch receiver", 6: "combine check", 7: "combine sender", 8: "combine receiver",
+    9: "low-latency dispatch send", 10: "low-latency dispatch receive", 11: "low-latency combine send",
+    12: "low-latency combine receive",
 }
 
 #: Threads per block of every kernel (the launch uses it; the kernels use it in their launch
@@ -107,6 +126,8 @@ BLOCK_THREADS: Dict[str, int] = {
     "dispatch_kernel": 768,
     "combine_kernel": 768,
     "expand_kernel": 512,
+    "ll_dispatch_kernel": 512,
+    "ll_combine_kernel": 512,
 }
 
 
@@ -139,6 +160,13 @@ def cuda_defines() -> Dict[str, int]:
         "NOTIFY_AREA_BYTES": NOTIFY_AREA_BYTES,
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,
         "VERDICT_BUFFER_TOO_SMALL": VERDICT_BUFFER_TOO_SMALL,
+        "MAX_EXPERTS": MAX_EXPERTS,
+        "ERROR_BAD_EXPERT_ID": ERROR_BAD_EXPERT_ID,
+        "LL_CALLS_INT": LL_CALLS_INT,
+        "LL_EXITS_INT": LL_EXITS_INT,
+        "LL_RELEASED_INT": LL_RELEASED_INT,
+        "LL_DISPATCH_COUNTS_OFFSET": LL_DISPATCH_COUNTS_OFFSET,
+        "LL_COMBINE_FLAGS_OFFSET": LL_COMBINE_FLAGS_OFFSET,
     }
     defines.update({f"KERNEL_{_macro(stage)}": kernel_id for kernel_id, stage in KERNEL_STAGES.items()})
     defines.update({_macro(kernel[:-len("_kernel")]) + "_THREADS": n for kernel, n in BLOCK_THREADS.items()})

@@ -41,9 +41,11 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS)
     + tuple(f"combine_kernel<{t}, {r}, true>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
     "expand.cu": ("expand_kernel",),
+    # Decode (DeepEP's low-latency API): the settings are run-time arguments, so one instance each.
+    "low_latency.cu": ("ll_dispatch_kernel", "ll_combine_kernel"),
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
-OPTIONAL_KERNELS = ("expand_kernel",)
+OPTIONAL_KERNELS = ("expand_kernel", "ll_dispatch_kernel", "ll_combine_kernel")
 
 #: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
@@ -214,6 +216,15 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "expand_kernel": _signature(
         "expanded_x:ptr expanded_scales:ptr expanded_rows:ptr recv_x:ptr recv_scales:ptr recv_topk_idx:ptr "
         "num_recv:i32 num_topk:i32 hidden_int4:i32 num_scales:i32 num_local_experts:i32 expert_alignment:i32"),
+    "ll_dispatch_kernel": _signature(
+        "recv_x:ptr recv_scales:ptr recv_count:ptr src_info:ptr layout_range:ptr cumulative_recv_stats:ptr "
+        "wait_recv_cost_stats:ptr x:ptr topk_idx:ptr num_tokens:i32 num_topk:i32 hidden:i32 num_max:i32 "
+        "num_experts:i32 fp8_mode:i32 phases:i32 record_bytes:i64 dispatch_off:i64 half_bytes:i64 "
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
+    "ll_combine_kernel": _signature(
+        "combined_x:ptr x:ptr topk_idx:ptr topk_weights:ptr src_info:ptr layout_range:ptr num_tokens:i32 "
+        "num_topk:i32 hidden:i32 num_max:i32 num_experts:i32 phases:i32 combine_off:i64 half_bytes:i64 "
+        "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
 }
 
 def block_threads(kernel: str) -> int:

@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from .constants import (
+    ERROR_BAD_EXPERT_ID,
     ERROR_BUFFER_TOO_SMALL,
     ERROR_DISPATCH_REFUSED,
     ERROR_HOST_FAILED,
@@ -156,6 +157,10 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
         return peer_failed_error(where_rank, peer, HOST_FAILURES.get(detail, f"host failure {detail}"), operation,
                                  "; no tokens were moved and its outputs are unwritten. Every rank raises this at its "
                                  "next call, the failing one too; the Buffer stays usable")
+    if code == ERROR_BAD_EXPERT_ID:
+        return ValueError(f"topk_idx: rank {where_rank} passed expert ids outside [-1, num_experts) (such as "
+                          f"{detail}) to a low_latency_dispatch (this call, or an earlier one the host did not "
+                          "wait for); those entries were sent nowhere. The Buffer stays usable")
     if code == ERROR_BUFFER_TOO_SMALL:
         operation = "combine" if "combine" in stage else "cached dispatch"
         return ValueError(f"num_nvl_bytes: the last {operation} was refused on every rank: its handle has a rank "

@@ -526,3 +526,28 @@ def test_the_sm_plot_places_deepep_v1_at_its_sm_counts_after_a_json_round_trip(m
     assert report.plot_sm_sweep("out.png", sweep, {}) is None
     v1 = [c for c in ax.plot.call_args_list if c.kwargs.get("label") == "DeepEP V1 combine BF16"]
     assert [list(a) for a in v1[0].args] == [[8, 16, 24], [990, 547, 404]]
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+def test_the_decode_table_is_an_option_with_decode_token_counts():
+    a = bench.parse_args(["--decode", "--decode-tokens", "1,64"])
+    assert a.decode and a.decode_tokens == [1, 64]
+    assert not bench.parse_args([]).decode
+
+
+def test_decode_bytes_count_fp8_rows_with_scales_and_bf16_rows():
+    from deepep_cupy.bench.decode import decode_bytes
+
+    assert decode_bytes(10, 7168) == {"dispatch": 10 * (7168 + 56 * 4), "combine": 10 * 7168 * 2}
+
+
+def test_the_decode_table_shows_medians_over_the_ranks():
+    from deepep_cupy.bench.decode import decode_table
+
+    row = dict(tokens=32, dispatch_us=10.0, combine_us=20.0, step_host_us=5.0, dispatch_bytes=100, combine_bytes=200)
+    other = dict(row, dispatch_us=30.0, combine_us=40.0, step_host_us=7.0)
+    third = dict(row, dispatch_us=20.0, combine_us=30.0, step_host_us=6.0)
+    lines = decode_table([[row], [other], [third]]).splitlines()
+    assert lines[0].startswith("| tokens/rank | dispatch us (GPU) | combine us (GPU) | step host us/replay")
+    assert lines[2] == "| 32 | 20.0 | 30.0 | 6.0 | 100 | 200 |"

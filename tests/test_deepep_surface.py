@@ -29,7 +29,7 @@ def default_num_sms():
 
 @pytest.mark.parametrize("setting, message", [
     (dict(num_rdma_bytes=-1), r"num_rdma_bytes: expected an int >= 0, got -1 \(0: one node"),
-    (dict(low_latency_mode=True), "low_latency_mode=True: low-latency"),
+    (dict(low_latency_mode=True), "num_rdma_bytes: expected a positive int with low_latency_mode=True"),
     (dict(allow_mnnvl=True), "allow_mnnvl=True: multi-node NVLink"),
     (dict(use_fabric=True), "use_fabric=True: fabric memory handles"),
     (dict(enable_shrink=True), "enable_shrink=True: shrinking the group"),

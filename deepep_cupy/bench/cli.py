@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "more): bytes to other nodes next to a flat all-to-all's, times, NCCL baseline")
     g.add_argument("--transport", choices=("nccl", "mpi", "local"), default=None,
                    help="the internode Buffer's rail transport (default: chosen by the library)")
+    g = p.add_argument_group("decode (DeepEP's low-latency calls)")
+    g.add_argument("--decode", action="store_true",
+                   help="only the decode table: low-latency dispatch (FP8) and combine, graph-replayed")
+    g.add_argument("--decode-tokens", type=_int_list, default=None,
+                   help="tokens per rank of the decode table (default 1,32,64,128,256)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", default=None, help="write every figure and the settings")
     g.add_argument("--plot", metavar="PATH", default=None, help="PNG of GB/s vs tokens per rank")
@@ -339,6 +344,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.ranks_per_node is not None and mode != "mpi":
         raise SystemExit("deepep_cupy.bench: --ranks-per-node runs under mpirun (one process per rank)")
     exit_unless_gpu("python -m deepep_cupy.bench")
+    if args.decode:
+        from .decode import run_decode
+
+        return run_decode(args)
     if args.ranks_per_node is not None:
         return _main_internode(args)
     if mode == "mpi":

@@ -1,0 +1,168 @@
+"""The decode table of ``python -m deepep_cupy.bench --decode``: DeepEP's low-latency calls.
+
+Per token count (``--decode-tokens``, default 1, 32, 64, 128, 256 per rank): a low-latency Buffer
+sized for the largest count, FP8 dispatch (in-kernel cast) and BF16 combine, each captured in a
+CUDA graph (CuPy) and replayed back to back. Figures per rank, medians over the ranks:
+
+* dispatch / combine: GPU time per replay (events around ``--iters`` replays of that op alone);
+* step host: median wall time of launching one replay of the whole step (dispatch, combine);
+* bytes: what the rank receives, DeepEP's accounting: dispatch rows x (hidden + hidden / 128 x 4)
+  (FP8 plus scales), combine rows x hidden x 2 (BF16).
+
+The ranks run in this process (one per visible GPU, or ``--num-ranks`` sharing them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+DEFAULT_DECODE_TOKENS = (1, 32, 64, 128, 256)
+
+
+def decode_bytes(recv_rows: int, hidden: int) -> Dict[str, int]:
+    """Bytes a rank receives for ``recv_rows`` (token, expert) rows: FP8 dispatch, BF16 combine."""
+    return {"dispatch": recv_rows * (hidden + hidden // 128 * 4), "combine": recv_rows * hidden * 2}
+
+
+def _rank(group, args, token_counts: Sequence[int]) -> List[Dict[str, Any]]:
+    import deepep_cupy as ep
+
+    R, hidden, E = group.size, args.hidden, args.num_experts
+    largest = max(token_counts)
+    buf = ep.Buffer(group, 0, ep.Buffer.get_low_latency_rdma_size_hint(largest, hidden, R, E),
+                    low_latency_mode=True, timeout_s=args.timeout)
+    lib = _graph_library()
+    try:
+        with _on_rank_stream(lib):
+            return [_measure(group, buf, args, n, largest, lib) for n in token_counts]
+    finally:
+        group.barrier()
+        buf.destroy()
+
+
+def _graph_library() -> str:
+    """PyTorch's graphs when it imports: CuPy cannot allocate inside a capture from the async memory
+    pool that in-process ranks sharing a GPU use (deepep_cupy/device_pools.py)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "cupy"
+    return "torch"
+
+
+def _on_rank_stream(lib: str):
+    """PyTorch's work on this rank's CuPy stream (in-process ranks each have their own)."""
+    import contextlib
+
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if lib != "torch" or stream.ptr == 0:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{cupy.cuda.Device().id}"))
+
+
+def _device(a: np.ndarray, lib: str):
+    import cupy
+
+    d = cupy.asarray(a)
+    if lib == "cupy":
+        return d
+    import torch
+
+    t = torch.as_tensor(d, device=f"cuda:{d.device.id}").clone()
+    return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
+
+
+def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]:
+    """One row of the table on this rank: ``n`` tokens, calls sized for ``largest``."""
+    import cupy
+
+    from deepep_cupy import reference as ref
+
+    from .graphs import Replay
+
+    R, rank, hidden, E, K = group.size, group.rank, args.hidden, args.num_experts, args.num_topk
+    stream = cupy.cuda.get_current_stream()
+    rng = np.random.default_rng(args.seed * 1000 + rank * 17 + n)
+    x = _device(ref.float32_to_bfloat16_bits(rng.standard_normal((n, hidden), dtype=np.float32)), lib)
+    topk = _device(ref.random_routing(rng, n, E, K), lib)
+    weights = _device(rng.random((n, K), dtype=np.float32), lib)
+    y = _device(np.zeros((E // R, R * largest, hidden), np.uint16), lib)
+    state = {}
+
+    def dispatch():
+        state["out"] = buf.low_latency_dispatch(x, topk, largest, E, use_fp8=True)
+        return state["out"]
+
+    def combine():
+        return buf.low_latency_combine(y, topk, weights, state["out"][2])
+
+    def step():
+        dispatch()
+        return combine()
+
+    graphs = {}
+    for name, fn in (("dispatch", dispatch), ("combine", combine), ("step", step)):
+        group.barrier()
+        graphs[name] = Replay(lib, fn, cupy.cuda.Device().id, thread_local=group.in_process)
+        if name == "dispatch":
+            # The captured dispatch's handle, which the combine graph reads, is written by a replay.
+            group.barrier()
+            graphs[name]()
+            stream.synchronize()
+    recv_rows = int(cupy.asnumpy(cupy.asarray(graphs["dispatch"].outputs[1])).sum())
+    figures = {"tokens": n, **{f"{k}_bytes": v for k, v in decode_bytes(recv_rows, hidden).items()}}
+    for name in ("dispatch", "combine"):
+        group.barrier()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        for _ in range(args.warmup):
+            graphs[name]()
+        start.record(stream)
+        for _ in range(args.iters):
+            graphs[name]()
+        end.record(stream)
+        end.synchronize()
+        figures[f"{name}_us"] = cupy.cuda.get_elapsed_time(start, end) * 1e3 / args.iters
+    group.barrier()
+    host = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        graphs["step"]()
+        host.append(time.perf_counter() - t0)
+    stream.synchronize()
+    figures["step_host_us"] = statistics.median(host) * 1e6
+    group.barrier()
+    return figures
+
+
+def decode_table(per_rank: Sequence[Sequence[Dict[str, Any]]]) -> str:
+    """The markdown table of :func:`run_decode`'s per-rank figures (medians over the ranks)."""
+    lines = ["| tokens/rank | dispatch us (GPU) | combine us (GPU) | step host us/replay | dispatch bytes "
+             "| combine bytes |", "|---|---|---|---|---|---|"]
+    for i, first in enumerate(per_rank[0]):
+        med = {k: statistics.median(r[i][k] for r in per_rank) for k in first}
+        lines.append(f"| {first['tokens']} | {med['dispatch_us']:.1f} | {med['combine_us']:.1f} | "
+                     f"{med['step_host_us']:.1f} | {int(med['dispatch_bytes'])} | {int(med['combine_bytes'])} |")
+    return "\n".join(lines)
+
+
+def run_decode(args) -> int:
+    """``--decode``: print the table; 0 on success."""
+    import cupy
+
+    from deepep_cupy import run_local_group
+
+    token_counts = args.decode_tokens or list(DEFAULT_DECODE_TOKENS)
+    num_ranks = args.num_ranks or max(2, cupy.cuda.runtime.getDeviceCount())
+    per_rank = run_local_group(lambda group: _rank(group, args, token_counts), num_ranks)
+    print(f"decode: {num_ranks} ranks, hidden {args.hidden}, top-{args.num_topk} of {args.num_experts} experts, "
+          f"FP8 dispatch, BF16 combine, CUDA-graph replays ({_graph_library()})")
+    print(decode_table(per_rank), flush=True)
+    return 0

@@ -1,0 +1,553 @@
+"""The low-latency (decode) path: DeepEP's ``low_latency_dispatch`` / ``low_latency_combine`` over NVLink.
+
+A :class:`LowLatencyPath` owns its own IPC-mapped buffer (``num_rdma_bytes`` of a low-latency
+Buffer, sized by :func:`get_low_latency_rdma_size_hint`) and two kernels (kernels/low_latency.cu):
+
+* dispatch: each token is cast (FP8, in registers) and written straight into its slot of the
+  owner of each of its experts, with one count per (local expert, source rank) signalled after the
+  rows; the receive waits for the counts and packs the rows per expert;
+* combine: each expert row is written straight into the token owner's area, with one flag per
+  expert; the receive sums each token's rows with their weights.
+
+One launch per call, or with ``return_recv_hook=True`` one for the send (the call) and one for the
+receive (the hook). The host never waits for the device: every call can be captured in a CUDA
+graph. Which half of the buffer a call uses, and the epoch its signals carry, are counted by the
+kernels in the buffer itself, so a replayed graph alternates halves as eager calls do.
+
+Receive order (deterministic, unlike DeepEP's): the rows of local expert ``l`` are the tokens of
+rank 0 first, then rank 1, ...; inside a source rank by source token index. The NumPy model
+(:mod:`deepep_cupy.low_latency_reference`) states the layout, the FP8 rounding and the combine sum
+exactly; the GPU tests compare bit for bit.
+
+Contract of the in-flight results (DeepEP's): the two halves let two calls of an op be in flight,
+e.g. two dispatch sends before their hooks; the send of call ``n`` waits (on the device) until every
+receiver has finished receiving call ``n - 2``, so a third send before the first hook never
+completes: it times out (``DeepEPTimeoutError``). The zero-copy combine area is one area (the send
+reads it within its launch), so :meth:`LowLatencyPath.next_combine_buffer` is the same view for
+every handle of the same sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+from . import tensors
+from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK
+from .launch import KernelCall, parameter_struct
+from .tensors import check_array, describe, read
+
+__all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_latency_rdma_size_hint"]
+
+#: Blocks per launch when the GPU is not shared (latency, not bandwidth: every block spins).
+DEFAULT_NUM_SMS = 32
+#: Plans a path keeps per op before it forgets them all (a decode loop uses a handful).
+MAX_PLANS = 256
+#: UE8M0 exponent bytes per int32 of the packed scales.
+UE8M0_PER_INT = 4
+_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
+
+
+#: Equal data areas of the buffer: dispatch half 0 and 1, combine half 0 and 1, zero-copy rows.
+NUM_AREAS = 5
+_AREA_ALIGN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyLayout:
+    """Where the data of calls of these sizes lie in a low-latency buffer of ``num_bytes``.
+
+    The header and signal words come first (kernels/low_latency.cu; fixed offsets, constants.LL_*),
+    then :data:`NUM_AREAS` equal areas at fixed places (the buffer's size alone sets them): the two
+    dispatch halves (``[L][R][M]`` records), the two combine halves (``[E][M][hidden]`` BF16 rows)
+    and the zero-copy rows (``[L][R * M][hidden]`` BF16). Calls of other sizes index the same areas
+    differently, so a half is never written while a call of other sizes still reads the other.
+    """
+
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_ranks: int
+    num_experts: int
+    num_bytes: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def rows_per_expert(self) -> int:
+        return self.num_ranks * self.num_max_dispatch_tokens_per_rank
+
+    @property
+    def record_bytes(self) -> int:
+        """A dispatched row: BF16 (or FP8 plus its scales, which is smaller), then 16 bytes that
+        hold its source token index."""
+        return -(-(self.hidden * 2 + 16) // 16) * 16
+
+    @property
+    def area_bytes_needed(self) -> int:
+        """The largest of the areas these sizes use (a dispatch half: records are the longest rows)."""
+        return max(self.num_local_experts * self.rows_per_expert * self.record_bytes,
+                   self.num_experts * self.num_max_dispatch_tokens_per_rank * self.hidden * 2)
+
+    @property
+    def area_bytes(self) -> int:
+        """Bytes of each data area of a buffer of :attr:`num_bytes`."""
+        return max(0, (self.num_bytes - LL_DATA_OFFSET) // NUM_AREAS) // _AREA_ALIGN * _AREA_ALIGN
+
+    @property
+    def fits(self) -> bool:
+        return self.area_bytes_needed <= self.area_bytes
+
+    @property
+    def bytes_needed(self) -> int:
+        """The smallest buffer in which calls of these sizes fit."""
+        return LL_DATA_OFFSET + NUM_AREAS * -(-self.area_bytes_needed // _AREA_ALIGN) * _AREA_ALIGN
+
+    @property
+    def dispatch_offset(self) -> int:
+        return LL_DATA_OFFSET
+
+    @property
+    def dispatch_half_bytes(self) -> int:
+        return self.area_bytes
+
+    @property
+    def combine_offset(self) -> int:
+        return LL_DATA_OFFSET + 2 * self.area_bytes
+
+    @property
+    def combine_half_bytes(self) -> int:
+        return self.area_bytes
+
+    @property
+    def zero_copy_offset(self) -> int:
+        return LL_DATA_OFFSET + 4 * self.area_bytes
+
+    @property
+    def zero_copy_bytes(self) -> int:
+        return self.num_local_experts * self.rows_per_expert * self.hidden * 2
+
+
+def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                   num_experts: int) -> int:
+    """Bytes of the low-latency buffer (a Buffer's ``num_rdma_bytes``) for calls of these sizes
+    (DeepEP's name), rounded up to 2 MiB."""
+    _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    _check_positive_int(hidden, "hidden")
+    _check_positive_int(num_ranks, "num_ranks")
+    _check_positive_int(num_experts, "num_experts")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts: expected a multiple of num_ranks={num_ranks}, got {num_experts}")
+    size = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).bytes_needed
+    return -(-size // (2 << 20)) * (2 << 20)
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+class LowLatencyHandle(NamedTuple):
+    """What a low-latency dispatch hands its combine (DeepEP's handle, as a tuple).
+
+    ``src_info`` int32 ``[L, R * M]``: the source token index of each received row;
+    ``layout_range`` int64 ``[L, R]``: ``(first row from source r) << 32 | rows from r``. Both are
+    device arrays of the caller's library, written by the receive.
+    """
+
+    src_info: Any
+    layout_range: Any
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+
+
+@dataclasses.dataclass
+class _DispatchPlan:
+    layout: LowLatencyLayout
+    num_tokens_checked: Tuple[int, int]  # (x rows, topk rows) of the call that made the plan
+    num_topk: int
+    fp8_mode: int
+    send: Optional[KernelCall]     # the send half (return_recv_hook=True)
+    receive: Optional[KernelCall]  # the receive half (the hook)
+    both: Optional[KernelCall]
+
+
+@dataclasses.dataclass
+class _CombinePlan:
+    layout: LowLatencyLayout
+    num_topk: int
+    send: Optional[KernelCall]
+    receive: Optional[KernelCall]
+    both: Optional[KernelCall]
+
+
+class LowLatencyPath:
+    """A rank's low-latency buffer and the calls that use it.
+
+    Args:
+        peer_table_ptr: device address of the R peer pointers of the buffer (``NvlBuffer.peer_ptrs``).
+        local_ptr, num_bytes: this rank's buffer.
+        rank, num_ranks, device_id: the rank's place.
+        order: the Buffer's :class:`deepep_cupy.streams.StreamOrder`.
+        slots: the Buffer's :class:`deepep_cupy.slots.HostSlots` (the error record).
+        timeout_s: the device waits' deadline.
+        num_sms: blocks per launch.
+        on_device: a context that makes the rank's GPU current.
+        owner: what the buffer views returned to the caller keep alive (the NvlBuffer).
+    """
+
+    def __init__(self, *, peer_table_ptr: int, local_ptr: int, num_bytes: int, rank: int, num_ranks: int,
+                 device_id: int, order, slots, timeout_s: float, num_sms: int, on_device, owner: Any = None):
+        self.peer_table_ptr = peer_table_ptr
+        self.local_ptr = local_ptr
+        self.num_bytes = num_bytes
+        self.rank, self.num_ranks, self.device_id = rank, num_ranks, device_id
+        self._order = order
+        self._slots = slots
+        self.num_sms = num_sms
+        self._on_device = on_device
+        self._owner = owner
+        self._shared = dict(buffer_ptrs=peer_table_ptr, num_ranks=num_ranks, rank=rank,
+                            timeout_ns=int(timeout_s * 1e9), error_record=slots.device_ptr(0))
+        self._dispatch_plans: Dict[tuple, _DispatchPlan] = {}
+        self._combine_plans: Dict[tuple, _CombinePlan] = {}
+        self._zero_copy_views: Dict[tuple, Any] = {}
+
+    # -----------------------------------------------------------------------------------------
+    # Set-up
+
+    @classmethod
+    def create(cls, group, num_bytes: int, *, order, slots, timeout_s: float, device_id: int, on_device,
+               ranks_on_gpu: int = 1) -> "LowLatencyPath":
+        """Map a new low-latency buffer of ``num_bytes`` on every rank (collective) and load the
+        kernels. ``ranks_on_gpu``: ranks of this process on the GPU (their grids must fit at once)."""
+        from . import kernels
+        from .ipc import NvlBuffer
+        from .sm_budget import check_sm_budget, largest_num_sms, sm_count_of
+
+        _check_positive_int(num_bytes, "num_rdma_bytes")
+        if num_bytes < LL_DATA_OFFSET:
+            raise ValueError(f"num_rdma_bytes: expected at least {LL_DATA_OFFSET} bytes; size it with "
+                             "Buffer.get_low_latency_rdma_size_hint(...)")
+        num_sms = min(DEFAULT_NUM_SMS, largest_num_sms(ranks_on_gpu, sm_count_of(device_id)))
+        check_sm_budget({device_id: ranks_on_gpu}, num_sms)
+        nvl = NvlBuffer(group, num_bytes)
+        try:
+            for name in ("ll_dispatch_kernel", "ll_combine_kernel"):
+                kernels.get_kernel(name)
+        except BaseException:
+            nvl.close()
+            raise
+        return cls(peer_table_ptr=nvl.peer_ptrs.data.ptr, local_ptr=nvl.local_ptr, num_bytes=num_bytes,
+                   rank=group.rank, num_ranks=group.size, device_id=device_id, order=order, slots=slots,
+                   timeout_s=timeout_s, num_sms=num_sms, on_device=on_device, owner=nvl)
+
+    def close(self) -> None:
+        """Unmap and free the buffer (the Buffer's destroy waits for the kernels first)."""
+        if self._owner is not None and hasattr(self._owner, "close"):
+            self._owner.close()
+        self._owner = None
+        self._dispatch_plans.clear()
+        self._combine_plans.clear()
+        self._zero_copy_views.clear()
+
+    def _bind(self, kernel: str, per_call: Tuple[str, ...], **fixed) -> KernelCall:
+        names = {name for name, _ in parameter_struct(kernel)._fields_}
+        shared = {name: value for name, value in self._shared.items() if name in names}
+        return KernelCall(kernel, grid=self.num_sms, per_call=per_call, **shared, **fixed)
+
+    def _layout(self, num_max: Any, hidden: int, num_experts: Any) -> LowLatencyLayout:
+        _check_positive_int(num_max, "num_max_dispatch_tokens_per_rank")
+        _check_positive_int(num_experts, "num_experts")
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts: expected a multiple of the rank count {self.num_ranks}, got {num_experts}")
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"num_experts: at most {MAX_EXPERTS}, got {num_experts}")
+        layout = LowLatencyLayout(num_max, hidden, self.num_ranks, num_experts, self.num_bytes)
+        if not layout.fits:
+            raise ValueError(
+                f"num_rdma_bytes: the low-latency buffer has {self.num_bytes} bytes, calls with "
+                f"num_max_dispatch_tokens_per_rank={num_max}, hidden={hidden}, num_experts={num_experts} on "
+                f"{self.num_ranks} ranks need {layout.bytes_needed}; create the Buffer with "
+                f"Buffer.get_low_latency_rdma_size_hint({num_max}, {hidden}, {self.num_ranks}, {num_experts}) bytes")
+        return layout
+
+    # -----------------------------------------------------------------------------------------
+    # Dispatch
+
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                 use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                 async_finish: bool = False, return_recv_hook: bool = False):
+        """See :meth:`deepep_cupy.Buffer.low_latency_dispatch`."""
+        self._slots.raise_if_failed()
+        lib, x_ptr, num_tokens, x_key = read(x)
+        _, topk_ptr, topk_rows, topk_key = read(topk_idx)
+        _, cum_ptr, _, cum_key = read(cumulative_local_expert_recv_stats)
+        _, wait_ptr, _, wait_key = read(dispatch_wait_recv_cost_stats)
+        key = (x_key, topk_key, cum_key, wait_key, num_max_dispatch_tokens_per_rank, num_experts, bool(use_fp8),
+               bool(round_scale), bool(use_ue8m0))
+        plan = self._dispatch_plans.get(key)
+        if plan is None:
+            with self._on_device:
+                plan = self._dispatch_plan(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                           use_fp8, round_scale, use_ue8m0)
+            if len(self._dispatch_plans) >= MAX_PLANS:
+                self._dispatch_plans.clear()
+            self._dispatch_plans[key] = plan
+        if num_tokens != topk_rows:
+            raise ValueError(f"topk_idx: expected one row per token of x ({num_tokens}), got {topk_rows}")
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x: {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}")
+        layout = plan.layout
+        L, rows, hidden, dev = layout.num_local_experts, layout.rows_per_expert, layout.hidden, self.device_id
+        with self._on_device:
+            caller = lib.current_stream(dev)
+            run_on = self._order.begin(caller, None, async_finish, self.rank)
+            try:
+                with lib.allocating_on(self._order.stream, dev) if async_finish else _nothing():
+                    recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
+                    scales = None
+                    if use_fp8 and use_ue8m0:
+                        scales = lib.empty((L, hidden // FP8_SCALE_BLOCK // UE8M0_PER_INT, rows), "int32", dev)
+                    elif use_fp8:
+                        scales = lib.empty((L, hidden // FP8_SCALE_BLOCK, rows), "float32", dev)
+                    recv_count = lib.empty((L,), "int32", dev)
+                    src_info = lib.empty((L, rows), "int32", dev)
+                    layout_range = lib.empty((L, self.num_ranks), "int64", dev)
+                values = (lib.pointer(recv_x), 0 if scales is None else lib.pointer(scales), lib.pointer(recv_count),
+                          lib.pointer(src_info), lib.pointer(layout_range), cum_ptr, wait_ptr, x_ptr, topk_ptr,
+                          num_tokens)
+                (plan.send if return_recv_hook else plan.both).run(run_on, *values)
+            except BaseException:
+                self._order.abandon(run_on)
+                raise
+            arrays = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, recv_x, scales,
+                      recv_count, src_info, layout_range)
+            arrays = tuple(a for a in arrays if a is not None)
+            outputs = tuple(a for a in (recv_x, scales, recv_count, src_info, layout_range) if a is not None)
+            event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
+                                       self._slots.raise_if_failed)
+        hook = self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None
+        if scales is not None:
+            scales = scales.swapaxes(1, 2)  # [L, R * M, groups], column-major as DeepEP returns them
+        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return ((recv_x, scales) if use_fp8 else recv_x), recv_count, handle, event, hook
+
+    def _dispatch_plan(self, x, topk_idx, num_max, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
+                       use_ue8m0) -> _DispatchPlan:
+        info = describe(x, "x", self.device_id)
+        check_array(info, "x", ("bfloat16",), 2)
+        hidden = info.shape[1]
+        if hidden <= 0 or hidden % 8:
+            raise ValueError(f"x: expected hidden (axis 1) a positive multiple of 8 (16-byte rows), got {hidden}")
+        if use_fp8 and hidden % FP8_SCALE_BLOCK:
+            raise ValueError(f"x: FP8 casts need hidden a multiple of {FP8_SCALE_BLOCK}, got {hidden}")
+        if use_fp8 and use_ue8m0 and hidden % (FP8_SCALE_BLOCK * UE8M0_PER_INT):
+            raise ValueError(f"x: UE8M0 scales pack 4 groups per int, so hidden must be a multiple of "
+                             f"{FP8_SCALE_BLOCK * UE8M0_PER_INT}, got {hidden}")
+        topk = describe(topk_idx, "topk_idx", self.device_id)
+        check_array(topk, "topk_idx", ("int64",), 2)
+        if topk.lib is not info.lib:
+            raise TypeError("topk_idx: expected an array of the same library as x")
+        num_topk = topk.shape[1]
+        if not 0 < num_topk <= MAX_TOPK:
+            raise ValueError(f"topk_idx: expected 1..{MAX_TOPK} columns, got {num_topk}")
+        layout = self._layout(num_max, hidden, num_experts)
+        if info.shape[0] > num_max:
+            raise ValueError(f"x: {info.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={num_max}")
+        if cum_stats is not None:
+            check_array(describe(cum_stats, "cumulative_local_expert_recv_stats", self.device_id),
+                        "cumulative_local_expert_recv_stats", ("int32",), 1, (layout.num_local_experts,))
+        if wait_stats is not None:
+            check_array(describe(wait_stats, "dispatch_wait_recv_cost_stats", self.device_id),
+                        "dispatch_wait_recv_cost_stats", ("int64",), 1, (self.num_ranks,))
+        fp8_mode = 0 if not use_fp8 else (3 if use_ue8m0 else (2 if round_scale else 1))
+        per_call = ("recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "cumulative_recv_stats",
+                    "wait_recv_cost_stats", "x", "topk_idx", "num_tokens")
+        fixed = dict(num_topk=num_topk, hidden=hidden, num_max=num_max, num_experts=num_experts, fp8_mode=fp8_mode,
+                     record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
+                     half_bytes=layout.dispatch_half_bytes)
+        calls = {phases: self._bind("ll_dispatch_kernel", per_call, phases=phases, **fixed)
+                 for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)}
+        return _DispatchPlan(layout, (info.shape[0], topk.shape[0]), num_topk, fp8_mode, calls[_PHASE_SEND],
+                             calls[_PHASE_RECV], calls[_PHASE_BOTH])
+
+    def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays) -> Callable[[], None]:
+        """The receive half of a call: launched on the caller's current stream when called (once)."""
+        state = {"done": False}
+        order, slots, dev = self._order, self._slots, self.device_id
+
+        def hook() -> None:
+            if state["done"]:
+                raise RuntimeError("deepep_cupy: this receive hook was called already (each hook runs once)")
+            state["done"] = True
+            with self._on_device:
+                stream = lib.current_stream(dev)
+                call.run(stream, *values)
+                if order.shares_gpu and not _capturing(stream):
+                    # As StreamOrder.finish: ranks sharing a GPU in one process return once their
+                    # kernels are over (see there).
+                    _synchronize(stream)
+                    slots.raise_if_failed()
+            del arrays_alive[:]
+
+        arrays_alive = list(arrays)  # kept until the receive is issued
+        return hook
+
+    # -----------------------------------------------------------------------------------------
+    # Combine
+
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt: bool = False,
+                zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None):
+        """See :meth:`deepep_cupy.Buffer.low_latency_combine`."""
+        self._slots.raise_if_failed()
+        if use_logfmt:
+            raise ValueError("use_logfmt=True: LogFMT-compressed combine is not implemented; pass use_logfmt=False "
+                             "(BF16 rows)")
+        _check_handle(handle)
+        lib, x_ptr, _, x_key = read(x)
+        _, topk_ptr, num_tokens, topk_key = read(topk_idx)
+        _, weights_ptr, weight_rows, weights_key = read(topk_weights)
+        _, out_ptr, out_rows, out_key = read(out)
+        key = (x_key, topk_key, weights_key, out_key, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+               handle.num_experts)
+        plan = self._combine_plans.get(key)
+        if plan is None:
+            with self._on_device:
+                plan = self._combine_plan(x, topk_idx, topk_weights, handle, out)
+            if len(self._combine_plans) >= MAX_PLANS:
+                self._combine_plans.clear()
+            self._combine_plans[key] = plan
+        if weight_rows != num_tokens or (out is not None and out_rows != num_tokens):
+            raise ValueError(f"topk_weights/out: expected {num_tokens} rows (those of topk_idx), got {weight_rows}"
+                             + ("" if out is None else f" and {out_rows}"))
+        if num_tokens > handle.num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"topk_idx: {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{handle.num_max_dispatch_tokens_per_rank}")
+        layout, dev = plan.layout, self.device_id
+        if zero_copy:
+            x_ptr = self.local_ptr + layout.zero_copy_offset
+        _, src_ptr, _, _ = read(handle.src_info)
+        _, range_ptr, _, _ = read(handle.layout_range)
+        with self._on_device:
+            caller = lib.current_stream(dev)
+            run_on = self._order.begin(caller, None, async_finish, self.rank)
+            try:
+                if out is None:
+                    with lib.allocating_on(self._order.stream, dev) if async_finish else _nothing():
+                        out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
+                values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
+                (plan.send if return_recv_hook else plan.both).run(run_on, *values)
+            except BaseException:
+                self._order.abandon(run_on)
+                raise
+            arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
+            event = self._order.finish(caller, run_on, lib, async_finish, arrays, (out,), async_finish,
+                                       self._slots.raise_if_failed)
+        hook = self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None
+        return out, event, hook
+
+    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _CombinePlan:
+        layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        info = describe(x, "x", self.device_id)
+        check_array(info, "x", ("bfloat16",), 3, (layout.num_local_experts, layout.rows_per_expert, layout.hidden))
+        topk = describe(topk_idx, "topk_idx", self.device_id)
+        check_array(topk, "topk_idx", ("int64",), 2)
+        num_topk = topk.shape[1]
+        if not 0 < num_topk <= MAX_TOPK:
+            raise ValueError(f"topk_idx: expected 1..{MAX_TOPK} columns, got {num_topk}")
+        check_array(describe(topk_weights, "topk_weights", self.device_id), "topk_weights", ("float32",), 2,
+                    (None, num_topk))
+        check_array(describe(handle.src_info, "handle", self.device_id), "handle.src_info", ("int32",), 2,
+                    (layout.num_local_experts, layout.rows_per_expert))
+        check_array(describe(handle.layout_range, "handle", self.device_id), "handle.layout_range", ("int64",), 2,
+                    (layout.num_local_experts, self.num_ranks))
+        if out is not None:
+            check_array(describe(out, "out", self.device_id), "out", ("bfloat16",), 2, (None, layout.hidden))
+        per_call = ("combined_x", "x", "topk_idx", "topk_weights", "src_info", "layout_range", "num_tokens")
+        fixed = dict(num_topk=num_topk, hidden=layout.hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
+                     num_experts=layout.num_experts, combine_off=layout.combine_offset,
+                     half_bytes=layout.combine_half_bytes)
+        calls = {phases: self._bind("ll_combine_kernel", per_call, phases=phases, **fixed)
+                 for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)}
+        return _CombinePlan(layout, num_topk, calls[_PHASE_SEND], calls[_PHASE_RECV], calls[_PHASE_BOTH])
+
+    def next_combine_buffer(self, handle: LowLatencyHandle):
+        """The zero-copy area as ``[L, R * M, hidden]`` BF16 of the handle's library: rows written there
+        are what ``combine(..., zero_copy=True)`` sends (its ``x`` is then only checked for shape)."""
+        _check_handle(handle)
+        layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        lib = tensors.lib_of(handle.src_info)
+        key = (lib, layout)
+        view = self._zero_copy_views.get(key)
+        if view is None:
+            window = lib.window(self.local_ptr + layout.zero_copy_offset, layout.zero_copy_bytes, self.device_id,
+                                self._owner)
+            view = lib.rows_in(window, layout.num_local_experts, (layout.rows_per_expert, layout.hidden), "bfloat16")
+            self._zero_copy_views[key] = view
+        return view
+
+    # -----------------------------------------------------------------------------------------
+    # Cleaning
+
+    def clean(self, barrier: Callable[[], None]) -> None:
+        """Zero this rank's call counters and signal words, between two group barriers (``barrier``):
+        every rank's next call then starts from call 0, in step. Not for a capture (it waits)."""
+        from .launch import fill_bytes
+
+        with self._on_device:
+            self._order.synchronize()
+            barrier()
+            start = LL_CALLS_INT * 4
+            fill_bytes(self.local_ptr + start, 0, LL_DATA_OFFSET - start, self._order.ptr)
+            self._order.synchronize()
+            barrier()
+
+
+def _check_handle(handle: Any) -> None:
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, got {type(handle).__name__}")
+
+
+def clean_arguments(num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any) -> None:
+    """Check :meth:`Buffer.clean_low_latency_buffer`'s arguments (sizes it no longer needs: the signal
+    words sit at fixed places)."""
+    _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    _check_positive_int(hidden, "hidden")
+    _check_positive_int(num_experts, "num_experts")
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOTHING = _Nothing()
+
+
+def _nothing():
+    return _NOTHING
+
+
+def _capturing(stream_ptr: int) -> bool:
+    from cupy.cuda import runtime
+
+    return bool(runtime.streamIsCapturing(stream_ptr))
+
+
+def _synchronize(stream_ptr: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.streamSynchronize(stream_ptr)
+
+
+assert MAX_RANKS <= 8  # the release words hold MAX_RANKS readers per (op, half)

@@ -1,0 +1,413 @@
+// Low-latency (decode) dispatch and combine: DeepEP's low-latency API over NVLink.
+//
+// Every rank's low-latency buffer (deepep_cupy/low_latency.py, LowLatencyLayout, carves it):
+//   int header[]                       at 0: the shared words of common.cuh (abort mark at
+//                                      ABORT_INT), then this rank's call counters
+//                                      (LL_CALLS_INT + op * 2 + {0 send, 1 receive}), the exit
+//                                      counters of its grids (LL_EXITS_INT + op * 4 + phases) and the
+//                                      release words (LL_RELEASED_INT + (op * 2 + half) * MAX_RANKS + r:
+//                                      the epoch up to which rank r has read its area `half` of op
+//                                      `op` filled by this rank)
+//   int64 counts[2][MAX_EXPERTS]       at LL_DISPATCH_COUNTS_OFFSET: per half, index le * R + s:
+//                                      (epoch << 32) | rows rank s sent local expert le
+//   int flags[2][MAX_EXPERTS]          at LL_COMBINE_FLAGS_OFFSET: per half, per global expert e:
+//                                      the epoch of the combine whose rows e's owner has all sent
+//   then five equal data areas at places the buffer's size alone sets (a call of other sizes
+//   indexes them differently but never crosses into another):
+//   dispatch halves, [L][R][M] records at dispatch_off + half * half_bytes: record = the row
+//                                      (BF16, or FP8 then float scales[hidden / 128]), the source
+//                                      token index at record_bytes - 16
+//   combine halves, [E][M][hidden] bf16 at combine_off + half * half_bytes: the row expert e
+//                                      returns for token t of this rank
+//   zero-copy rows [L][R * M][hidden]  (the host passes them as x of a zero-copy combine)
+//
+// Calls: op 0 is dispatch, 1 combine. The n-th send of an op (counted by the kernel in the
+// sender's header, so a replayed CUDA graph counts on) uses half n & 1 and epoch n + 1 in every
+// signal; the n-th receive waits for the n-th sends. Signals carry the epoch, so nothing is reset
+// between calls. Before the n-th send writes into a peer's half, it waits until that peer has
+// released the same half of call n - 2 (its receive of it is over): two calls may be in flight.
+//
+// Grids: send phase, block b takes the global experts b, b + G, ... (dispatch) or its local
+// experts (combine); receive phase, block b takes local experts (dispatch) or tokens (combine).
+// The last block to leave advances the call counters and, after a receive, releases the half.
+#include "common.cuh"
+
+#define LL_THREADS LL_DISPATCH_THREADS
+static_assert(LL_DISPATCH_THREADS == LL_COMBINE_THREADS, "one block size for both kernels");
+constexpr int kLLWarps = LL_THREADS / 32;
+
+__device__ __forceinline__ int64_t_ ld_acquire_sys_64(const int64_t_* p) {
+    int64_t_ v;
+    asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys_64(int64_t_* p, int64_t_ v) {
+    asm volatile("st.release.sys.global.s64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_stream(uint2* p, const uint2& v) {
+    asm volatile("st.global.L1::no_allocate.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y));
+}
+
+// Two float32 -> two e4m3 bytes (`lo` in the low byte): round to nearest even, saturating to +-448.
+__device__ __forceinline__ unsigned e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ int* ll_words(void* const* buffer_ptrs, int rank) {
+    return reinterpret_cast<int*>(buffer_ptrs[rank]);
+}
+
+__device__ __forceinline__ int* released_word(void* const* buffer_ptrs, int owner, int op, int half, int reader) {
+    return ll_words(buffer_ptrs, owner) + LL_RELEASED_INT + (op * 2 + half) * DEEPEP_MAX_RANKS + reader;
+}
+
+// The scale of a group whose largest magnitude is `amax`, and the factor its values are multiplied
+// by (deepep_cupy/low_latency_reference.py states the same rules).
+__device__ __forceinline__ void fp8_scale(float amax, bool round_scale, float& scale, float& inv) {
+    amax = fmaxf(amax, 1e-4f);
+    scale = __fdiv_rn(amax, 448.0f);
+    inv = __fdiv_rn(448.0f, amax);
+    if (round_scale) {
+        const int bits = __float_as_int(scale);
+        const int exponent = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0 ? 1 : 0);
+        scale = __int_as_float((exponent + 127) << 23);
+        inv = __int_as_float((127 - exponent) << 23);
+    }
+}
+
+// Threads `peer < num_ranks` of the block wait until `peer` has released our area `half` of call
+// n - 2 of `op` (epoch n - 1); false on every thread when a wait failed.
+__device__ __forceinline__ bool wait_released(void* const* buffer_ptrs, int num_ranks, int rank, int op, int n,
+                                              int64_t_ timeout_ns, int* error_record, int kernel) {
+    bool ok = true;
+    const int peer = threadIdx.x;
+    if (n >= 2 && peer < num_ranks) {
+        PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, kernel, -1);
+        const int* word = released_word(buffer_ptrs, rank, op, n & 1, peer);
+        while (ld_acquire_sys(word) - (n - 1) < 0) {
+            if (wait.failed(peer, n - 1)) {
+                ok = false;
+                break;
+            }
+        }
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
+// The end of a grid: the last block to leave advances this rank's call counters of `op` for the
+// phases it ran and, after a receive, tells every sender that our area `half` is free again.
+__device__ __forceinline__ void leave(void* const* buffer_ptrs, int num_ranks, int rank, int op, int phases,
+                                      int send_call, int recv_call) {
+    __syncthreads();
+    if (threadIdx.x != 0)
+        return;
+    int* words = ll_words(buffer_ptrs, rank);
+    int* exits = words + LL_EXITS_INT + op * 4 + phases;
+    __threadfence_system();
+    if (atomicAdd(exits, 1) != (int)gridDim.x - 1)
+        return;
+    *exits = 0;
+    if (phases & 1)
+        words[LL_CALLS_INT + op * 2] = send_call + 1;
+    if (phases & 2) {
+        words[LL_CALLS_INT + op * 2 + 1] = recv_call + 1;
+        for (int r = 0; r < num_ranks; ++r)
+            st_release_sys(released_word(buffer_ptrs, r, op, recv_call & 1, rank), recv_call + 1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch
+
+// One warp writes token `t` (BF16 row `x_row`) into `record`: as it is, or cast to FP8 with
+// one scale per 128 channels (16 lanes per group, 8 channels per lane).
+__device__ __forceinline__ void write_record(char* record, const int4* x_row, int hidden, int fp8_mode,
+                                             int64_t_ record_bytes, int token, int lane) {
+    const int row_int4 = hidden / 8;
+    if (fp8_mode == 0) {
+        warp_copy<4>(reinterpret_cast<int4*>(record), x_row, row_int4, lane);
+    } else {
+        const bool round_scale = fp8_mode >= 2;
+        float* scales = reinterpret_cast<float*>(record + hidden);
+        for (int base = 0; base < row_int4; base += 32) {
+            const int i = base + lane;
+            const bool active = i < row_int4;
+            float v[8];
+            Elem<bf16_t>::unpack(active ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0), v);
+            float amax = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < 8; ++j)
+                amax = fmaxf(amax, fabsf(v[j]));
+            #pragma unroll
+            for (int offset = 8; offset > 0; offset >>= 1)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+            float scale, inv;
+            fp8_scale(amax, round_scale, scale, inv);
+            if (active) {
+                uint2 packed;
+                packed.x = e4m3x2(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv))
+                         | (e4m3x2(__fmul_rn(v[2], inv), __fmul_rn(v[3], inv)) << 16);
+                packed.y = e4m3x2(__fmul_rn(v[4], inv), __fmul_rn(v[5], inv))
+                         | (e4m3x2(__fmul_rn(v[6], inv), __fmul_rn(v[7], inv)) << 16);
+                st_stream(reinterpret_cast<uint2*>(record) + i, packed);
+                if (lane % 16 == 0)
+                    scales[i / 16] = scale;
+            }
+        }
+    }
+    if (lane == 0)
+        *reinterpret_cast<int*>(record + record_bytes - 16) = token;
+}
+
+// fp8_mode: 0 BF16, 1 FP8, 2 FP8 with power-of-two scales, 3 FP8 with UE8M0-packed scales.
+// phases: 1 send, 2 receive, 3 both. recv_scales: float [L][hidden / 128][R * M] (column-major
+// per expert), or with UE8M0 int [L][hidden / 512][R * M].
+__global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
+        void* recv_x, void* recv_scales, int* recv_count, int* src_info, int64_t_* layout_range,
+        int* cumulative_recv_stats, int64_t_* wait_recv_cost_stats, const void* x, const int64_t_* topk_idx,
+        int num_tokens, int num_topk, int hidden, int num_max, int num_experts, int fp8_mode, int phases,
+        int64_t_ record_bytes, int64_t_ dispatch_off, int64_t_ half_bytes,
+        void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
+    __shared__ int tokens[LL_THREADS];
+    __shared__ int warp_totals[kLLWarps];
+    __shared__ int counts[DEEPEP_MAX_RANKS + 1];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int num_local = num_experts / num_ranks;
+    int* words = ll_words(buffer_ptrs, rank);
+    const int send_call = ld_volatile(words + LL_CALLS_INT);
+    const int recv_call = ld_volatile(words + LL_CALLS_INT + 1);
+    if (stop_if_a_rank_gave_up(buffer_ptrs, blockIdx.x == 0 && threadIdx.x == 0 ? error_record : nullptr,
+                               KERNEL_LOW_LATENCY_DISPATCH_SEND, rank, -1, send_call))
+        return;
+
+    if (phases & 1) {
+        const int half = send_call & 1;
+        const int64_t_ epoch = send_call + 1;
+        // Expert ids outside [-1, E) are sent nowhere; the host hears of them.
+        if (blockIdx.x == 0) {
+            for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+                const int64_t_ e = topk_idx[i];
+                if (e < -1 || e >= num_experts)
+                    report_error(error_record, ERROR_BAD_EXPERT_ID, KERNEL_LOW_LATENCY_DISPATCH_SEND, rank, -1, -1, (int)e);
+            }
+        }
+        if (!wait_released(buffer_ptrs, num_ranks, rank, 0, send_call, timeout_ns, error_record,
+                           KERNEL_LOW_LATENCY_DISPATCH_SEND))
+            return;
+        const int4* x_rows = reinterpret_cast<const int4*>(x);
+        for (int expert = blockIdx.x; expert < num_experts; expert += gridDim.x) {
+            const int dst = expert / num_local, local = expert % num_local;
+            char* region = reinterpret_cast<char*>(buffer_ptrs[dst]) + dispatch_off + half * half_bytes
+                           + (int64_t_)(local * num_ranks + rank) * num_max * record_bytes;
+            int sent = 0;
+            for (int base = 0; base < num_tokens; base += LL_THREADS) {
+                const int t = base + threadIdx.x;
+                bool routed = false;
+                if (t < num_tokens)
+                    for (int k = 0; k < num_topk; ++k)
+                        routed |= topk_idx[(int64_t_)t * num_topk + k] == expert;
+                const unsigned ballot = __ballot_sync(0xffffffffu, routed);
+                if (lane == 0)
+                    warp_totals[warp] = __popc(ballot);
+                __syncthreads();
+                int before = 0, total = 0;
+                for (int w = 0; w < kLLWarps; ++w) {
+                    before += w < warp ? warp_totals[w] : 0;
+                    total += warp_totals[w];
+                }
+                if (routed)
+                    tokens[before + __popc(ballot & ((1u << lane) - 1))] = t;
+                __syncthreads();
+                for (int i = warp; i < total; i += kLLWarps)
+                    write_record(region + (int64_t_)(sent + i) * record_bytes,
+                                 x_rows + (int64_t_)tokens[i] * (hidden / 8), hidden, fp8_mode, record_bytes,
+                                 tokens[i], lane);
+                sent += total;
+                __syncthreads();
+            }
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int64_t_* count_word = reinterpret_cast<int64_t_*>(reinterpret_cast<char*>(buffer_ptrs[dst])
+                                                                  + LL_DISPATCH_COUNTS_OFFSET)
+                                       + half * MAX_EXPERTS + local * num_ranks + rank;
+                st_release_sys_64(count_word, (epoch << 32) | (int64_t_)sent);
+            }
+        }
+    }
+
+    if (phases & 2) {
+        const int half = recv_call & 1;
+        const int64_t_ epoch = recv_call + 1;
+        const int rows_per_expert = num_ranks * num_max;
+        const int num_groups = hidden / 128;
+        const int64_t_ row_bytes = fp8_mode == 0 ? (int64_t_)hidden * 2 : hidden;
+        const int64_t_* my_counts = reinterpret_cast<const int64_t_*>(reinterpret_cast<const char*>(buffer_ptrs[rank])
+                                                                      + LL_DISPATCH_COUNTS_OFFSET) + half * MAX_EXPERTS;
+        for (int local = blockIdx.x; local < num_local; local += gridDim.x) {
+            bool ok = true;
+            const int source = threadIdx.x;
+            if (source < num_ranks) {
+                PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local);
+                const int64_t_* word = my_counts + local * num_ranks + source;
+                int64_t_ value;
+                while (((value = ld_acquire_sys_64(word)) >> 32) != epoch) {
+                    if (wait.failed(source, (int)epoch)) {
+                        ok = false;
+                        break;
+                    }
+                }
+                counts[source] = (int)(value & 0xffffffff);
+                if (wait_recv_cost_stats != nullptr)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
+                              (unsigned long long)(now_ns() - wait.deadline.start));
+            }
+            if (__syncthreads_and(ok) == 0)
+                return;
+            if (threadIdx.x == 0) {
+                int row = 0;
+                for (int s = 0; s < num_ranks; ++s) {
+                    layout_range[local * num_ranks + s] = ((int64_t_)row << 32) | (int64_t_)counts[s];
+                    const int c = counts[s];
+                    counts[s] = row;
+                    row += c;
+                }
+                counts[num_ranks] = row;
+                recv_count[local] = row;
+                if (cumulative_recv_stats != nullptr)
+                    cumulative_recv_stats[local] += row;
+            }
+            __syncthreads();
+            const int total = counts[num_ranks];
+            for (int row = warp; row < total; row += kLLWarps) {
+                int source = 0;
+                while (source + 1 < num_ranks && counts[source + 1] <= row)
+                    ++source;
+                const char* record = reinterpret_cast<const char*>(buffer_ptrs[rank]) + dispatch_off
+                                     + half * half_bytes
+                                     + ((int64_t_)(local * num_ranks + source) * num_max + (row - counts[source]))
+                                       * record_bytes;
+                const int64_t_ out_row = (int64_t_)local * rows_per_expert + row;
+                warp_copy<4>(reinterpret_cast<int4*>(reinterpret_cast<char*>(recv_x) + out_row * row_bytes),
+                             reinterpret_cast<const int4*>(record), (int)(row_bytes / 16), lane);
+                if (fp8_mode == 1 || fp8_mode == 2) {
+                    const float* scales = reinterpret_cast<const float*>(record + hidden);
+                    float* out = reinterpret_cast<float*>(recv_scales);
+                    for (int g = lane; g < num_groups; g += 32)
+                        out[((int64_t_)local * num_groups + g) * rows_per_expert + row] = ld_stream(scales + g);
+                } else if (fp8_mode == 3) {
+                    const int* scale_bits = reinterpret_cast<const int*>(record + hidden);
+                    int* out = reinterpret_cast<int*>(recv_scales);
+                    const int num_words = num_groups / 4;
+                    for (int w = lane; w < num_words; w += 32) {
+                        unsigned packed = 0;
+                        #pragma unroll
+                        for (int j = 0; j < 4; ++j)
+                            packed |= (((unsigned)ld_stream(scale_bits + 4 * w + j) >> 23) & 0xffu) << (8 * j);
+                        out[((int64_t_)local * num_words + w) * rows_per_expert + row] = (int)packed;
+                    }
+                }
+                if (lane == 0)
+                    src_info[out_row] = ld_stream(reinterpret_cast<const int*>(record + record_bytes - 16));
+            }
+            __syncthreads();
+        }
+    }
+    leave(buffer_ptrs, num_ranks, rank, 0, phases, send_call, recv_call);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine
+
+// x: BF16 [L][R * M][hidden], the rows of the dispatch whose handle gives src_info and
+// layout_range (the zero-copy area when the caller wrote its rows there). combined_x: BF16
+// [num_tokens][hidden]. phases as for dispatch.
+__global__ void __launch_bounds__(LL_THREADS) ll_combine_kernel(
+        void* combined_x, const void* x, const int64_t_* topk_idx, const float* topk_weights, const int* src_info,
+        const int64_t_* layout_range, int num_tokens, int num_topk, int hidden, int num_max, int num_experts,
+        int phases, int64_t_ combine_off, int64_t_ half_bytes,
+        void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int num_local = num_experts / num_ranks;
+    const int row_int4 = hidden / 8;
+    const int64_t_ row_bytes = (int64_t_)hidden * 2;
+    int* words = ll_words(buffer_ptrs, rank);
+    const int send_call = ld_volatile(words + LL_CALLS_INT + 2);
+    const int recv_call = ld_volatile(words + LL_CALLS_INT + 3);
+    if (stop_if_a_rank_gave_up(buffer_ptrs, blockIdx.x == 0 && threadIdx.x == 0 ? error_record : nullptr,
+                               KERNEL_LOW_LATENCY_COMBINE_SEND, rank, -1, send_call))
+        return;
+
+    if (phases & 1) {
+        const int half = send_call & 1;
+        if (!wait_released(buffer_ptrs, num_ranks, rank, 1, send_call, timeout_ns, error_record,
+                           KERNEL_LOW_LATENCY_COMBINE_SEND))
+            return;
+        const int rows_per_expert = num_ranks * num_max;
+        for (int local = blockIdx.x; local < num_local; local += gridDim.x) {
+            const int expert = rank * num_local + local;
+            for (int dst = 0; dst < num_ranks; ++dst) {
+                const int64_t_ range = layout_range[local * num_ranks + dst];
+                const int begin = (int)(range >> 32), count = (int)(range & 0xffffffff);
+                char* area = reinterpret_cast<char*>(buffer_ptrs[dst]) + combine_off + half * half_bytes
+                             + (int64_t_)expert * num_max * row_bytes;
+                for (int i = warp; i < count; i += kLLWarps) {
+                    const int64_t_ row = (int64_t_)local * rows_per_expert + begin + i;
+                    const int token = src_info[row];
+                    warp_copy<4>(reinterpret_cast<int4*>(area + token * row_bytes),
+                                 reinterpret_cast<const int4*>(x) + row * row_int4, row_int4, lane);
+                }
+            }
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x < num_ranks) {
+                int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[threadIdx.x])
+                                                   + LL_COMBINE_FLAGS_OFFSET) + half * MAX_EXPERTS + expert;
+                st_release_sys(flag, send_call + 1);
+            }
+        }
+    }
+
+    if (phases & 2) {
+        const int half = recv_call & 1;
+        const int epoch = recv_call + 1;
+        const int* flags = reinterpret_cast<const int*>(reinterpret_cast<const char*>(buffer_ptrs[rank])
+                                                        + LL_COMBINE_FLAGS_OFFSET) + half * MAX_EXPERTS;
+        bool ok = true;
+        for (int expert = threadIdx.x; expert < num_experts && ok; expert += blockDim.x) {
+            PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_COMBINE_RECEIVE, expert);
+            while (ld_acquire_sys(flags + expert) != epoch) {
+                if (wait.failed(expert / num_local, epoch)) {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        if (__syncthreads_and(ok) == 0)
+            return;
+        const char* area = reinterpret_cast<const char*>(buffer_ptrs[rank]) + combine_off + half * half_bytes;
+        for (int t = blockIdx.x * kLLWarps + warp; t < num_tokens; t += gridDim.x * kLLWarps) {
+            for (int i = lane; i < row_int4; i += 32) {
+                float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int k = 0; k < num_topk; ++k) {
+                    const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
+                    if (expert < 0 || expert >= num_experts)
+                        continue;
+                    const float weight = topk_weights[(int64_t_)t * num_topk + k];
+                    float v[8];
+                    Elem<bf16_t>::unpack(ld_stream(reinterpret_cast<const int4*>(
+                                             area + (expert * num_max + t) * row_bytes) + i), v);
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j)
+                        sum[j] = __fadd_rn(sum[j], __fmul_rn(weight, v[j]));
+                }
+                st_stream(reinterpret_cast<int4*>(combined_x) + (int64_t_)t * row_int4 + i, Elem<bf16_t>::pack(sum));
+            }
+        }
+    }
+    leave(buffer_ptrs, num_ranks, rank, 1, phases, send_call, recv_call);
+}

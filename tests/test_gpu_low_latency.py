@@ -1,0 +1,82 @@
+"""The low-latency (decode) calls on real GPUs, bit-exact against deepep_cupy/low_latency_reference.py.
+
+The worker (tests/workers/low_latency_worker.py) runs every case: BF16 and FP8 dispatch (plain,
+power-of-two scales, UE8M0) with and without the receive hook, then combine; 1 to 128 tokens per
+rank with -1 entries; two calls in flight; zero-copy combine; the statistics tensors; hidden 7168;
+asynchronous calls; a decode step captured in a CUDA graph (CuPy and PyTorch, with and without
+hooks) replayed with new routing; and DeepEP's own low-latency test as its user writes it
+(tests/workers/deepep_style_low_latency.py). In one process with N rank threads (sharing GPUs
+when there are fewer), and under mpiexec (``DEEPEP_TEST_ONE_GPU_MPI=1``: processes sharing one GPU).
+
+Environment: ``DEEPEP_TEST_LOCAL_RANKS`` (default ``2,4,8``), ``DEEPEP_TEST_RANKS`` for mpiexec
+(default ``2``).
+"""
+
+import os
+
+import pytest
+from _harness import WORKERS, describe, records_by, run_mpi, run_python, script_constant, skip_unless_gpus_for_mpiexec
+
+WORKER = WORKERS / "low_latency_worker.py"
+CASES = script_constant(WORKER, "CASES")
+LOCAL_RANKS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8").split(",")]
+MPI_RANKS = [int(n) for n in os.environ.get("DEEPEP_TEST_RANKS", "2").split(",")]
+TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def local_runs():
+    cache = {}
+
+    def get(num_ranks):
+        if num_ranks not in cache:
+            cache[num_ranks] = run_python([WORKER, "--local", num_ranks], TIMEOUT_S)
+        return cache[num_ranks]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def mpi_runs():
+    cache = {}
+
+    def get(num_ranks):
+        skip_unless_gpus_for_mpiexec(num_ranks)
+        if num_ranks not in cache:
+            cache[num_ranks] = run_mpi(num_ranks, [WORKER], TIMEOUT_S)
+        return cache[num_ranks]
+
+    return get
+
+
+def _every_rank_passed(run, case, num_ranks):
+    entries = records_by(run.stdout, "case").get(case)
+    assert entries, f"no result for {case} with {num_ranks} ranks\n{describe(run)}"
+    assert sorted(e["rank"] for e in entries) == list(range(num_ranks)), entries
+    failed = [f"rank {e['rank']}: {e['error']}" for e in entries if not e["ok"]]
+    assert not failed, "\n".join(failed)
+    skipped = {e.get("skipped") for e in entries}
+    if skipped != {None}:
+        pytest.skip(f"{case} with {num_ranks} ranks: {sorted(map(str, skipped))}")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("num_ranks", LOCAL_RANKS)
+@pytest.mark.parametrize("case", CASES)
+def test_low_latency_with_in_process_ranks(local_runs, num_ranks, case):
+    _every_rank_passed(local_runs(num_ranks), case, num_ranks)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("num_ranks", LOCAL_RANKS)
+def test_the_in_process_worker_exits_cleanly(local_runs, num_ranks):
+    run = local_runs(num_ranks)
+    assert run.returncode == 0, describe(run)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("num_ranks", MPI_RANKS)
+@pytest.mark.parametrize("case", CASES)
+def test_low_latency_under_mpi(mpi_runs, num_ranks, case):
+    _every_rank_passed(mpi_runs(num_ranks), case, num_ranks)

@@ -1,0 +1,329 @@
+"""The low-latency path's host side on the CPU: sizes, argument checks, launches and outputs.
+
+A :class:`deepep_cupy.low_latency.LowLatencyPath` is built over fake device arrays and a fake
+buffer (tests/host_fakes.py); launches are recorded, not run. The GPU tests
+(tests/test_gpu_low_latency.py) run the same calls against the NumPy model.
+"""
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from host_fakes import FakeArray, FakeGroup, FakeLib, FakeMapped, FakeNvlBuffer, FakeOrder, fake_buffer, on_device
+
+import deepep_cupy as ep
+from deepep_cupy import kernels, launch, low_latency, slots, tensors
+from deepep_cupy.constants import ERROR_BAD_EXPERT_ID, KERNEL_STAGES, LL_DATA_OFFSET, LL_SIGNALS_END
+from deepep_cupy.low_latency import LowLatencyLayout, LowLatencyPath, get_low_latency_rdma_size_hint
+from deepep_cupy.slots import HostSlots
+
+R, E, M, H, K = 2, 8, 16, 512, 3
+L = E // R
+
+
+@pytest.fixture
+def path(monkeypatch):
+    lib = FakeLib()
+    monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
+    monkeypatch.setattr(kernels, "get_kernel", lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=0)))
+    log = []
+    monkeypatch.setattr(launch, "launch", lambda call, stream: log.append(
+        (call.name, stream, {name: getattr(call.params.values, name) for name in call.params.names})))
+    num_bytes = get_low_latency_rdma_size_hint(M, H, R, E)
+    nvl = FakeNvlBuffer(num_bytes)
+    host_slots = HostSlots(0, 5.0, in_process=False, mapped=FakeMapped())
+    order = FakeOrder()
+    order.shares_gpu = False
+    p = LowLatencyPath(peer_table_ptr=0xB0F, local_ptr=nvl.local_ptr, num_bytes=num_bytes, rank=0, num_ranks=R,
+                       device_id=0, order=order, slots=host_slots, timeout_s=5.0, num_sms=4,
+                       on_device=contextlib.nullcontext(), owner=nvl)
+    return SimpleNamespace(path=p, log=log, lib=lib, slots=host_slots, nvl=nvl)
+
+
+def inputs(num_tokens=5, hidden=H):
+    rng = np.random.default_rng(0)
+    x = on_device(rng.integers(0, 1 << 16, size=(num_tokens, hidden), dtype=np.uint16))
+    topk = on_device(rng.integers(-1, E, size=(num_tokens, K)).astype(np.int64))
+    weights = on_device(rng.random((num_tokens, K), dtype=np.float32))
+    return x, topk, weights
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+def test_the_size_hint_holds_the_layout_in_whole_2_mib():
+    hint = get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    layout = LowLatencyLayout(128, 7168, 8, 256)
+    assert hint % (2 << 20) == 0 and layout.bytes_needed <= hint < layout.bytes_needed + (2 << 20)
+    assert LowLatencyLayout(128, 7168, 8, 256, hint).fits
+    assert not LowLatencyLayout(129, 7168, 8, 256, hint).fits
+    assert ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == hint
+
+
+def test_the_size_hint_grows_with_tokens_hidden_and_experts_but_not_ranks():
+    # Every area is per (expert, source rank, token) or per (expert, token): L * R = E rows of M.
+    base = LowLatencyLayout(64, 4096, 4, 64).bytes_needed
+    assert LowLatencyLayout(64, 4096, 8, 64).bytes_needed == base
+    for bigger in ((128, 4096, 4, 64), (64, 8192, 4, 64), (64, 4096, 4, 128)):
+        assert LowLatencyLayout(*bigger).bytes_needed > base
+        assert get_low_latency_rdma_size_hint(*bigger) >= LowLatencyLayout(*bigger).bytes_needed
+
+
+def test_the_size_hint_refuses_experts_not_split_evenly():
+    with pytest.raises(ValueError, match="num_experts: expected a multiple of num_ranks=3"):
+        get_low_latency_rdma_size_hint(8, 128, 3, 8)
+    with pytest.raises(ValueError, match="hidden: expected a positive int"):
+        get_low_latency_rdma_size_hint(8, 0, 2, 8)
+
+
+def test_the_data_areas_follow_the_signals_at_places_only_the_buffer_size_sets():
+    num_bytes = get_low_latency_rdma_size_hint(M, H, R, E)
+    layout = LowLatencyLayout(M, H, R, E, num_bytes)
+    smaller = LowLatencyLayout(M // 2, H // 2, R, E // 2, num_bytes)
+    assert LL_SIGNALS_END <= LL_DATA_OFFSET == layout.dispatch_offset
+    area = layout.area_bytes
+    assert area >= L * R * M * layout.record_bytes and area >= E * M * H * 2 and area % 4096 == 0
+    assert (layout.combine_offset, layout.zero_copy_offset) == (LL_DATA_OFFSET + 2 * area, LL_DATA_OFFSET + 4 * area)
+    assert layout.zero_copy_offset + layout.zero_copy_bytes <= num_bytes
+    for name in ("dispatch_offset", "dispatch_half_bytes", "combine_offset", "combine_half_bytes", "zero_copy_offset"):
+        assert getattr(smaller, name) == getattr(layout, name)
+    assert layout.record_bytes % 16 == 0 and layout.record_bytes >= H * 2 + 4
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+
+def test_a_dispatch_is_one_launch_of_both_phases_writing_the_returned_arrays(path):
+    x, topk, _ = inputs()
+    recv_x, recv_count, handle, event, hook = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    assert hook is None and event.event is None
+    [(name, stream, params)] = path.log
+    assert name == "ll_dispatch_kernel" and params["phases"] == 3 and params["fp8_mode"] == 0
+    assert recv_x.shape == (L, R * M, H) and recv_x.dtype == np.uint16
+    assert recv_count.shape == (L,) and recv_count.dtype == np.int32
+    assert handle.src_info.shape == (L, R * M) and handle.src_info.dtype == np.int32
+    assert handle.layout_range.shape == (L, R) and handle.layout_range.dtype == np.int64
+    assert tuple(handle[2:]) == (M, H, E)
+    assert params["recv_x"] == recv_x.ctypes.data and params["recv_count"] == recv_count.ctypes.data
+    assert params["src_info"] == handle[0].ctypes.data and params["layout_range"] == handle[1].ctypes.data
+    assert params["x"] == x.ctypes.data and params["topk_idx"] == topk.ctypes.data
+    assert (params["num_tokens"], params["num_topk"], params["hidden"], params["num_max"]) == (5, K, H, M)
+    assert params["buffer_ptrs"] == 0xB0F and params["recv_scales"] == 0
+    assert params["cumulative_recv_stats"] == 0 and params["wait_recv_cost_stats"] == 0
+
+
+@pytest.mark.parametrize("round_scale, use_ue8m0, mode", [(False, False, 1), (True, False, 2), (False, True, 3),
+                                                         (True, True, 3)])
+def test_fp8_returns_e4m3_rows_and_column_major_scales(path, round_scale, use_ue8m0, mode):
+    x, topk, _ = inputs()
+    (data, scales), *_ = path.path.dispatch(x, topk, M, E, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    params = path.log[-1][2]
+    assert params["fp8_mode"] == mode and params["recv_scales"] == scales.ctypes.data
+    assert data.shape == (L, R * M, H) and data.dtype == np.uint8
+    groups = H // 128 // 4 if use_ue8m0 else H // 128
+    assert scales.shape == (L, R * M, groups)
+    assert scales.dtype == (np.int32 if use_ue8m0 else np.float32)
+    # column-major per expert: the rows of one group are contiguous
+    assert scales.strides == (groups * R * M * 4, 4, R * M * 4)
+
+
+def test_the_statistics_tensors_are_passed_to_the_kernel(path):
+    x, topk, _ = inputs()
+    cumulative = on_device(np.zeros(L, np.int32))
+    wait = on_device(np.zeros(R, np.int64))
+    path.path.dispatch(x, topk, M, E, cumulative_local_expert_recv_stats=cumulative,
+                       dispatch_wait_recv_cost_stats=wait)
+    params = path.log[-1][2]
+    assert params["cumulative_recv_stats"] == cumulative.ctypes.data
+    assert params["wait_recv_cost_stats"] == wait.ctypes.data
+
+
+def test_with_a_hook_the_call_sends_and_the_hook_receives_into_the_same_arrays(path):
+    x, topk, _ = inputs()
+    recv_x, recv_count, handle, _, hook = path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
+    assert [(n, p["phases"]) for n, _, p in path.log] == [("ll_dispatch_kernel", 1)]
+    hook()
+    (_, _, send), (_, _, receive) = path.log
+    assert receive["phases"] == 2
+    per_call = ("recv_x", "recv_count", "src_info", "layout_range", "x", "topk_idx", "num_tokens")
+    assert all(send[k] == receive[k] for k in per_call) and receive["recv_x"] == recv_x.ctypes.data
+    with pytest.raises(RuntimeError, match="called already"):
+        hook()
+
+
+def test_repeated_calls_launch_identical_parameters_so_a_captured_call_replays_alike(path):
+    # Which half of the buffer a call uses and its epoch are counted on the device, not passed.
+    x, topk, weights = inputs()
+    first = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    path.path.dispatch(x, topk, M, E, use_fp8=False)
+    out = on_device(np.zeros((5, H), np.uint16))
+    path.path.combine(first[0], topk, weights, first[2], out=out)
+    path.path.combine(first[0], topk, weights, first[2], out=out)
+    (_, _, a), (_, _, b) = path.log[:2]
+    assert {k: v for k, v in a.items() if k not in ("recv_x", "recv_count", "src_info", "layout_range")} == \
+        {k: v for k, v in b.items() if k not in ("recv_x", "recv_count", "src_info", "layout_range")}
+    assert path.log[2][2] == path.log[3][2]
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(x=on_device(np.zeros((5, H), np.float32))), TypeError, "x: expected dtype bfloat16, got float32"),
+    (dict(x=np.zeros((5, H), np.uint16)), TypeError, "x: expected a device array"),
+    (dict(topk=on_device(np.zeros((5, K), np.int32))), TypeError, "topk_idx: expected dtype int64"),
+    (dict(num_max=4), ValueError, "x: 5 tokens, more than num_max_dispatch_tokens_per_rank=4"),
+    (dict(num_experts=7), ValueError, "num_experts: expected a multiple of the rank count 2"),
+    (dict(num_max=4096), ValueError, r"num_rdma_bytes: .* need .*get_low_latency_rdma_size_hint\(4096"),
+    (dict(x=on_device(np.zeros((5, 200), np.uint16))), ValueError, "x: FP8 casts need hidden a multiple of 128"),
+    (dict(x=on_device(np.zeros((5, 384), np.uint16)), use_ue8m0=True), ValueError, "multiple of 512"),
+    (dict(x=on_device(np.zeros((5, 100), np.uint16)), use_fp8=False), ValueError, "multiple of 8"),
+    (dict(topk=on_device(np.zeros((4, K), np.int64))), ValueError, r"topk_idx: expected one row per token of x \(5\)"),
+    (dict(cumulative=on_device(np.zeros(L + 1, np.int32))), ValueError,
+     "cumulative_local_expert_recv_stats: expected shape"),
+    (dict(cumulative=on_device(np.zeros(L, np.int64))), TypeError,
+     "cumulative_local_expert_recv_stats: expected dtype int32"),
+    (dict(wait=on_device(np.zeros(R, np.int32))), TypeError, "dispatch_wait_recv_cost_stats: expected dtype int64"),
+])
+def test_bad_dispatch_arguments_are_refused_before_any_launch(path, change, error, message):
+    x, topk, _ = inputs()
+    args = dict(x=x, topk=topk, num_max=M, num_experts=E, use_fp8=True, use_ue8m0=False, cumulative=None, wait=None)
+    args.update(change)
+    with pytest.raises(error, match=message):
+        path.path.dispatch(args["x"], args["topk"], args["num_max"], args["num_experts"],
+                           cumulative_local_expert_recv_stats=args["cumulative"],
+                           dispatch_wait_recv_cost_stats=args["wait"], use_fp8=args["use_fp8"],
+                           use_ue8m0=args["use_ue8m0"])
+    assert path.log == []
+
+
+def test_a_bad_expert_id_the_kernel_reported_is_raised_by_the_next_call_which_then_works(path):
+    x, topk, _ = inputs()
+    record = path.slots.values[slots.ERROR_RECORD:slots.ERROR_RECORD + 6]
+    record[:] = [ERROR_BAD_EXPERT_ID, 9, 0, -1, -1, 11]
+    with pytest.raises(ValueError, match=r"topk_idx: rank 0 passed expert ids outside \[-1, num_experts\) \(such"):
+        path.path.dispatch(x, topk, M, E)
+    assert path.log == []
+    path.path.dispatch(x, topk, M, E)
+    assert len(path.log) == 1
+
+
+def test_the_low_latency_stages_have_names():
+    assert [KERNEL_STAGES[i] for i in (9, 10, 11, 12)] == [
+        "low-latency dispatch send", "low-latency dispatch receive", "low-latency combine send",
+        "low-latency combine receive"]
+
+
+# --- combine -------------------------------------------------------------------------------------
+
+def test_a_combine_is_one_launch_reading_the_handle_and_writing_the_output(path):
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    combined, event, hook = path.path.combine(recv_x, topk, weights, handle)
+    assert hook is None and combined.shape == (5, H) and combined.dtype == np.uint16
+    name, _, params = path.log[-1]
+    assert name == "ll_combine_kernel" and params["phases"] == 3
+    assert params["combined_x"] == combined.ctypes.data and params["x"] == recv_x.ctypes.data
+    assert params["src_info"] == handle.src_info.ctypes.data
+    assert params["layout_range"] == handle.layout_range.ctypes.data
+    assert params["topk_weights"] == weights.ctypes.data and params["num_topk"] == K and params["num_tokens"] == 5
+
+
+def test_a_combine_writes_into_out_when_given_and_hooks_its_receive(path):
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    out = on_device(np.zeros((5, H), np.uint16))
+    combined, _, hook = path.path.combine(recv_x, topk, weights, handle, out=out, return_recv_hook=True)
+    assert combined is out and path.log[-1][2]["phases"] == 1
+    hook()
+    assert path.log[-1][2]["phases"] == 2 and path.log[-1][2]["combined_x"] == out.ctypes.data
+
+
+def test_a_zero_copy_combine_sends_the_rows_written_into_the_next_combine_buffer(path):
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    area = path.path.next_combine_buffer(handle)
+    assert area.shape == (L, R * M, H) and area.dtype == np.uint16
+    layout = LowLatencyLayout(M, H, R, E, path.nvl.num_bytes)
+    assert area.ctypes.data == path.nvl.local_ptr + layout.zero_copy_offset
+    path.path.combine(recv_x, topk, weights, handle, zero_copy=True)
+    assert path.log[-1][2]["x"] == area.ctypes.data
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(use_logfmt=True), ValueError, "use_logfmt=True: LogFMT-compressed combine is not implemented"),
+    (dict(handle=(1, 2, 3)), TypeError, "handle: expected the handle returned by low_latency_dispatch"),
+    (dict(x=on_device(np.zeros((L, R * M, H + 8), np.uint16))), ValueError, "x: expected shape"),
+    (dict(x=on_device(np.zeros((L, R * M, H), np.float32))), TypeError, "x: expected dtype bfloat16"),
+    (dict(weights=on_device(np.zeros((5, K), np.float64))), TypeError, "topk_weights: expected dtype float32"),
+    (dict(weights=on_device(np.zeros((4, K), np.float32))), ValueError, "topk_weights/out: expected 5 rows"),
+    (dict(out=on_device(np.zeros((5, H), np.float32))), TypeError, "out: expected dtype bfloat16"),
+])
+def test_bad_combine_arguments_are_refused_before_any_launch(path, change, error, message):
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    args = dict(x=recv_x, topk=topk, weights=weights, handle=handle, use_logfmt=False, out=None)
+    args.update(change)
+    launches = len(path.log)
+    with pytest.raises(error, match=message):
+        path.path.combine(args["x"], args["topk"], args["weights"], args["handle"], use_logfmt=args["use_logfmt"],
+                          out=args["out"])
+    assert len(path.log) == launches
+
+
+# --- the Buffer's surface -----------------------------------------------------------------------
+
+def test_a_buffer_without_low_latency_mode_refuses_the_low_latency_calls(monkeypatch):
+    buf, _, _ = fake_buffer(monkeypatch)
+    x, topk, _ = inputs()
+    with pytest.raises(ValueError, match="low_latency_mode: this Buffer was created without low_latency_mode=True"):
+        buf.low_latency_dispatch(x, topk, M, E)
+    with pytest.raises(ValueError, match="low_latency_mode"):
+        buf.clean_low_latency_buffer(M, H, E)
+
+
+def test_a_low_latency_buffer_without_nvlink_bytes_refuses_the_normal_calls(monkeypatch):
+    buf, _, _ = fake_buffer(monkeypatch)
+    buf.num_nvl_bytes = 0
+    with pytest.raises(ValueError, match="dispatch: this Buffer has no NVLink buffer"):
+        buf._config(None, "dispatch")
+
+
+def test_a_low_latency_buffer_takes_zero_nvlink_bytes_and_positive_rdma_bytes():
+    buf = ep.Buffer.__new__(ep.Buffer)
+    buf._set_up_host(FakeGroup(0, 2), 0, 5.0, 0, True, low_latency_mode=True)
+    assert buf.num_nvl_bytes == 0
+    with pytest.raises(ValueError, match="num_rdma_bytes: expected a positive int with low_latency_mode=True"):
+        ep.Buffer(object(), 0, 0, low_latency_mode=True)
+
+
+def test_the_module_names_are_exported():
+    assert low_latency.get_low_latency_rdma_size_hint is get_low_latency_rdma_size_hint
+    assert {"LowLatencyPath", "LowLatencyHandle", "get_low_latency_rdma_size_hint"} <= set(low_latency.__all__)
+
+
+def _imports_of(module) -> set:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_the_low_latency_path_knows_no_buffer_and_its_model_is_pure_numpy():
+    from deepep_cupy import low_latency_reference
+
+    assert not {".buffer", ".dispatch_path", ".combine_path"} & _imports_of(low_latency)
+    assert _imports_of(low_latency_reference) <= {"__future__", "typing", "numpy", ".constants", ".reference"}
+
+
+def test_plans_are_kept_per_kind_of_arguments_and_forgotten_past_a_bound(path, monkeypatch):
+    x, topk, _ = inputs()
+    path.path.dispatch(x, topk, M, E)
+    path.path.dispatch(x, topk, M, E)
+    assert len(path.path._dispatch_plans) == 1
+    monkeypatch.setattr(low_latency, "MAX_PLANS", 1)
+    path.path.dispatch(x, topk, M, E, use_fp8=False)
+    assert len(path.path._dispatch_plans) == 1 and len(path.log) == 3
