@@ -1,8 +1,9 @@
 """Finding and compiling the project's CUDA kernels, and what the host knows of their parameters.
 
 The CUDA C++ sources live in ``kernels/`` (shipped in the wheel as ``deepep_cupy/_kernels``).
-Each ``.cu`` file is one stage; its template instances are listed in :data:`SOURCES` and
-compiled by ``cupy.RawModule(name_expressions=...)`` for the device's own architecture. Local
+Each ``.cu`` file is one stage; its template instances are listed in :data:`SOURCES`, and each
+instance is a module of its own, compiled by ``cupy.RawModule(name_expressions=...)`` for the
+device's own architecture (:func:`warm_up` compiles those a Buffer needs in threads at once). Local
 ``#include "x.cuh"`` lines are inlined here, before compiling, so that CuPy's on-disk kernel
 cache (keyed by the source text) sees header edits too; ``constants.cuh`` is not a file but
 :func:`deepep_cupy.constants.cuda_header`, the numbers the host shares with the kernels.
