@@ -15,7 +15,9 @@ NVRTC mode (no GPU needed): compiles the instances such a Buffer compiles
 (``kernels.warm_up_instances(ranks, every_instance=True)``; ``--hot-path``: those of one rank per
 GPU) with NVRTC alone for ``sm_<arch>``, with the options CuPy adds to ``kernels.NVRTC_OPTIONS``,
 first one at a time, then in ``kernels.compile_threads()`` threads at once, and prints the
-seconds of each instance and of both ways.
+seconds (wall and CPU) of each instance and of both ways. On a busy machine the CPU seconds are
+the steadier figures: their sum is a serial compile's time, the longest one the least a compile
+in threads can take.
 """
 import argparse
 import json
@@ -26,6 +28,9 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's deepep_cupy first
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--ranks", type=int, default=2)
@@ -107,9 +112,10 @@ def nvrtc_mode() -> None:
     # What cupy.RawModule adds to our options (cupy/cuda/compiler.py); -arch=sm_ gives a cubin.
     options = [*kernels.NVRTC_OPTIONS, "-ftz=true", f"-arch=sm_{args.arch}", "--device-as-default-execution-space"]
 
-    def compile_one(expression: str) -> float:
+    def compile_one(expression: str):
+        """(wall seconds, this thread's CPU seconds) of one instance's compile."""
         file_name = kernels.source_of(expression)
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.thread_time()
         program = nvrtc.createProgram(kernels.read_source(file_name), file_name, [], [])
         try:
             nvrtc.addNameExpression(program, expression)
@@ -118,7 +124,7 @@ def nvrtc_mode() -> None:
             nvrtc.getCUBIN(program)
         finally:
             nvrtc.destroyProgram(program)
-        return time.perf_counter() - begin
+        return time.perf_counter() - begin, time.thread_time() - begin_cpu
 
     instances = kernels.warm_up_instances(args.ranks, every_instance=not args.hot_path)
     threads = args.threads or kernels.compile_threads()
@@ -127,15 +133,17 @@ def nvrtc_mode() -> None:
           f"{os.cpu_count()} CPUs", flush=True)
     compile_one("dispatch_layout_kernel")  # NVRTC's own start, paid once either way
     begin = time.perf_counter()
+    cpu = {}
     for expression in instances:
-        print(f"  {expression:36s} {compile_one(expression):.2f} s", flush=True)
+        wall, cpu[expression] = compile_one(expression)
+        print(f"  {expression:36s} {wall:.2f} s (CPU {cpu[expression]:.2f} s)", flush=True)
     one_by_one = time.perf_counter() - begin
     begin = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(compile_one, instances))
     at_once = time.perf_counter() - begin
-    print(f"one at a time: {one_by_one:.2f} s; in {threads} threads at once: {at_once:.2f} s")
-
+    print(f"one at a time: {one_by_one:.2f} s (CPU {sum(cpu.values()):.2f} s); in {threads} threads at once: "
+          f"{at_once:.2f} s; the longest instance alone: CPU {max(cpu.values()):.2f} s")
 
 if args.child:
     print(json.dumps(one_run()))
