@@ -25,7 +25,7 @@ class StubBuilds:
     serial warm-up never reaches ``meet``; with ``twin_wait_s`` every build waits that long for a
     second build of its instance, so two builds of one instance that may overlap do."""
 
-    def __init__(self, monkeypatch, threads: int, meet: int = 1, fail: str = "", meet_timeout_s: float = 0.5,
+    def __init__(self, monkeypatch, threads: int, meet: int = 1, fail: str = "", meet_timeout_s: float = 2.0,
                  twin_wait_s: float = 0.0):
         self.built = []
         self.running = []  # (thread, instance) of the builds in progress
