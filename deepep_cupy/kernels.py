@@ -1,8 +1,9 @@
 """Finding and compiling the project's CUDA kernels, and what the host knows of their parameters.
 
 The CUDA C++ sources live in ``kernels/`` (shipped in the wheel as ``deepep_cupy/_kernels``).
-Each ``.cu`` file is one stage; its template instances are listed in :data:`SOURCES` and
-compiled by ``cupy.RawModule(name_expressions=...)`` for the device's own architecture. Local
+Each ``.cu`` file is one stage; its template instances are listed in :data:`SOURCES`, and each
+instance is a module of its own, compiled by ``cupy.RawModule(name_expressions=...)`` for the
+device's own architecture (:func:`warm_up` compiles those a Buffer needs in threads at once). Local
 ``#include "x.cuh"`` lines are inlined here, before compiling, so that CuPy's on-disk kernel
 cache (keyed by the source text) sees header edits too; ``constants.cuh`` is not a file but
 :func:`deepep_cupy.constants.cuda_header`, the numbers the host shares with the kernels.
@@ -18,6 +19,7 @@ import functools
 import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
 
@@ -94,8 +96,14 @@ def source_of(name_expression: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Run-time compilation (needs a GPU)
 
+#: At most this many kernel instances compile at once (an NVRTC compile holds 100-150 MB of host memory).
+MAX_COMPILE_THREADS = 16
+
 _functions: Dict[Tuple[int, str], object] = {}
-_functions_lock = threading.Lock()
+# One lock per instance, not per device: ranks of one process on several GPUs wait for the first
+# build of an instance and then find it in CuPy's disk cache instead of compiling it again.
+_build_locks: Dict[str, threading.Lock] = {}
+_build_locks_lock = threading.Lock()
 
 
 def get_kernel(name_expression: str):
@@ -104,20 +112,57 @@ def get_kernel(name_expression: str):
     Each instance is its own module, compiled on first use (CuPy caches the binary on disk), so
     a 2-rank job never pays for the 8-rank instances.
     """
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), name_expression)
+    key = (_current_device(), name_expression)
     function = _functions.get(key)
     if function is None:
-        with _functions_lock:
+        with _build_lock(name_expression):
             function = _functions.get(key)
             if function is None:
-                module = cupy.RawModule(code=read_source(source_of(name_expression)), options=NVRTC_OPTIONS,
-                                        name_expressions=(name_expression,))
-                function = module.get_function(name_expression)
-                _load_now(function.kernel.ptr)
-                _functions[key] = function
+                function = _functions[key] = _build(name_expression)
     return function
+
+
+def _build_lock(name_expression: str) -> threading.Lock:
+    with _build_locks_lock:
+        return _build_locks.setdefault(name_expression, threading.Lock())
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def _use_device(device: int) -> None:
+    """Make ``device`` current in this thread (a compile thread's own: nothing to restore after)."""
+    import cupy
+
+    cupy.cuda.runtime.setDevice(device)
+
+
+def _build(name_expression: str):
+    """Compile (or read from CuPy's disk cache) and load one instance on the current device."""
+    import cupy
+
+    module = cupy.RawModule(code=read_source(source_of(name_expression)), options=NVRTC_OPTIONS,
+                            name_expressions=(name_expression,))
+    function = module.get_function(name_expression)
+    _load_now(function.kernel.ptr)
+    return function
+
+
+def compile_threads() -> int:
+    """How many instances :func:`warm_up` compiles at once: one per CPU this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_COMPILE_THREADS))
+
+
+def _get_kernel_on(device: int, name_expression: str) -> None:
+    _use_device(device)
+    get_kernel(name_expression)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,27 +192,50 @@ def _load_now(function_ptr: int) -> None:
         raise KernelBuildError(f"deepep_cupy: cuFuncLoad failed with CUresult {status}")
 
 
+def warm_up_instances(num_ranks: int, every_instance: bool = False) -> Tuple[str, ...]:
+    """The instances :func:`warm_up` loads, those that take longest to compile first.
+
+    What a ``num_ranks`` group uses on its hot path: the untemplated kernels, dispatch and the BF16
+    combine; with ``every_instance`` also the other instances of its rank count (strided FP8
+    scales, rows in place, the other combine dtypes, combine in place) and the optional kernels.
+    """
+    dispatch = [name_expression("dispatch_kernel", (num_ranks,))]
+    combine = [name_expression("combine_kernel", (COMBINE_DTYPES["bfloat16"], num_ranks))]
+    if every_instance:
+        dispatch += [name_expression("dispatch_kernel", args)
+                     for args in ((num_ranks, "true"), (num_ranks, "false", "true"), (num_ranks, "true", "true"))]
+        combine = [name_expression("combine_kernel", (element, num_ranks) + in_place)
+                   for in_place in ((), ("true",)) for element in COMBINE_DTYPES.values()]
+    untemplated = [expression for expressions in SOURCES.values() for expression in expressions
+                   if "<" not in expression and (every_instance or expression not in OPTIONAL_KERNELS)]
+    untemplated.sort(key=lambda expression: expression == "dispatch_layout_kernel")  # the quickest, last
+    return tuple(dispatch + combine + untemplated)
+
+
 def warm_up(num_ranks: int, every_instance: bool = False) -> None:
-    """Compile (or load from CuPy's cache) what a ``num_ranks`` group uses on its hot path:
-    the untemplated kernels, dispatch and the BF16 combine; the other instances (strided FP8
-    scales, other combine dtypes) and the optional kernels compile on first use, unless
-    ``every_instance``.
+    """Compile (or load from CuPy's cache) what a ``num_ranks`` group uses on its hot path
+    (:func:`warm_up_instances`); the other instances and the optional kernels compile on first
+    use, unless ``every_instance``.
 
     Ranks that share a GPU need ``every_instance``: loading a module waits for the kernels running
     on the device, among them a co-located peer's that waits for this rank (see :func:`_load_now`).
+
+    The instances missing from this process build in :func:`compile_threads` threads at once:
+    NVRTC compiles one instance on one CPU core and runs without the GIL, so an empty kernel
+    cache costs about the longest compile rather than the sum of all of them. Instances already
+    loaded on this device cost a dictionary look-up each, and no thread is started.
     """
-    for expressions in SOURCES.values():
-        for expression in expressions:
-            if "<" not in expression and (every_instance or expression not in OPTIONAL_KERNELS):
-                get_kernel(expression)
-    get_kernel(name_expression("dispatch_kernel", (num_ranks,)))
-    get_kernel(name_expression("combine_kernel", (COMBINE_DTYPES["bfloat16"], num_ranks)))
-    if every_instance:
-        for template_args in ((num_ranks, "true"), (num_ranks, "false", "true"), (num_ranks, "true", "true")):
-            get_kernel(name_expression("dispatch_kernel", template_args))
-        for element in COMBINE_DTYPES.values():
-            get_kernel(name_expression("combine_kernel", (element, num_ranks)))
-            get_kernel(name_expression("combine_kernel", (element, num_ranks, "true")))
+    device = _current_device()
+    missing = [e for e in warm_up_instances(num_ranks, every_instance) if (device, e) not in _functions]
+    threads = min(len(missing), compile_threads())
+    if threads <= 1:
+        for expression in missing:
+            get_kernel(expression)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="deepep_cupy-compile") as pool:
+        builds = [pool.submit(_get_kernel_on, device, expression) for expression in missing]
+    for build in builds:
+        build.result()  # the first failure, if any, once every build has ended
 
 
 # ---------------------------------------------------------------------------------------------

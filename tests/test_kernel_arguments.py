@@ -151,17 +151,3 @@ def test_kernel_dir_can_be_overridden(tmp_path, monkeypatch):
     (tmp_path / "common.cuh").write_text("// stand-in\n")
     monkeypatch.setenv("DEEPEP_CUPY_KERNEL_DIR", str(tmp_path))
     assert kernels.kernel_dir() == tmp_path
-
-
-def test_ranks_sharing_a_gpu_compile_every_instance_up_front(monkeypatch):
-    # Loading a module mid-run waits for co-located peers' kernels: nothing may be left for first use.
-    loaded = []
-    monkeypatch.setattr(kernels, "get_kernel", loaded.append)
-    kernels.warm_up(4)
-    assert "dispatch_kernel<4>" in loaded and "dispatch_kernel<4, true>" not in loaded
-    loaded.clear()
-    kernels.warm_up(4, every_instance=True)
-    every = {e for expressions in kernels.SOURCES.values() for e in expressions
-             if "<" not in e or "4" in e[e.index("<") + 1:-1].split(", ")}
-    assert {"dispatch_kernel<4, false, true>", "combine_kernel<float, 4>"} <= every
-    assert every <= set(loaded)

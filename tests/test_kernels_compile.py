@@ -9,6 +9,7 @@ compile fails CI even though CI has no GPU.
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _harness import skip_or_fail
@@ -72,6 +73,22 @@ def test_source_compiles_for_sm90(file_name):
     assert all(lowered.values()), lowered
     assert cubin_size > 0, f"{file_name}: empty CUBIN"
 
+
+
+def test_instances_compiled_in_threads_at_once_match_those_compiled_one_by_one():
+    # kernels.warm_up compiles the instances a Buffer needs in threads at once (NVRTC runs without the GIL).
+    nvrtc = _nvrtc()
+    jobs = [("notify.cu", ["barrier_kernel"]), ("expand.cu", ["expand_kernel"]),
+            ("layout.cu", ["dispatch_layout_kernel"])]
+
+    def compile_job(job):
+        file_name, expressions = job
+        return _compile(nvrtc, file_name, kernels.read_source(file_name), expressions)
+
+    one_by_one = [compile_job(job) for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        at_once = list(pool.map(compile_job, jobs))
+    assert at_once == one_by_one
 
 #: Kernels outside the library, compiled by the benchmark or a probe script with cupy.RawModule /
 #: RawKernel (extern "C", so each is named as written).
