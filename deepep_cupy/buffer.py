@@ -1,12 +1,13 @@
-"""Buffer: the user API of intranode expert-parallel dispatch and combine.
+"""Buffer: the user API of expert-parallel dispatch and combine.
 
-The methods read as the protocol (docs/DESIGN.md): order the call after the caller's stream,
-exchange counts or check and reset, allocate the outputs, move the tokens, hand the caller its
-results. The work under them lives in small modules: argument checks and their cached specs
-(``plans``), array libraries (``tensors``), kernel launches with bound arguments (``launch``),
-the host-mapped slots and their errors (``slots``), stream ordering (``streams``), the handle
-(``handle``), the NVLink buffers (``ipc``), the three ways of dispatching (``dispatch_path``) and
-the two of combining (``combine_path``).
+A facade that owns its paths as objects with explicit inputs: the intranode dispatch path
+(``dispatch_path.DispatchPath``: layout, fresh, ``num_worst_tokens`` and cached dispatch), the
+intranode combine path (``combine_path.CombinePath``), both given the Buffer's
+``operation_context.OperationContext`` (group, NVLink buffer, slots, stream order, plans); the
+internode path (``internode.InternodePath``) when the group spans nodes; the low-latency path
+(``low_latency.LowLatencyPath``) with ``low_latency_mode``. The Buffer checks the arguments every
+path shares (config, the Buffer's state), routes each call to its path and owns the GPU resources'
+lifetime; no path imports it.
 
 Per call a Buffer reads its arguments natively (:func:`deepep_cupy.tensors.read`) and looks up
 the plan made for arguments of those kinds; only a call with new kinds of arguments runs the
@@ -15,99 +16,30 @@ checks, compiles or loads kernels and binds their fixed arguments.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import compat, kernels, plans, slots, tensors
-from .capacity import ReceiveCapacityGuess
+from . import compat, kernels, slots, tensors
 from .combine_path import CombinePath
 from .comm import Group, as_group
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
 from .constants import HOST_FAILED_ALLOCATION, HOST_FAILED_EXCEPTION, HOST_FAILURES, MAX_RANKS
 from .dispatch_path import DispatchPath
-from .errors import DeepEPError, RankMismatchError
+from .errors import RankMismatchError
 from .events import EventOverlap
 from .handle import DispatchHandle
 from .ipc import NvlBuffer
-from .launch import KernelCall, parameter_struct
 from .low_latency import LowLatencyPath, get_low_latency_rdma_size_hint
-from .next_outputs import NextOutputs
-from .slots import ERROR_RECORD, HostSlots
+from .operation_context import OperationContext
+from .slots import HostSlots
 from .sm_budget import check_sm_budget
 from .streams import StreamOrder
-from .tensors import read
 
 __all__ = ["Buffer", "DispatchHandle"]
 
-#: Plans a Buffer keeps before it forgets them all (a model uses a handful).
-MAX_PLANS = 256
-_NO_CONTEXT = contextlib.nullcontext()
-
-
-class _DeviceScope:
-    """Makes the Buffer's GPU current for the duration of a call (nothing to do when it is)."""
-
-    def __init__(self, device_id: int):
-        from cupy.cuda import runtime
-
-        self.device_id = device_id
-        self._runtime = runtime
-        self._previous: List[int] = []
-
-    def __enter__(self):
-        current = self._runtime.getDevice()
-        if current != self.device_id:
-            self._runtime.setDevice(self.device_id)
-        self._previous.append(current)
-
-    def __exit__(self, *exc):
-        previous = self._previous.pop()
-        if previous != self.device_id:
-            self._runtime.setDevice(previous)
-
-
-class _OrderedCall:
-    """The span of one operation's GPU work, from :meth:`Buffer._begin`: entering gives the call
-    itself, which unpacks as ``(caller's stream, stream to run on)``. The operation sets
-    ``launched`` before its first kernel that meets other ranks and ``settled`` once what the call
-    does on every rank no longer depends on this host (its kernels are queued and, for a host that
-    waits for the counts, its verdict is in). Leaving by an exception tells the stream order that
-    kernels may be queued already (``StreamOrder.abandon``), so that destroy() and the next call
-    come after them; and when the call had launched such kernels but was not settled, or was
-    interrupted at any point after its launch, the rank gives up on the Buffer (``give_up``), so
-    that its peers stop at once, naming it, instead of waiting out their timeout. Exceptions the
-    ranks raise together (``DeepEPError``) need none of that. One per Buffer, reused by each call
-    (a Buffer's calls never nest)."""
-
-    __slots__ = ("_order", "_give_up", "caller", "run_on", "launched", "settled")
-
-    def __init__(self, order: StreamOrder, give_up):
-        self._order = order
-        self._give_up = give_up
-        self.caller = self.run_on = 0
-        self.launched = self.settled = False
-
-    def __iter__(self):
-        return iter((self.caller, self.run_on))
-
-    def __enter__(self) -> "_OrderedCall":
-        return self
-
-    def __exit__(self, exc_type, exc, traceback) -> bool:
-        launched, settled = self.launched, self.settled
-        self.launched = self.settled = False
-        if exc_type is not None:
-            self._order.abandon(self.run_on)
-            if launched and not issubclass(exc_type, DeepEPError) \
-                    and (not settled or not issubclass(exc_type, Exception)):
-                self._give_up(exc)
-        return False
-
-
-class Buffer(DispatchPath, CombinePath):
+class Buffer:
     """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
 
     Created collectively by every rank of the group, one rank per GPU (or, in one process, one
@@ -275,17 +207,6 @@ class Buffer(DispatchPath, CombinePath):
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         self._group: Group = as_group(group)
         self.group = group
-        # Whether a plan made views of the NVLink buffer (rows in place): from then on the inputs
-        # of every call are checked against it (_refuse_buffer_rows).
-        self._rows_in_buffer_used = False
-        # The handle of the dispatch whose rows in place the buffer's areas hold (None once any
-        # other dispatch or a combine that sends has overwritten them): a combine in place reads them.
-        self._rows_in_buffer_of = None
-        # A fresh dispatch with rows in place or with outputs ready may make its count exchange in
-        # the transfer kernel (one launch): not for in-process ranks, which wait for the counts
-        # through an event recorded after a count exchange of its own
-        # (DispatchPath._exchange_and_transfer).
-        self._exchange_in_transfer = not self._group.in_process
         self.rank = self._group.rank
         self.num_ranks = self.group_size = self._group.size
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -294,21 +215,32 @@ class Buffer(DispatchPath, CombinePath):
         self.explicitly_destroy = False
         self.timeout_s = float(timeout_s)
         self.device_id = device_id = compat.resolve_device(device, self._group)
-        self.allocate_ahead = bool(allocate_ahead)
-        self.last_dispatch_allocation: Optional[str] = None
-        self.last_dispatch_rows_allocated: Optional[int] = None
         self._nvl: Optional[NvlBuffer] = None
         self._low_latency: Optional[LowLatencyPath] = None
         self._slots: Optional[HostSlots] = None
         self._order: Optional[StreamOrder] = None
-        self._capacity_guess = ReceiveCapacityGuess()
-        self._next_outputs = NextOutputs()
-        self._plans: Dict[tuple, plans.Plan] = {}
-        self._expand_calls: Dict[tuple, KernelCall] = {}
         self._default_configs: Dict[tuple, Config] = {}
         self._checked_sms: set = set()
-        self._on_device = _DeviceScope(device_id)
-        self._context = plans.Context(self.num_ranks, device_id, self.num_nvl_bytes)
+        self._ctx = OperationContext(self._group, device_id, self.timeout_s, self.num_nvl_bytes)
+        self._on_device: Any = self._ctx.on_device
+        self._dispatch = DispatchPath(self._ctx, allocate_ahead)
+        self._combine = CombinePath(self._ctx)
+
+    @property
+    def allocate_ahead(self) -> bool:
+        return self._dispatch.allocate_ahead
+
+    @allocate_ahead.setter
+    def allocate_ahead(self, value: bool) -> None:
+        self._dispatch.allocate_ahead = bool(value)
+
+    @property
+    def last_dispatch_allocation(self) -> Optional[str]:
+        return self._dispatch.last_dispatch_allocation
+
+    @property
+    def last_dispatch_rows_allocated(self) -> Optional[int]:
+        return self._dispatch.last_dispatch_rows_allocated
 
     # -----------------------------------------------------------------------------------------
     # DeepEP's static names
@@ -450,17 +382,11 @@ class Buffer(DispatchPath, CombinePath):
     # Set-up
 
     def _attach(self, host_slots: HostSlots, order: StreamOrder, peer_table_ptr: int) -> None:
-        """Take the slots and the stream order; bind the arguments every kernel shares (see _bind)."""
+        """Take the slots and the stream order, and give them, with the NVLink buffer, to the
+        operations' context (which binds the arguments every kernel shares)."""
         self._slots = host_slots
         self._order = order
-        self._ordered_call = _OrderedCall(order, self._give_up)
-        self._shared_args = dict(buffer_ptrs=peer_table_ptr, num_ranks=self.num_ranks, rank=self.rank,
-                                 timeout_ns=int(self.timeout_s * 1e9),
-                                 error_record=host_slots.device_ptr(ERROR_RECORD))
-        # Where notify_dispatch publishes the counts and verdict of a dispatch whose host waits for them.
-        self._host_counts = dict(recv_counter=host_slots.device_ptr(slots.RECV_COUNT),
-                                 mismatch_flag=host_slots.device_ptr(slots.VERDICT),
-                                 recv_expert_counter=host_slots.device_ptr(slots.EXPERT_COUNTS), report_refusal=0)
+        self._ctx.attach(self._nvl, host_slots, order, peer_table_ptr, self._give_up)
 
     def _give_up(self, failure: BaseException) -> None:
         """This rank's host failed after its call launched kernels that meet the other ranks: mark
@@ -552,8 +478,8 @@ class Buffer(DispatchPath, CombinePath):
             if self._slots is not None:
                 self._slots.free()
                 self._slots.failed = "the Buffer was destroyed"
-            self._plans.clear()
-            self._next_outputs.drop()
+            self._ctx.plans.clear()
+            self._dispatch.forget()
 
     def __enter__(self) -> "Buffer":
         return self
@@ -602,40 +528,6 @@ class Buffer(DispatchPath, CombinePath):
             self._checked_sms.add(config.num_sms)
         return config
 
-    def _bind(self, kernel: str, template_args: Tuple[object, ...] = (), *, grid: int, shared_mem: int = 0,
-              per_call: Tuple[str, ...] = (), **fixed) -> KernelCall:
-        """A kernel call with the Buffer's shared arguments (those the kernel names) and ``fixed``
-        bound, launched by ``run`` with ``per_call``'s values (launch.KernelCall)."""
-        names = {name for name, _ in parameter_struct(kernel)._fields_}
-        shared = {name: value for name, value in self._shared_args.items() if name in names}
-        return KernelCall(kernel, template_args, grid=grid, shared_mem=shared_mem, per_call=per_call, **shared,
-                          **fixed)
-
-    def _plan(self, key: tuple, build, *args) -> plans.Plan:
-        """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan."""
-        with self._on_device:
-            plan = build(*args)
-        if len(self._plans) >= MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
-
-    def _begin(self, lib, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool) -> _OrderedCall:
-        """Order the call after the caller's work (see deepep_cupy/streams.py); the call's GPU work
-        goes in ``with self._begin(...) as (caller's stream, stream to run on):``."""
-        call = self._ordered_call
-        call.caller = caller = lib.current_stream(self.device_id)
-        call.run_on = self._order.begin(caller, previous_event, async_finish or allocate_on_comm_stream, self.rank)
-        return call
-
-    def _allocating(self, lib, on_comm_stream: bool):
-        return lib.allocating_on(self._order.stream, self.device_id) if on_comm_stream else _NO_CONTEXT
-
-    def _finish(self, caller: int, run_on: int, lib, async_finish: bool, arrays, outputs, allocated_on_comm: bool):
-        return self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, allocated_on_comm,
-                                  self._slots.raise_if_failed)
-
     # -----------------------------------------------------------------------------------------
     # Layout
 
@@ -656,30 +548,9 @@ class Buffer(DispatchPath, CombinePath):
             its RDMA counts (internode only).
         """
         self._slots.raise_if_failed()
-        lib, topk_ptr, num_tokens, topk_key = read(topk_idx)
-        key = ("layout", topk_key, num_experts)
-        plan = self._plans.get(key) or self._plan(key, self._layout_plan, topk_idx, num_experts)
-        R, dev = self.num_ranks, self.device_id
-        with self._on_device, \
-                self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            with self._allocating(lib, allocate_on_comm_stream):
-                per_rank = lib.empty((R,), "int32", dev)
-                per_expert = lib.empty((num_experts,), "int32", dev)
-                in_rank = lib.empty((num_tokens, R), "bool", dev)
-            plan.main.run(run_on, topk_ptr, lib.pointer(per_rank), lib.pointer(per_expert), lib.pointer(in_rank),
-                          num_tokens)
-            outputs = (per_rank, per_expert, in_rank)
-            event = self._finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
-                                 allocate_on_comm_stream)
+        per_rank, per_expert, in_rank, event = self._dispatch.layout(topk_idx, num_experts, previous_event,
+                                                                     async_finish, allocate_on_comm_stream)
         return per_rank, None, per_expert, in_rank, event
-
-    def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
-        spec = plans.check_layout(self._context, topk_idx, num_experts)
-        main = self._bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self.num_ranks),
-                          per_call=("topk_idx", "num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
-                                    "num_tokens"),
-                          num_topk=spec.num_topk, num_experts=spec.num_experts)
-        return plans.Plan(spec, None, main)
 
     # -----------------------------------------------------------------------------------------
     # Dispatch
@@ -759,41 +630,48 @@ class Buffer(DispatchPath, CombinePath):
             if expand:
                 raise ValueError("expand: a cached dispatch returns the rows in receive order; expand them with "
                                  "handle.expanded_rows of the fresh dispatch that expanded")
-            return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
+            return self._dispatch.cached(x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
                                          recv_x_in_buffer)
-        return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+        return self._dispatch.fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
                                     async_finish, allocate_on_comm_stream, expand, recv_x_in_buffer)
 
-    def _refuse_buffer_rows(self, args: Tuple[str, ...], *pointers: int) -> None:
-        """Refuse an input (``args``: the arguments' names, ``pointers``: their device addresses, 0
-        for none) that lies in this rank's NVLink buffer (an output of a ``recv_x_in_buffer``
-        dispatch): the call would overwrite it while it reads it. Nothing to check before a plan of
-        such a dispatch was made."""
-        if not self._rows_in_buffer_used:
-            return
-        begin = self._nvl.local_ptr
-        end = begin + self._nvl.num_bytes
-        for ptr in pointers:
-            if begin <= ptr < end:
-                arg = args[pointers.index(ptr)]
-                raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
-                                 "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
-
-    def _check_handle(self, handle, config: Config) -> DispatchHandle:
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
-        if handle.owner != id(self):
-            raise ValueError("handle: it was made by another Buffer; a handle is only valid on the Buffer "
-                             "whose dispatch returned it")
-        if handle.num_channels != config.num_channels:
-            raise ValueError(f"config: the handle was made with another num_sms ({handle.num_channels} channels; "
-                             f"num_sms={config.num_sms} makes {config.num_channels}); dispatch and combine must use "
-                             "the same num_sms")
-        return handle
-
     # -----------------------------------------------------------------------------------------
     # Combine
+
+    def combine(self, x, handle: DispatchHandle, topk_weights=None, bias=None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send every received token back to its owner, which sums the copies.
+
+        Args:
+            x: ``[num_recv_tokens, hidden]`` BF16/FP16/FP32, rows in the receive order of the
+                dispatch that made ``handle``. When that dispatch wrote its rows in place
+                (``recv_x_in_buffer``), x may be its ``recv_x`` overwritten with rows of x's type
+                (for instance the experts' outputs written there): then nothing is sent, every
+                SM reduces, and each rank reads the others' rows where they lie (every rank must
+                do so: ``RankMismatchError`` otherwise). A cached dispatch in place with the
+                handle leaves its rows there too; once another dispatch, or a combine that sends,
+                has overwritten them, x there raises ``ValueError``.
+            handle: the handle returned by that dispatch.
+            topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``. With
+                x in place: None or that dispatch's ``recv_topk_weights`` (read where it lies).
+            bias: None, an array, or a pair of arrays (entries may be None), each ``[num_tokens,
+                hidden]`` of x's dtype (num_tokens: the tokens of the handle's dispatch on this
+                rank), added to the combined rows before the received copies.
+            config: :class:`Config` with the dispatch's ``num_sms`` (default: :func:`get_combine_config`).
+            previous_event, async_finish, allocate_on_comm_stream: as for :meth:`dispatch`.
+
+        Returns:
+            ``(combined_x [num_tokens, hidden] like x, combined_topk_weights float32 or None, event)``:
+            ``combined_x[t]`` is the float32 sum of the biases, then over the ranks the token went
+            to in ascending order of their rows, rounded to x's dtype (0 for tokens sent nowhere
+            without bias).
+        """
+        self._slots.raise_if_failed()
+        config = self._config(config, "combine")
+        return self._combine.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                     allocate_on_comm_stream)
 
     # -----------------------------------------------------------------------------------------
 
@@ -802,6 +680,6 @@ class Buffer(DispatchPath, CombinePath):
         self._slots.raise_if_failed()
         with self._on_device:
             stream = self._order.begin_on_comm_stream()
-            self._bind("barrier_kernel", grid=1).run(stream)
+            self._ctx.bind("barrier_kernel", grid=1).run(stream)
             self._order.synchronize()
             self._slots.raise_if_failed()

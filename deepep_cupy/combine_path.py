@@ -1,9 +1,9 @@
 """The host path of ``Buffer.combine``: rows sent back to their owners, or read where a dispatch
 with rows in place left them (``x`` overwritten in place).
 
-:class:`CombinePath` is mixed into :class:`deepep_cupy.Buffer`; it uses the Buffer's shared
-helpers (``_plan``, ``_bind``, ``_begin``, ``_allocating``, ``_finish``, ``_check_handle``,
-``_refuse_buffer_rows``) and its stream order.
+A :class:`CombinePath` is owned by a :class:`deepep_cupy.Buffer`; it takes everything the
+Buffer's operations share from the :class:`deepep_cupy.operation_context.OperationContext` it is
+given (group, slots, stream order, NVLink buffer, plans, binding and ordering a call).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from . import plans
 from .config import Config, combine_sender_blocks
 from .events import EventOverlap
 from .handle import DispatchHandle
+from .operation_context import OperationContext
 from .slots import host_failure_code, refused_before_launch
 from .tensors import ABSENT, read
 
@@ -28,69 +29,46 @@ COMBINE_INPUTS = ("x", "topk_weights", "bias[0]", "bias[1]")
 
 
 class CombinePath:
-    """Buffer's combine (see the module docstring)."""
+    """A Buffer's combine (see the module docstring); ``context``: the Buffer's
+    :class:`deepep_cupy.operation_context.OperationContext`."""
 
-    def combine(self, x, handle: DispatchHandle, topk_weights=None, bias=None, config: Optional[Config] = None,
-                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
-        """Send every received token back to its owner, which sums the copies.
+    def __init__(self, context: OperationContext):
+        self._ctx = context
 
-        Args:
-            x: ``[num_recv_tokens, hidden]`` BF16/FP16/FP32, rows in the receive order of the
-                dispatch that made ``handle``. When that dispatch wrote its rows in place
-                (``recv_x_in_buffer``), x may be its ``recv_x`` overwritten with rows of x's type
-                (for instance the experts' outputs written there): then nothing is sent, every
-                SM reduces, and each rank reads the others' rows where they lie (every rank must
-                do so: ``RankMismatchError`` otherwise). A cached dispatch in place with the
-                handle leaves its rows there too; once another dispatch, or a combine that sends,
-                has overwritten them, x there raises ``ValueError``.
-            handle: the handle returned by that dispatch.
-            topk_weights: float32 ``[num_recv_tokens, num_topk]`` or None; summed like ``x``. With
-                x in place: None or that dispatch's ``recv_topk_weights`` (read where it lies).
-            bias: None, an array, or a pair of arrays (entries may be None), each ``[num_tokens,
-                hidden]`` of x's dtype (num_tokens: the tokens of the handle's dispatch on this
-                rank), added to the combined rows before the received copies.
-            config: :class:`Config` with the dispatch's ``num_sms`` (default: :func:`get_combine_config`).
-            previous_event, async_finish, allocate_on_comm_stream: as for :meth:`dispatch`.
-
-        Returns:
-            ``(combined_x [num_tokens, hidden] like x, combined_topk_weights float32 or None, event)``:
-            ``combined_x[t]`` is the float32 sum of the biases, then over the ranks the token went
-            to in ascending order of their rows, rounded to x's dtype (0 for tokens sent nowhere
-            without bias).
-        """
-        self._slots.raise_if_failed()
-        config = self._config(config, "combine")
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias, config: Config,
+                previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool):
+        """``Buffer.combine`` once its config is resolved (its docstring is the contract)."""
         lib, x_ptr, n, x_key = read(x)
         _, w_ptr, n_w, w_key = read(topk_weights)
         biases = plans.split_bias(bias)
         _, b0_ptr, n_b0, b0_key = read(biases[0])
         _, b1_ptr, n_b1, b1_key = read(biases[1])
-        in_place = self._rows_in_place(handle, x_ptr, w_ptr) if self._rows_in_buffer_used else None
+        in_place = self._rows_in_place(handle, x_ptr, w_ptr) if self._ctx.rows_in_buffer_used else None
         if in_place is None:
-            self._refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
+            self._ctx.refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
         else:
-            self._refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
+            self._ctx.refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
         key = ("combine", x_key, w_key, b0_key, b1_key, config, in_place)
-        plan = self._plans.get(key)
+        plan = self._ctx.plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
-            plan = self._plan(key, self._combine_plan, x, topk_weights, config, biases, in_place)
-        self._check_handle(handle, config)
+            plan = self._ctx.plan(key, self._combine_plan, x, topk_weights, config, biases, in_place)
+        self._ctx.check_handle(handle, config)
         if n != handle.rows:
             received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
             raise ValueError(f"x: expected {handle.rows} rows ({received}), got {n}")
         if in_place is not None and n * plan.spec.row_bytes > in_place.src_idx_off - in_place.x_off:
             raise ValueError(f"x: {n} rows of {plan.spec.row_bytes} bytes in place overrun the area of this Buffer "
                              "that holds them (rows wider than the dispatch's); pass a copy. No tokens were moved")
-        spec, num_tokens, dev = plan.spec, handle.num_tokens, self.device_id
+        spec, num_tokens, dev = plan.spec, handle.num_tokens, self._ctx.device_id
         for i, rows in enumerate((n_b0, n_b1)):
             if rows != num_tokens and rows != ABSENT_ROWS:
                 raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
                                  f"got {rows}")
-        with self._on_device, self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        ctx = self._ctx
+        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered
             try:
-                with self._allocating(lib, allocate_on_comm_stream):
+                with self._ctx.allocating(lib, allocate_on_comm_stream):
                     combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
                     combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk \
                         else None
@@ -99,10 +77,10 @@ class CombinePath:
                 plan.refuse.run(run_on, 0, 0, x_ptr, w_ptr, b0_ptr, b1_ptr, handle.rank_prefix_ptr,
                                 handle.recv_channel_prefix_ptr, handle.send_head_ptr, num_tokens,
                                 -host_failure_code(failure), handle.verdict_ptr)
-                refused_before_launch(failure, self.rank)
+                refused_before_launch(failure, self._ctx.rank)
                 raise
             if in_place is None:
-                self._rows_in_buffer_of = None  # its regions overlap the areas of rows in place
+                self._ctx.rows_in_buffer_of = None  # its regions overlap the areas of rows in place
             weights_ptr = 0 if combined_weights is None else lib.pointer(combined_weights)
             ordered.launched = True
             plan.main.run(run_on, lib.pointer(combined), weights_ptr, x_ptr, w_ptr, b0_ptr, b1_ptr,
@@ -110,7 +88,7 @@ class CombinePath:
                           handle.verdict_ptr)
             ordered.settled = True
             outputs = (combined, combined_weights)
-            event = self._finish(caller, run_on, lib, async_finish,
+            event = self._ctx.finish(caller, run_on, lib, async_finish,
                                  (x, topk_weights, *biases, handle.block, *outputs), outputs,
                                  allocate_on_comm_stream)
         return combined, combined_weights, event
@@ -119,10 +97,10 @@ class CombinePath:
         """The buffer layout of ``handle``'s dispatch when ``x`` lies where it put ``recv_x`` (a
         combine that reads the ranks' rows in place), else None."""
         lay = getattr(handle, "rows_in_buffer", None)  # the handle itself is checked later
-        base = self._nvl.local_ptr
+        base = self._ctx.nvl.local_ptr
         if lay is None or x_ptr != base + lay.x_off:
             return None
-        if handle is not self._rows_in_buffer_of:
+        if handle is not self._ctx.rows_in_buffer_of:
             raise ValueError("x: lies where this handle's dispatch put recv_x, but a later dispatch or combine of "
                              "this Buffer has overwritten those rows since; dispatch in place again, or combine a "
                              "copy made before that call. No tokens were moved")
@@ -133,20 +111,20 @@ class CombinePath:
         return lay
 
     def _combine_plan(self, x, topk_weights, config, biases, in_place):
-        spec = plans.check_combine(self._context, x, topk_weights, config, biases)
+        spec = plans.check_combine(self._ctx.checks, x, topk_weights, config, biases)
         if in_place is None:
             lay, op, num_senders, template_args = spec.layout, plans.OP_COMBINE, \
-                combine_sender_blocks(config.num_sms), (spec.element, self.num_ranks)
+                combine_sender_blocks(config.num_sms), (spec.element, self._ctx.num_ranks)
         else:
             lay, op, num_senders, template_args = in_place, plans.OP_COMBINE_IN_PLACE, 0, \
-                (spec.element, self.num_ranks, "true")
+                (spec.element, self._ctx.num_ranks, "true")
         fixed = dict(num_channels=config.num_channels, hidden_int4=spec.row_bytes // 16, num_topk=spec.num_topk,
                      meta_off=lay.meta_off, x_off=lay.x_off, topk_weights_off=lay.topk_weights_off,
                      region_tokens=lay.region_tokens, num_senders=num_senders,
                      send_chunk=config.num_max_nvl_chunked_send_tokens,
                      **plans.call_check_arguments(op, spec.row_bytes, spec.row_detail, config, lay))
-        main = self._bind("combine_kernel", template_args, grid=config.num_sms, per_call=COMBINE_PER_CALL, **fixed)
+        main = self._ctx.bind("combine_kernel", template_args, grid=config.num_sms, per_call=COMBINE_PER_CALL, **fixed)
         fixed.pop("check_op")
-        refuse = self._bind("combine_kernel", template_args, grid=config.num_sms,
+        refuse = self._ctx.bind("combine_kernel", template_args, grid=config.num_sms,
                             per_call=REFUSE_PER_CALL, **fixed)
         return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0), refuse=refuse)

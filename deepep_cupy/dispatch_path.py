@@ -1,26 +1,31 @@
-"""The host path of ``Buffer.dispatch``: fresh (the host waits for the receive counts, or allocates
-ahead of them), with ``num_worst_tokens`` (never waits: counts and verdict stay on the device) and
-cached (the layout of an earlier dispatch's handle).
+"""The host path of ``Buffer.get_dispatch_layout`` and ``Buffer.dispatch``: fresh (the host waits
+for the receive counts, or allocates ahead of them), with ``num_worst_tokens`` (never waits: counts
+and verdict stay on the device) and cached (the layout of an earlier dispatch's handle).
 
-:class:`DispatchPath` is mixed into :class:`deepep_cupy.Buffer`, whose ``dispatch`` checks the
-shared arguments and routes here; it uses the Buffer's shared helpers (``_plan``, ``_bind``,
-``_begin``, ``_allocating``, ``_finish``, ``_check_handle``) and its slots and stream order.
+A :class:`DispatchPath` is owned by a :class:`deepep_cupy.Buffer`, whose ``dispatch`` checks the
+shared arguments and routes here. It takes everything the Buffer's operations share from the
+:class:`deepep_cupy.operation_context.OperationContext` it is given (group, slots, stream order,
+NVLink buffer, plans, binding and ordering a call), and keeps what only dispatches need: the
+receive-count guess, the outputs prepared for the next call, how the last one was sized.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from . import launch, plans
+from .capacity import ReceiveCapacityGuess
 from .config import peer_blocks_in_place, sender_blocks
 from .constants import VERDICT_OVER_CAPACITY
 from .errors import DeepEPError
+from .events import EventOverlap
 from .handle import DispatchHandle, KeptOutputs, handle_layout, kept_outputs
 from .launch import KernelCall
 from .layout import INT_BYTES
-from .next_outputs import ReadyOutputs, prepared_rows
+from .next_outputs import NextOutputs, ReadyOutputs, prepared_rows
+from .operation_context import OperationContext
 from .plans import Plan
 from .slots import host_failure_code, refused_before_launch, verdict_error
 from .tensors import read, row_bytes
@@ -119,7 +124,77 @@ def dispatch_result(outputs, per_expert_list, handle: DispatchHandle, event) -> 
 
 
 class DispatchPath:
-    """Buffer's dispatch, after its shared arguments were checked (see the module docstring)."""
+    """A Buffer's layout and dispatch, after their shared arguments were checked (see the module
+    docstring).
+
+    Args:
+        context: the Buffer's :class:`deepep_cupy.operation_context.OperationContext`.
+        allocate_ahead: size a fresh dispatch's outputs from a guess (``capacity.py``).
+
+    Attributes:
+        allocate_ahead, last_dispatch_allocation, last_dispatch_rows_allocated: as the Buffer's.
+    """
+
+    def __init__(self, context: OperationContext, allocate_ahead: bool):
+        self._ctx = context
+        self.allocate_ahead = bool(allocate_ahead)
+        self.last_dispatch_allocation: Optional[str] = None
+        self.last_dispatch_rows_allocated: Optional[int] = None
+        self._capacity_guess = ReceiveCapacityGuess()
+        self._next_outputs = NextOutputs()
+        self._expand_calls: Dict[tuple, KernelCall] = {}
+
+    def forget(self) -> None:
+        """Let go of what the dispatches keep between calls (the Buffer is being destroyed)."""
+        self._next_outputs.drop()
+        self._expand_calls.clear()
+
+    # -----------------------------------------------------------------------------------------
+    # Layout
+
+    def layout(self, topk_idx, num_experts: int, previous_event: Optional[EventOverlap], async_finish: bool,
+               allocate_on_comm_stream: bool):
+        """``Buffer.get_dispatch_layout``: ``(per rank, per expert, in rank, event)``."""
+        ctx = self._ctx
+        lib, topk_ptr, num_tokens, topk_key = read(topk_idx)
+        key = ("layout", topk_key, num_experts)
+        plan = ctx.plans.get(key) or ctx.plan(key, self._layout_plan, topk_idx, num_experts)
+        R, dev = ctx.num_ranks, ctx.device_id
+        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+            with ctx.allocating(lib, allocate_on_comm_stream):
+                per_rank = lib.empty((R,), "int32", dev)
+                per_expert = lib.empty((num_experts,), "int32", dev)
+                in_rank = lib.empty((num_tokens, R), "bool", dev)
+            plan.main.run(run_on, topk_ptr, lib.pointer(per_rank), lib.pointer(per_expert), lib.pointer(in_rank),
+                          num_tokens)
+            outputs = (per_rank, per_expert, in_rank)
+            event = ctx.finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
+                               allocate_on_comm_stream)
+        return per_rank, per_expert, in_rank, event
+
+    def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
+        spec = plans.check_layout(self._ctx.checks, topk_idx, num_experts)
+        main = self._ctx.bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self._ctx.num_ranks),
+                              per_call=("topk_idx", "num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
+                                        "num_tokens"),
+                              num_topk=spec.num_topk, num_experts=spec.num_experts)
+        return plans.Plan(spec, None, main)
+
+    # -----------------------------------------------------------------------------------------
+    # Dispatch
+
+    def fresh(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+              expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
+              expand=False, recv_x_in_buffer=False):
+        """A dispatch with routing (``Buffer.dispatch`` without a handle)."""
+        return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                    topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
+                                    async_finish, allocate_on_comm_stream, expand, recv_x_in_buffer)
+
+    def cached(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream, recv_x_in_buffer=False):
+        """A dispatch with an earlier dispatch's handle (``Buffer.dispatch(x, handle=...)``)."""
+        return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
+                                     recv_x_in_buffer)
 
     def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -140,11 +215,11 @@ class DispatchPath:
         # or, without one, for nothing, so that the round's count exchange tells the host its
         # count. A round some rank lacks rows for moves nothing on any rank, and every rank redoes
         # the call with the count it was given.
-        most_rows = self.num_ranks * call.plan.spec.layout.region_tokens
+        most_rows = self._ctx.num_ranks * call.plan.spec.layout.region_tokens
         guess = self._capacity_guess.rows(call.num_tokens, most_rows) if self.allocate_ahead else None
         self.last_dispatch_rows_allocated = None
         rows = 0 if guess is None else guess
-        with self._on_device:
+        with self._ctx.on_device:
             out = self._exchange_and_transfer(call, rows, guess, previous_event, async_finish,
                                               allocate_on_comm_stream, expand)
             if isinstance(out, int):
@@ -155,8 +230,8 @@ class DispatchPath:
                 out = self._exchange_and_transfer(call, out, None, previous_event, async_finish,
                                                   allocate_on_comm_stream, expand)
                 if isinstance(out, int):  # pragma: no cover - the same inputs give the same counts
-                    raise DeepEPError(f"rank {self.rank}: a dispatch redone with its exact receive count was refused "
-                                      "for want of rows again")
+                    raise DeepEPError(f"rank {self._ctx.rank}: a dispatch redone with its exact receive count was "
+                                      "refused for want of rows again")
             else:
                 self.last_dispatch_allocation = "exact" if guess is None else "ahead"
         self._capacity_guess.observe(call.num_tokens, out[4].num_recv_tokens)
@@ -168,25 +243,26 @@ class DispatchPath:
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, (int, np.integer)) \
                 or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
-        rows, plan, lib, dev = int(num_worst_tokens), call.plan, call.lib, self.device_id
+        rows, plan, lib, dev = int(num_worst_tokens), call.plan, call.lib, self._ctx.device_id
         spec = plan.spec
         self._check_recv_rows_fit(plan, rows, "num_worst_tokens")
-        num_local_experts = spec.num_experts // self.num_ranks
-        layout = handle_layout(self.num_ranks, spec.config.num_channels, call.num_tokens)
-        with self._on_device, self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        num_local_experts = spec.num_experts // self._ctx.num_ranks
+        layout = handle_layout(self._ctx.num_ranks, spec.config.num_channels, call.num_tokens)
+        ctx = self._ctx
+        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
             try:
-                with self._allocating(lib, allocate_on_comm_stream):
+                with self._ctx.allocating(lib, allocate_on_comm_stream):
                     block = lib.empty((layout.words(rows, num_local_experts),), "int64", dev)
                     outputs = self._dispatch_outputs(lib, plan, rows)
             except BaseException as failure:
                 # The peers learn of it at their next call, as of any refusal of this dispatch (a
                 # capture runs nothing: there is no call to refuse).
-                if not self._order.capturing:
+                if not self._ctx.order.capturing:
                     self._refuse(call, run_on, failure, report=True)
                 raise
             ordered.launched = True
-            handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, id(self))
+            handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, self._ctx.owner)
             handle.publish_on_device(rows, num_local_experts)
             self._note_rows_in_buffer(plan, handle)
             pointers = self._pointers(lib, outputs)
@@ -198,7 +274,7 @@ class DispatchPath:
                                   handle.recv_expert_counts_ptr)
             ordered.settled = True
             allocated = (block, *outputs)
-            event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+            event = self._ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                  allocate_on_comm_stream)
         self.last_dispatch_allocation = "fixed"
         return dispatch_result(outputs, [], handle, event)
@@ -209,9 +285,9 @@ class DispatchPath:
         in place reads them there); otherwise what they held is gone."""
         if plan.windows is not None:
             handle.rows_in_buffer = plan.spec.layout
-            self._rows_in_buffer_of = handle
+            self._ctx.rows_in_buffer_of = handle
         else:
-            self._rows_in_buffer_of = None
+            self._ctx.rows_in_buffer_of = None
 
     def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int) -> None:
         """notify_dispatch of a fresh dispatch whose host waits for the counts (in the slots)."""
@@ -229,12 +305,12 @@ class DispatchPath:
         _, e_ptr, n_e, e_key = read(per_expert)
         _, t_ptr, n_t, t_key = read(topk_idx)
         _, w_ptr, n_w, w_key = read(topk_weights)
-        self._refuse_buffer_rows(FRESH_INPUTS, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr)
+        self._ctx.refuse_buffer_rows(FRESH_INPUTS, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr)
         key = ("dispatch", type(x) is tuple, x_key, s_key, r_key, n_r, i_key, e_key, n_e, t_key, w_key,
                expert_alignment, config, recv_x_in_buffer)
-        plan = self._plans.get(key)
+        plan = self._ctx.plans.get(key)
         if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
-            plan = self._plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
+            plan = self._ctx.plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                               expert_alignment, config, recv_x_in_buffer)
         return DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
                              self._scale_strides(plan.spec.rows, lib, scales),
@@ -249,19 +325,19 @@ class DispatchPath:
 
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config,
                     recv_x_in_buffer):
-        spec = plans.check_fresh_dispatch(self._context, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
+        spec = plans.check_fresh_dispatch(self._ctx.checks, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                                           expert_alignment, config, checked_in_buffer(recv_x_in_buffer))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
-        notify = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, per_call=NOTIFY_PER_CALL,
+        notify = self._ctx.bind("notify_dispatch_kernel", grid=1 + self._ctx.num_ranks, per_call=NOTIFY_PER_CALL,
                             row_bytes=row_bytes, topk_code=topk_code, num_scales=num_scales, num_sms=num_sms,
                             send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
                             num_experts=num_experts, num_channels=config.num_channels,
                             expert_alignment=spec.expert_alignment,
                             zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
-                            **self._host_counts)
-        refuse_counts = {name: value for name, value in self._host_counts.items() if name != "report_refusal"}
-        refuse = self._bind("notify_dispatch_kernel", grid=1 + self.num_ranks, per_call=REFUSE_PER_CALL,
+                            **self._ctx.host_counts)
+        refuse_counts = {name: value for name, value in self._ctx.host_counts.items() if name != "report_refusal"}
+        refuse = self._ctx.bind("notify_dispatch_kernel", grid=1 + self._ctx.num_ranks, per_call=REFUSE_PER_CALL,
                             row_bytes=row_bytes, topk_code=topk_code, num_scales=num_scales, num_sms=num_sms,
                             send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
                             num_experts=num_experts, num_channels=config.num_channels,
@@ -274,7 +350,7 @@ class DispatchPath:
         main_with_exchange = self._bind_transfer(spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, **exchange,
                                                  report_refusal=1)
         main_for_host = self._bind_transfer(spec, TRANSFER_PER_CALL + HOST_EXCHANGE_PER_CALL, **exchange,
-                                            **self._host_counts)
+                                            **self._ctx.host_counts)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
         lib = spec.rows.lib
@@ -282,7 +358,7 @@ class DispatchPath:
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
                     self._output_windows(lib, spec, outputs), main_for_host,
                     ahead_row_bytes(outputs, kept, spec.rows_in_buffer), refuse,
-                    refusal_scratch(lib, self.device_id, self.num_ranks, config.num_channels))
+                    refusal_scratch(lib, self._ctx.device_id, self._ctx.num_ranks, config.num_channels))
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
         """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
@@ -291,11 +367,12 @@ class DispatchPath:
         rows. None for a dispatch that allocates its outputs."""
         if not spec.rows_in_buffer:
             return None
-        self._rows_in_buffer_used = True  # views of the buffer may reach the caller from now on
-        lay, base = spec.layout, self._nvl.local_ptr
+        self._ctx.rows_in_buffer_used = True  # views of the buffer may reach the caller from now on
+        lay, base = spec.layout, self._ctx.nvl.local_ptr
         offsets = (lay.x_off, lay.scales_off, lay.topk_idx_off, lay.topk_weights_off)
+        ctx = self._ctx
         return tuple(None if out is None else
-                     lib.rows_in(lib.window(base + offset, lay.rows * row_bytes(*out), self.device_id, self._nvl),
+                     lib.rows_in(lib.window(base + offset, lay.rows * row_bytes(*out), ctx.device_id, ctx.nvl),
                                  lay.rows, *out)
                      for offset, out in zip(offsets, outputs))
 
@@ -320,16 +397,16 @@ class DispatchPath:
                           mismatch_flag=None, recv_expert_counter=None, report_refusal=0)
         checks.update(fixed)
         checks = {name: value for name, value in checks.items() if name not in per_call}
-        template_args = (self.num_ranks, "true") if spec.rows.scales_strided else (self.num_ranks,)
+        template_args = (self._ctx.num_ranks, "true") if spec.rows.scales_strided else (self._ctx.num_ranks,)
         if spec.rows_in_buffer:
-            template_args = (self.num_ranks, "true" if spec.rows.scales_strided else "false", "true")
-        return self._bind("dispatch_kernel", template_args, grid=config.num_sms, per_call=per_call,
+            template_args = (self._ctx.num_ranks, "true" if spec.rows.scales_strided else "false", "true")
+        return self._ctx.bind("dispatch_kernel", template_args, grid=config.num_sms, per_call=per_call,
                           hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk, num_experts=spec.num_experts,
                           num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
                           x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
                           topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
                           region_tokens=lay.region_tokens, num_channels=config.num_channels,
-                          num_senders=(peer_blocks_in_place(config.num_sms, self.num_ranks) if spec.rows_in_buffer
+                          num_senders=(peer_blocks_in_place(config.num_sms, self._ctx.num_ranks) if spec.rows_in_buffer
                                        else sender_blocks(config.num_sms)),
                           send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
@@ -363,9 +440,9 @@ class DispatchPath:
         """
         plan, lib = call.plan, call.lib
         kept = plan.kept_outputs
-        with self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        with self._ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
-            if self._order.capturing:
+            if self._ctx.order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
@@ -375,7 +452,7 @@ class DispatchPath:
                     rows, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
                     outputs, pointers = ready.outputs, ready.pointers
                 else:
-                    layout = handle_layout(self.num_ranks, plan.spec.config.num_channels, call.num_tokens)
+                    layout = handle_layout(self._ctx.num_ranks, plan.spec.config.num_channels, call.num_tokens)
                     handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, allocate_on_comm_stream)
                     outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows,
                                                             allocate_on_comm_stream)
@@ -383,16 +460,16 @@ class DispatchPath:
                 self._refuse(call, run_on, failure)
                 raise
             self.last_dispatch_rows_allocated = max(rows, self.last_dispatch_rows_allocated or 0)
-            self._slots.start_dispatch()
+            self._ctx.slots.start_dispatch()
             kernel_done = event = None
             ordered.launched = True
-            if self._exchange_in_transfer:
+            if self._ctx.exchange_in_transfer:
                 self._launch_transfer(run_on, plan.main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
                                       call.per_rank, call.per_expert, rows)
             else:
                 self._launch_notify(run_on, call, handle, rows)
-                self._order.record_notify_done(run_on)  # in-process ranks wait on it (HostSlots.wait_for_count)
-                kernel_done = self._order.notify_done
+                self._ctx.order.record_notify_done(run_on)  # in-process ranks wait on it (HostSlots.wait_for_count)
+                kernel_done = self._ctx.order.notify_done
                 self._launch_transfer(run_on, plan.main, call, pointers, handle)
             handle.route(call.in_rank_array, call.in_rank)
             self._note_rows_in_buffer(plan, handle)
@@ -403,19 +480,19 @@ class DispatchPath:
             if not expand:
                 # Every kernel of the call is queued: the call is handed over while the count
                 # exchange runs, which the host waits for anyway (docs/PERFORMANCE.md).
-                event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                event = self._ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
             if self._next_outputs.steady and rows_guessed is not None:
                 self._prepare_next(lib, plan, handle.layout, rows_guessed, caller, allocate_on_comm_stream)
-            num_recv = self._slots.wait_for_count(kernel_done)
-            verdict = self._slots.verdict()
+            num_recv = self._ctx.slots.wait_for_count(kernel_done)
+            verdict = self._ctx.slots.verdict()
             ordered.settled = True
             if verdict == VERDICT_OVER_CAPACITY:
-                self._order.abandon(run_on)  # the transfer moved nothing
+                self._ctx.order.abandon(run_on)  # the transfer moved nothing
                 return num_recv
             if verdict:
                 raise self._verdict_error(verdict, call)
-            per_expert_list = self._slots.expert_counts(plan.spec.num_experts // self.num_ranks)
+            per_expert_list = self._ctx.slots.expert_counts(plan.spec.num_experts // self._ctx.num_ranks)
             if plan.windows is not None:
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
             else:
@@ -425,11 +502,11 @@ class DispatchPath:
                     outputs += lib.carve(block, kept.views(kept_offset, rows, num_recv))
             handle.num_recv_tokens = num_recv
             if expand:
-                with self._allocating(lib, allocate_on_comm_stream):
+                with self._ctx.allocating(lib, allocate_on_comm_stream):
                     outputs, expanded = self._expand(run_on, lib, plan.spec, outputs, per_expert_list, handle)
                 allocated = (*allocated, *expanded)
             if event is None:
-                event = self._finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                event = self._ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
 
@@ -443,19 +520,20 @@ class DispatchPath:
         code = host_failure_code(failure)
         plan = call.plan
         scratch = plan.refusal_scratch[1]
-        self._slots.start_dispatch()
+        self._ctx.slots.start_dispatch()
         plan.refuse.run(run_on, call.per_rank, call.per_expert, call.in_rank, scratch,
-                        scratch + INT_BYTES * self.num_ranks * self.num_ranks, -code, int(report), call.topk,
+                        scratch + INT_BYTES * self._ctx.num_ranks * self._ctx.num_ranks, -code, int(report), call.topk,
                         call.num_tokens)
         kernel_done = None
-        if self._group.in_process:
-            self._order.record_notify_done(run_on)
-            kernel_done = self._order.notify_done
-        self._order.abandon(run_on)
+        if self._ctx.group.in_process:
+            self._ctx.order.record_notify_done(run_on)
+            kernel_done = self._ctx.order.notify_done
+        self._ctx.order.abandon(run_on)
         try:
-            self._slots.wait_for_count(kernel_done)
+            self._ctx.slots.wait_for_count(kernel_done)
         finally:
-            refused_before_launch(failure, self.rank, "every other rank raises PeerFailedError from it" if not report
+            refused_before_launch(failure, self._ctx.rank,
+                                  "every other rank raises PeerFailedError from it" if not report
                                   else "every rank raises PeerFailedError at its next call, this one too")
 
     def _outputs_ahead(self, lib, plan: Plan, kept_ptr: int, rows: int,
@@ -467,12 +545,12 @@ class DispatchPath:
         if plan.windows is not None:
             return None, NO_OUTPUTS
         kept = plan.kept_outputs
-        with self._allocating(lib, on_comm_stream):
+        with self._ctx.allocating(lib, on_comm_stream):
             if kept is None:
                 outputs = self._dispatch_outputs(lib, plan, rows)
                 return outputs, self._pointers(lib, outputs)
             x_tail, x_dtype = plan.outputs[0]
-            recv_x = lib.empty((rows, *x_tail), x_dtype, self.device_id)
+            recv_x = lib.empty((rows, *x_tail), x_dtype, self._ctx.device_id)
         return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
 
     def _allocate_handle(self, lib, plan: Plan, layout, rows: int, on_comm_stream: bool) -> Tuple[DispatchHandle, int]:
@@ -482,9 +560,9 @@ class DispatchPath:
         its routing is given once its transfer is launched (``DispatchHandle.route``)."""
         kept = plan.kept_outputs
         words, kept_offset = layout.with_kept_outputs(rows, 0 if kept is None else kept.row_bytes)
-        with self._allocating(lib, on_comm_stream):
-            block = lib.empty((words,), "int64", self.device_id)
-        return DispatchHandle(lib, block, layout, 0, None, 0, id(self)), kept_offset
+        with self._ctx.allocating(lib, on_comm_stream):
+            block = lib.empty((words,), "int64", self._ctx.device_id)
+        return DispatchHandle(lib, block, layout, 0, None, 0, self._ctx.owner), kept_offset
 
     def _prepare_next(self, lib, plan: Plan, layout, rows_guessed: int, caller: int, on_comm_stream: bool) -> None:
         """Allocate the next call's handle and outputs (``next_outputs.py``) for a call like this
@@ -506,20 +584,20 @@ class DispatchPath:
         expert, padded to the alignment; the handle gets ``expanded_rows`` and ``expert_offsets``.
         Returns ``(outputs with the expanded rows, the arrays allocated)``."""
         recv_x, recv_scales, recv_topk, recv_weights = outputs
-        num_local_experts = spec.num_experts // self.num_ranks
+        num_local_experts = spec.num_experts // self._ctx.num_ranks
         key = ("expand", spec.rows.row_bytes, spec.num_topk, spec.rows.num_scales, num_local_experts,
                spec.expert_alignment)
         kernel = self._expand_calls.get(key)
         if kernel is None:
-            kernel = self._expand_calls[key] = self._bind(
+            kernel = self._expand_calls[key] = self._ctx.bind(
                 "expand_kernel", grid=max(1, num_local_experts), per_call=EXPAND_PER_CALL,
                 hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk, num_scales=spec.rows.num_scales,
                 num_local_experts=num_local_experts, expert_alignment=spec.expert_alignment)
         total = sum(per_expert_list)
-        expanded_x = lib.empty((total, spec.rows.hidden), spec.rows.dtype_name, self.device_id)
+        expanded_x = lib.empty((total, spec.rows.hidden), spec.rows.dtype_name, self._ctx.device_id)
         expanded_scales = None if recv_scales is None else lib.empty((total,) + spec.rows.scales_tail, "float32",
-                                                                     self.device_id)
-        expanded_rows = lib.empty((total,), "int32", self.device_id)
+                                                                     self._ctx.device_id)
+        expanded_rows = lib.empty((total,), "int32", self._ctx.device_id)
         if num_local_experts:
             expanded_ptrs = self._pointers(lib, (expanded_x, expanded_scales, expanded_rows, recv_x, recv_scales,
                                                  recv_topk))
@@ -535,7 +613,7 @@ class DispatchPath:
             # Views of the areas the senders write (all of them at most: more are never received).
             rows, trim = min(rows, plan.spec.layout.rows), lib.trim
             return [None if w is None else trim(w, rows) for w in plan.windows]
-        empty, dev = lib.empty, self.device_id
+        empty, dev = lib.empty, self._ctx.device_id
         return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
 
     @staticmethod
@@ -559,38 +637,39 @@ class DispatchPath:
     def _verdict_error(self, verdict: int, call: DispatchCall) -> Exception:
         spec = call.plan.spec
         bad_ids = None
-        if verdict == -(self.rank + 1) and call.topk_array is not None:
+        if verdict == -(self._ctx.rank + 1) and call.topk_array is not None:
             topk = call.topk_array
             bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
-        return verdict_error(verdict, self.rank, spec.num_experts, spec.signature, bad_ids)
+        return verdict_error(verdict, self._ctx.rank, spec.num_experts, spec.signature, bad_ids)
 
     def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
                          recv_x_in_buffer=False):
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
         _, s_ptr, n_s, s_key = read(scales)
-        self._refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
+        self._ctx.refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
         key = ("cached dispatch", type(x) is tuple, x_key, s_key, config, recv_x_in_buffer)
-        plan = self._plans.get(key)
+        plan = self._ctx.plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:
-            plan = self._plan(key, self._cached_plan, x, config, recv_x_in_buffer)
-        self._check_handle(handle, config)
+            plan = self._ctx.plan(key, self._cached_plan, x, config, recv_x_in_buffer)
+        self._ctx.check_handle(handle, config)
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
         num_recv = handle.rows
         self._check_recv_rows_fit(plan, num_recv, "the handle")
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
-        with self._on_device, self._begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        ctx = self._ctx
+        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered
             try:
-                with self._allocating(lib, allocate_on_comm_stream):
+                with self._ctx.allocating(lib, allocate_on_comm_stream):
                     recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
             except BaseException as failure:
                 # Take part only to refuse the call: no rank moves anything (call_check.cuh).
                 plan.refuse.run(run_on, 0, 0, x_ptr, s_ptr, handle.in_rank_ptr, handle.channel_prefix_ptr,
                                 handle.rank_prefix_ptr, n, *scale_strides, -host_failure_code(failure),
                                 handle.verdict_ptr)
-                refused_before_launch(failure, self.rank)
+                refused_before_launch(failure, self._ctx.rank)
                 raise
             recv_x_ptr, recv_scales_ptr = self._pointers(lib, (recv_x, recv_scales))
             self._note_rows_in_buffer(plan, handle)
@@ -599,13 +678,13 @@ class DispatchPath:
                           handle.channel_prefix_ptr, handle.rank_prefix_ptr, n, *scale_strides, handle.verdict_ptr)
             ordered.settled = True
             outputs = (recv_x, recv_scales)
-            event = self._finish(caller, run_on, lib, async_finish,
+            event = self._ctx.finish(caller, run_on, lib, async_finish,
                                  (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
                                  allocate_on_comm_stream)
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
     def _cached_plan(self, x, config, recv_x_in_buffer):
-        spec = plans.check_cached_dispatch(self._context, x, config, checked_in_buffer(recv_x_in_buffer))
+        spec = plans.check_cached_dispatch(self._ctx.checks, x, config, checked_in_buffer(recv_x_in_buffer))
         # A cached dispatch checks its settings in the transfer kernel; it neither moves top-k nor
         # writes the handle's receive side.
         checks = plans.call_check_arguments(plans.OP_CACHED_DISPATCH, spec.rows.row_bytes, spec.rows.num_scales,

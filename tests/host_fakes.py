@@ -307,7 +307,7 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     monkeypatch.setattr(buffer_module, "check_sm_budget", lambda ranks_per_device, num_sms: None)
     buf = Buffer.__new__(Buffer)
     buf._set_up_host(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)
-    buf._on_device = contextlib.nullcontext()
+    buf._on_device = buf._ctx.on_device = contextlib.nullcontext()
     if nvl_memory:
         buf._nvl = FakeNvlBuffer(num_nvl_bytes)
     host_slots = HostSlots(rank, 5.0, in_process=False, mapped=FakeMapped())
@@ -331,8 +331,8 @@ class _Router:
 
     def __call__(self, call, stream_ptr):
         for buf, launches in self.routes:
-            planned = (c for p in buf._plans.values()
+            planned = (c for p in buf._ctx.plans.values()
                        for c in (p.main, p.notify, p.main_with_exchange, p.main_for_host, p.refuse))
-            if any(call is c for c in planned) or any(call is c for c in buf._expand_calls.values()):
+            if any(call is c for c in planned) or any(call is c for c in buf._dispatch._expand_calls.values()):
                 return launches(call, stream_ptr)
         raise AssertionError(f"a launch of {call.name} from no fake Buffer's plan")

@@ -68,7 +68,7 @@ def test_every_operation_sets_every_kernel_parameter(fake):
     buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
     buf.combine(recv_x, handle, config=CONFIG)
     assert set(launches.names()) == {"dispatch_layout_kernel", "dispatch_kernel<2>", "combine_kernel<bf16_t, 2>"}
-    buf._exchange_in_transfer = False  # in-process ranks make the count exchange in notify_dispatch
+    buf._ctx.exchange_in_transfer = False  # in-process ranks make the count exchange in notify_dispatch
     dispatch(buf, w)
     assert "notify_dispatch_kernel" in launches.names()
 
@@ -101,7 +101,7 @@ def test_a_dispatch_of_a_rank_with_a_process_of_its_own_is_one_launch_exchanging
 
 def test_in_process_ranks_exchange_counts_in_notify_dispatch_launched_before_the_transfer(fake):
     buf, launches, _ = fake
-    buf._exchange_in_transfer = False  # as for ranks that are threads of one process
+    buf._ctx.exchange_in_transfer = False  # as for ranks that are threads of one process
     w = workload()
     for rounds in (2, 1):
         before = len(launches.log)
@@ -433,10 +433,10 @@ def steady(monkeypatch, received=(100,), **options):
 def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatch):
     buf, launches, lib = fake_buffer(monkeypatch, received=(100,))
     dispatch(buf, workload())
-    assert buf._next_outputs.ready is None  # the first has no count to size them from
+    assert buf._dispatch._next_outputs.ready is None  # the first has no count to size them from
     dispatch(buf, workload())
-    ready = buf._next_outputs.ready
-    assert not buf._next_outputs.over_limit
+    ready = buf._dispatch._next_outputs.ready
+    assert not buf._dispatch._next_outputs.over_limit
     rows_ahead = int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
     assert ready.rows == next_outputs.prepared_rows(rows_ahead) > rows_ahead
     assert lib.allocations[-1] == ((ready.rows, H), "bfloat16") and ready.pointers[0] == ready.outputs[0].ctypes.data
@@ -445,15 +445,15 @@ def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatc
 def test_the_outputs_prepared_over_a_steady_loop_keep_their_size(monkeypatch):
     # Sized from each call's guess, not from the rows the call was handed (an eighth more already).
     buf, _, _, _, _ = steady(monkeypatch)
-    first = buf._next_outputs.ready.rows
+    first = buf._dispatch._next_outputs.ready.rows
     for _ in range(4):
         dispatch(buf, workload())
-        assert buf._next_outputs.ready.rows == first
+        assert buf._dispatch._next_outputs.ready.rows == first
 
 
 def test_a_dispatch_with_its_outputs_ready_is_one_launch_writing_them(monkeypatch):
     buf, launches, lib, launched, allocated = steady(monkeypatch)
-    ready = buf._next_outputs.ready
+    ready = buf._dispatch._next_outputs.ready
     w = workload()
     recv_x, recv_topk, _, _, handle, _ = dispatch(buf, w)
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
@@ -468,8 +468,8 @@ def test_a_dispatch_with_its_outputs_ready_is_one_launch_writing_them(monkeypatc
 
 def test_in_process_ranks_move_tokens_into_ready_outputs_behind_notify_dispatch(monkeypatch):
     buf, launches, lib, launched, _ = steady(monkeypatch)
-    buf._exchange_in_transfer = False  # as for ranks that are threads of one process
-    ready = buf._next_outputs.ready
+    buf._ctx.exchange_in_transfer = False  # as for ranks that are threads of one process
+    ready = buf._dispatch._next_outputs.ready
     recv_x = dispatch(buf, workload())[0]
     assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
     assert launches.last("dispatch_kernel<2>")["recv_x"] == ready.pointers[0] == recv_x.ctypes.data
@@ -479,13 +479,13 @@ def test_a_dispatch_with_another_token_count_neither_uses_nor_prepares_outputs(m
     buf, launches, lib, launched, allocated = steady(monkeypatch)
     dispatch(buf, workload(num_tokens=N // 2))
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
-    assert len(lib.allocations) - allocated == 2 and buf._next_outputs.ready is None
+    assert len(lib.allocations) - allocated == 2 and buf._dispatch._next_outputs.ready is None
 
 
 @pytest.mark.parametrize("change", [dict(allocate_on_comm_stream=True), dict(topk_weights=None)])
 def test_outputs_ready_for_another_stream_or_plan_are_not_used(monkeypatch, change):
     buf, launches, _, launched, _ = steady(monkeypatch)
-    ready = buf._next_outputs.ready
+    ready = buf._dispatch._next_outputs.ready
     recv_x = dispatch(buf, workload(), **change)[0]
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
     assert recv_x.ctypes.data != ready.pointers[0]
@@ -495,16 +495,16 @@ def test_dispatches_alternating_between_two_plans_prepare_nothing(monkeypatch):
     buf, launches, lib, launched, _ = steady(monkeypatch)
     for _ in range(2):
         dispatch(buf, workload(), topk_weights=None)
-        assert buf._next_outputs.ready is None
+        assert buf._dispatch._next_outputs.ready is None
         dispatch(buf, workload())
-        assert buf._next_outputs.ready is None
+        assert buf._dispatch._next_outputs.ready is None
     assert launches.names()[launched:] == ["dispatch_kernel<2>"] * 4
 
 
 def test_outputs_above_the_byte_limit_are_not_prepared(monkeypatch):
     monkeypatch.setattr(next_outputs, "MAX_BYTES", 1 << 10)
     buf, launches, _, launched, _ = steady(monkeypatch)
-    assert buf._next_outputs.ready is None and buf._next_outputs.over_limit
+    assert buf._dispatch._next_outputs.ready is None and buf._dispatch._next_outputs.over_limit
     dispatch(buf, workload())
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
 
@@ -520,15 +520,15 @@ def test_a_dispatch_outgrowing_its_ready_outputs_is_redone_with_exact_sizes(monk
 def test_destroy_lets_go_of_ready_outputs(monkeypatch):
     buf, _, _, _, _ = steady(monkeypatch)
     buf._release()
-    assert buf._next_outputs.ready is None
+    assert buf._dispatch._next_outputs.ready is None
 
 
 def test_destroy_forgets_that_outputs_were_over_the_byte_limit(monkeypatch):
     monkeypatch.setattr(next_outputs, "MAX_BYTES", 1 << 10)
     buf, _, _, _, _ = steady(monkeypatch)
-    assert buf._next_outputs.over_limit
+    assert buf._dispatch._next_outputs.over_limit
     buf._release()
-    assert not buf._next_outputs.over_limit
+    assert not buf._dispatch._next_outputs.over_limit
 
 
 # --- verdicts of the count exchange ----------------------------------------------------------
@@ -961,7 +961,7 @@ def test_recv_x_in_buffer_must_be_a_bool(in_place):
 
 def test_num_worst_tokens_beyond_the_rows_the_buffer_holds_is_refused_with_recv_x_in_buffer(in_place):
     buf, launches, _ = in_place
-    rows = plans.check_fresh_dispatch(buf._context, *[workload()[k] for k in (
+    rows = plans.check_fresh_dispatch(buf._ctx.checks, *[workload()[k] for k in (
         "x", "num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx", "topk_weights")],
         1, CONFIG, True).layout.rows
     with pytest.raises(ValueError, match=f"asks for {rows + 1} received rows, more than the {rows}"):

@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 import deepep_cupy as ep
-from deepep_cupy import buffer as buffer_module
-from deepep_cupy import internode, nodes
+from deepep_cupy import internode, nodes, operation_context
 from deepep_cupy.local_group import ThreadGroup
 
 
@@ -16,7 +15,7 @@ from deepep_cupy.local_group import ThreadGroup
 def built(monkeypatch):
     """Buffer construction with the topology and the path replaced; returns what was asked for."""
     asked = {}
-    monkeypatch.setattr(buffer_module, "_DeviceScope", lambda device_id: contextlib.nullcontext())
+    monkeypatch.setattr(operation_context, "DeviceScope", lambda device_id: contextlib.nullcontext())
 
     def topology(group, ranks_per_node=None, peers_mappable=None):
         asked["ranks_per_node"] = ranks_per_node

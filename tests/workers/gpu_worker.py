@@ -295,10 +295,10 @@ def _run_scenario(buf, sc):
     buf.allocate_ahead = sc["allocation"] != "exact"
     try:
         if sc["allocation"] == "retried":
-            buf._capacity_guess.observe(len(mine["topk"]), 0)  # a guess of 64 rows: too few
+            buf._dispatch._capacity_guess.observe(len(mine["topk"]), 0)  # a guess of 64 rows: too few
         elif sc["allocation"] == "ahead":
             # A guess of every rank's tokens (plus headroom): no rank can receive more.
-            buf._capacity_guess.observe(len(mine["topk"]), sum(len(i["topk"]) for i in inputs))
+            buf._dispatch._capacity_guess.observe(len(mine["topk"]), sum(len(i["topk"]) for i in inputs))
         out = fresh_dispatch()
         if sc["allocation"] != "any":
             check_allocation("first dispatch", sc["allocation"])
@@ -311,7 +311,7 @@ def _run_scenario(buf, sc):
             # The second, like the first, made the third's outputs while it waited for its counts
             # (next_outputs.py); the third moves its tokens into them (in one launch where ranks
             # have processes of their own, or where a test forces that path).
-            if buf._next_outputs.ready is None and not buf._next_outputs.over_limit:
+            if buf._dispatch._next_outputs.ready is None and not buf._dispatch._next_outputs.over_limit:
                 raise Mismatch("second dispatch: no outputs made for the next one (and not over the byte limit)")
             third = fresh_dispatch()
             check_allocation("third dispatch", "ahead")

@@ -63,6 +63,12 @@ class _Once:
         return self.original(*args, **kwargs)
 
 
+def _fail_allocating(buf, failure):
+    """Make the Buffer's next allocation of a dispatch's handle raise ``failure``."""
+    dispatch = buf._dispatch
+    dispatch._allocate_handle = _Once(dispatch._allocate_handle, failure)
+
+
 def _timed(call):
     """``(exception or None, seconds)`` of ``call()``."""
     start = time.monotonic()
@@ -146,14 +152,12 @@ def _round(buf, rng, config):
 
 def case_out_of_memory_before_the_count_exchange(group, ep):
     failure = _out_of_memory()
-    return _refused_on_every_rank(group, ep, failure,
-                                  lambda buf: setattr(buf, "_allocate_handle", _Once(buf._allocate_handle, failure)))
+    return _refused_on_every_rank(group, ep, failure, lambda buf: _fail_allocating(buf, failure))
 
 
 def case_interrupted_while_allocating(group, ep):
     failure = KeyboardInterrupt()
-    return _refused_on_every_rank(group, ep, failure,
-                                  lambda buf: setattr(buf, "_allocate_handle", _Once(buf._allocate_handle, failure)))
+    return _refused_on_every_rank(group, ep, failure, lambda buf: _fail_allocating(buf, failure))
 
 
 def case_failure_after_the_count_exchange(group, ep):
