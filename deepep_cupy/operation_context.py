@@ -11,6 +11,8 @@ the same for all of them.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import plans, slots
@@ -66,7 +68,9 @@ class OrderedCall:
 
     def __init__(self, order: StreamOrder, give_up: Callable[[BaseException], None]):
         self._order = order
-        self._give_up = give_up
+        # Weakly, when it is a method of the Buffer: the Buffer owns this call's context, and a
+        # cycle would keep it, its streams and events, alive until a garbage collection.
+        self._give_up = weakref.WeakMethod(give_up) if inspect.ismethod(give_up) else (lambda: give_up)
         self.caller = self.run_on = 0
         self.launched = self.settled = False
 
@@ -83,9 +87,10 @@ class OrderedCall:
         self.launched = self.settled = False
         if exc_type is not None:
             self._order.abandon(self.run_on)
-            if launched and not issubclass(exc_type, DeepEPError) \
+            give_up = self._give_up()
+            if give_up is not None and launched and not issubclass(exc_type, DeepEPError) \
                     and (not settled or not issubclass(exc_type, Exception)):
-                self._give_up(exc)
+                give_up(exc)
         return False
 
 

@@ -195,3 +195,25 @@ def test_a_peer_that_gave_up_after_a_host_failure_is_named_with_the_failure():
                                                   r"during a call \(the call was interrupted"):
         host.raise_if_failed()
 
+
+
+def test_the_call_span_holds_the_buffers_give_up_weakly():
+    # The Buffer owns its operation context, which owns the call span: a strong reference back would
+    # be a cycle keeping a destroyed Buffer's streams and events alive until a garbage collection.
+    import gc
+
+    from deepep_cupy.operation_context import OrderedCall
+
+    class Owner:
+        def give_up(self, failure):
+            pass
+
+    owner = Owner()
+    call = OrderedCall(order=None, give_up=owner.give_up)
+    assert call._give_up() is not None
+    gc.disable()
+    try:
+        del owner
+        assert call._give_up() is None
+    finally:
+        gc.enable()
