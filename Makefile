@@ -11,7 +11,7 @@
 #
 # Examples: make test PYTEST_ARGS='-k comm'   make bench BENCH_ARGS='--help'
 #           make test PYTHON=python3.12       make install EXTRAS=cuda13,test
-#           make install EXTRAS=cuda12,test,torch,plots   (PyTorch and matplotlib: their tests run)
+#           make install EXTRAS=cuda12,test   (without PyTorch and matplotlib: their tests skip)
 #           make soak-cases SOAK_SEED=1234 SOAK_CASES=1   (one random case alone: a failing seed)
 #           make soak-sequences SOAK_SEQUENCE_SEED=1234 SOAK_SEQUENCES=1   (one sequence alone)
 
@@ -19,7 +19,7 @@ PYTHON      ?= python3
 VENV        ?= .venv
 # Extras (pyproject.toml): cuda12 or cuda13, test; torch and plots are optional (their tests skip
 # without them, and `make test` says so).
-EXTRAS      ?= cuda12,test
+EXTRAS      ?= cuda12,test,torch,plots
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 # make soak runs the random-case soak, then the sequence soak; soak-cases and soak-sequences run
