@@ -125,6 +125,6 @@ class CombinePath:
                      **plans.call_check_arguments(op, spec.row_bytes, spec.row_detail, config, lay))
         main = self._ctx.bind("combine_kernel", template_args, grid=config.num_sms, per_call=COMBINE_PER_CALL, **fixed)
         fixed.pop("check_op")
-        refuse = self._ctx.bind("combine_kernel", template_args, grid=config.num_sms,
-                            per_call=REFUSE_PER_CALL, **fixed)
+        refuse = self._ctx.bind("combine_kernel", template_args, grid=config.num_sms, per_call=REFUSE_PER_CALL,
+                                **fixed)
         return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0), refuse=refuse)

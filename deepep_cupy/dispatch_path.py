@@ -175,8 +175,8 @@ class DispatchPath:
     def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
         spec = plans.check_layout(self._ctx.checks, topk_idx, num_experts)
         main = self._ctx.bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self._ctx.num_ranks),
-                              per_call=("topk_idx", "num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
-                                        "num_tokens"),
+                              per_call=("topk_idx", "num_tokens_per_rank", "num_tokens_per_expert",
+                                        "is_token_in_rank", "num_tokens"),
                               num_topk=spec.num_topk, num_experts=spec.num_experts)
         return plans.Plan(spec, None, main)
 
@@ -311,7 +311,7 @@ class DispatchPath:
         plan = self._ctx.plans.get(key)
         if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
             plan = self._ctx.plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                              expert_alignment, config, recv_x_in_buffer)
+                                  expert_alignment, config, recv_x_in_buffer)
         return DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
                              self._scale_strides(plan.spec.rows, lib, scales),
                              (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights))
@@ -329,21 +329,17 @@ class DispatchPath:
                                           expert_alignment, config, checked_in_buffer(recv_x_in_buffer))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
+        # The count exchange of a host that waits for the counts, and of one that only refuses the call.
+        exchange_settings = dict(row_bytes=row_bytes, topk_code=topk_code, num_scales=num_scales, num_sms=num_sms,
+                                 send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
+                                 num_experts=num_experts, num_channels=config.num_channels,
+                                 expert_alignment=spec.expert_alignment, zero_off=lay.meta_off,
+                                 zero_count=lay.zero_count, region_tokens=lay.region_tokens, **self._ctx.host_counts)
         notify = self._ctx.bind("notify_dispatch_kernel", grid=1 + self._ctx.num_ranks, per_call=NOTIFY_PER_CALL,
-                            row_bytes=row_bytes, topk_code=topk_code, num_scales=num_scales, num_sms=num_sms,
-                            send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
-                            num_experts=num_experts, num_channels=config.num_channels,
-                            expert_alignment=spec.expert_alignment,
-                            zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
-                            **self._ctx.host_counts)
-        refuse_counts = {name: value for name, value in self._ctx.host_counts.items() if name != "report_refusal"}
+                                **exchange_settings)
+        del exchange_settings["report_refusal"]
         refuse = self._ctx.bind("notify_dispatch_kernel", grid=1 + self._ctx.num_ranks, per_call=REFUSE_PER_CALL,
-                            row_bytes=row_bytes, topk_code=topk_code, num_scales=num_scales, num_sms=num_sms,
-                            send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
-                            num_experts=num_experts, num_channels=config.num_channels,
-                            expert_alignment=spec.expert_alignment,
-                            zero_off=lay.meta_off, zero_count=lay.zero_count, region_tokens=lay.region_tokens,
-                            **refuse_counts)
+                                **exchange_settings)
         main = self._bind_transfer(spec, TRANSFER_PER_CALL)
         exchange = dict(exchange=1, row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms, recv_chunk=recv_chunk,
                         expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
@@ -400,15 +396,15 @@ class DispatchPath:
         template_args = (self._ctx.num_ranks, "true") if spec.rows.scales_strided else (self._ctx.num_ranks,)
         if spec.rows_in_buffer:
             template_args = (self._ctx.num_ranks, "true" if spec.rows.scales_strided else "false", "true")
+        num_senders = (peer_blocks_in_place(config.num_sms, self._ctx.num_ranks) if spec.rows_in_buffer
+                       else sender_blocks(config.num_sms))
         return self._ctx.bind("dispatch_kernel", template_args, grid=config.num_sms, per_call=per_call,
-                          hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk, num_experts=spec.num_experts,
-                          num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
-                          x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
-                          topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
-                          region_tokens=lay.region_tokens, num_channels=config.num_channels,
-                          num_senders=(peer_blocks_in_place(config.num_sms, self._ctx.num_ranks) if spec.rows_in_buffer
-                                       else sender_blocks(config.num_sms)),
-                          send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
+                              hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
+                              num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
+                              x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
+                              topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
+                              region_tokens=lay.region_tokens, num_channels=config.num_channels,
+                              num_senders=num_senders, send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows: int, rows_guessed: Optional[int], previous_event,
                                async_finish: bool, allocate_on_comm_stream: bool, expand: bool = False):
