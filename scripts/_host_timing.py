@@ -113,7 +113,7 @@ class PieceTimers:
         """Time the pieces of the host path every op goes through (the array libraries ``libs``'
         methods, launches, the handle, the slots, the stream order, a fresh dispatch's reads);
         return what undoes it."""
-        from deepep_cupy import buffer, handle, launch, slots, streams
+        from deepep_cupy import dispatch_path, handle, launch, slots, streams
 
         undo = [self.wrap(launch, "launch", launch_label),
                 self.wrap(launch.KernelCall, "run", "KernelCall.run (packing + launch)"),
@@ -123,7 +123,7 @@ class PieceTimers:
                 self.wrap(slots.HostSlots, "expert_counts", "slots.expert_counts"),
                 self.wrap(streams.StreamOrder, "begin", "order.begin"),
                 self.wrap(streams.StreamOrder, "finish", "order.finish"),
-                self.wrap(buffer.Buffer, "_read_fresh", "Buffer._read_fresh (reads, plan lookup)")]
+                self.wrap(dispatch_path.DispatchPath, "_read_fresh", "DispatchPath._read_fresh (reads, plan lookup)")]
         for lib in libs:
             for name in ("empty", "trim", "carve", "current_stream", "read", "pointer"):
                 undo.append(self.wrap(type(lib), name, f"{lib.name}.{name}"))

@@ -12,7 +12,7 @@ import numpy as np
 from _host_timing import OPS, PieceTimers, host_times, rank_host_ops_from_command_line
 
 from deepep_cupy import buffer as buffer_module
-from deepep_cupy import tensors
+from deepep_cupy import dispatch_path, tensors
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--op", default="fresh", choices=OPS)
@@ -24,8 +24,9 @@ for _ in range(20):
 
 timers = PieceTimers()
 timers.wrap_host_path([tensors.library(args.lib)])
-for name in ("_dispatch_outputs", "_config", "_exchange_and_transfer", "_launch_transfer"):
-    timers.wrap(buffer_module.Buffer, name)
+timers.wrap(buffer_module.Buffer, "_config")
+for name in ("_dispatch_outputs", "_exchange_and_transfer", "_launch_transfer"):
+    timers.wrap(dispatch_path.DispatchPath, name)
 
 calls = host_times(op, args.iters, warmup=0, before=comm.Barrier)
 if comm.Get_rank() == 0:
