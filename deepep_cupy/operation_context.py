@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import plans, slots
 from .comm import Group
 from .config import Config
+from .errors import DeepEPError
 from .events import EventOverlap
 from .handle import DispatchHandle
 from .launch import KernelCall, parameter_struct
@@ -81,8 +82,6 @@ class OrderedCall:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
-        from .errors import DeepEPError
-
         launched, settled = self.launched, self.settled
         self.launched = self.settled = False
         if exc_type is not None:
