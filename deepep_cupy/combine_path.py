@@ -38,37 +38,37 @@ class CombinePath:
     def combine(self, x, handle: DispatchHandle, topk_weights, bias, config: Config,
                 previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool):
         """``Buffer.combine`` once its config is resolved (its docstring is the contract)."""
+        ctx = self._ctx
         lib, x_ptr, n, x_key = read(x)
         _, w_ptr, n_w, w_key = read(topk_weights)
         biases = plans.split_bias(bias)
         _, b0_ptr, n_b0, b0_key = read(biases[0])
         _, b1_ptr, n_b1, b1_key = read(biases[1])
-        in_place = self._rows_in_place(handle, x_ptr, w_ptr) if self._ctx.rows_in_buffer_used else None
+        in_place = self._rows_in_place(handle, x_ptr, w_ptr) if ctx.rows_in_buffer_used else None
         if in_place is None:
-            self._ctx.refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
+            ctx.refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
         else:
-            self._ctx.refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
+            ctx.refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
         key = ("combine", x_key, w_key, b0_key, b1_key, config, in_place)
-        plan = self._ctx.plans.get(key)
+        plan = ctx.plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
-            plan = self._ctx.plan(key, self._combine_plan, x, topk_weights, config, biases, in_place)
-        self._ctx.check_handle(handle, config)
+            plan = ctx.plan(key, self._combine_plan, x, topk_weights, config, biases, in_place)
+        ctx.check_handle(handle, config)
         if n != handle.rows:
             received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
             raise ValueError(f"x: expected {handle.rows} rows ({received}), got {n}")
         if in_place is not None and n * plan.spec.row_bytes > in_place.src_idx_off - in_place.x_off:
             raise ValueError(f"x: {n} rows of {plan.spec.row_bytes} bytes in place overrun the area of this Buffer "
                              "that holds them (rows wider than the dispatch's); pass a copy. No tokens were moved")
-        spec, num_tokens, dev = plan.spec, handle.num_tokens, self._ctx.device_id
+        spec, num_tokens, dev = plan.spec, handle.num_tokens, ctx.device_id
         for i, rows in enumerate((n_b0, n_b1)):
             if rows != num_tokens and rows != ABSENT_ROWS:
                 raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
                                  f"got {rows}")
-        ctx = self._ctx
         with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered
             try:
-                with self._ctx.allocating(lib, allocate_on_comm_stream):
+                with ctx.allocating(lib, allocate_on_comm_stream):
                     combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
                     combined_weights = lib.empty((num_tokens, spec.num_topk), "float32", dev) if spec.num_topk \
                         else None
@@ -77,10 +77,10 @@ class CombinePath:
                 plan.refuse.run(run_on, 0, 0, x_ptr, w_ptr, b0_ptr, b1_ptr, handle.rank_prefix_ptr,
                                 handle.recv_channel_prefix_ptr, handle.send_head_ptr, num_tokens,
                                 -host_failure_code(failure), handle.verdict_ptr)
-                refused_before_launch(failure, self._ctx.rank)
+                refused_before_launch(failure, ctx.rank)
                 raise
             if in_place is None:
-                self._ctx.rows_in_buffer_of = None  # its regions overlap the areas of rows in place
+                ctx.rows_in_buffer_of = None  # its regions overlap the areas of rows in place
             weights_ptr = 0 if combined_weights is None else lib.pointer(combined_weights)
             ordered.launched = True
             plan.main.run(run_on, lib.pointer(combined), weights_ptr, x_ptr, w_ptr, b0_ptr, b1_ptr,
@@ -88,7 +88,7 @@ class CombinePath:
                           handle.verdict_ptr)
             ordered.settled = True
             outputs = (combined, combined_weights)
-            event = self._ctx.finish(caller, run_on, lib, async_finish,
+            event = ctx.finish(caller, run_on, lib, async_finish,
                                  (x, topk_weights, *biases, handle.block, *outputs), outputs,
                                  allocate_on_comm_stream)
         return combined, combined_weights, event

@@ -199,6 +199,7 @@ class DispatchPath:
     def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                         allocate_on_comm_stream, expand=False, recv_x_in_buffer=False):
+        ctx = self._ctx
         call = self._read_fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, config, recv_x_in_buffer)
         if expand:
@@ -215,11 +216,11 @@ class DispatchPath:
         # or, without one, for nothing, so that the round's count exchange tells the host its
         # count. A round some rank lacks rows for moves nothing on any rank, and every rank redoes
         # the call with the count it was given.
-        most_rows = self._ctx.num_ranks * call.plan.spec.layout.region_tokens
+        most_rows = ctx.num_ranks * call.plan.spec.layout.region_tokens
         guess = self._capacity_guess.rows(call.num_tokens, most_rows) if self.allocate_ahead else None
         self.last_dispatch_rows_allocated = None
         rows = 0 if guess is None else guess
-        with self._ctx.on_device:
+        with ctx.on_device:
             out = self._exchange_and_transfer(call, rows, guess, previous_event, async_finish,
                                               allocate_on_comm_stream, expand)
             if isinstance(out, int):
@@ -230,7 +231,7 @@ class DispatchPath:
                 out = self._exchange_and_transfer(call, out, None, previous_event, async_finish,
                                                   allocate_on_comm_stream, expand)
                 if isinstance(out, int):  # pragma: no cover - the same inputs give the same counts
-                    raise DeepEPError(f"rank {self._ctx.rank}: a dispatch redone with its exact receive count was "
+                    raise DeepEPError(f"rank {ctx.rank}: a dispatch redone with its exact receive count was "
                                       "refused for want of rows again")
             else:
                 self.last_dispatch_allocation = "exact" if guess is None else "ahead"
@@ -325,7 +326,8 @@ class DispatchPath:
 
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config,
                     recv_x_in_buffer):
-        spec = plans.check_fresh_dispatch(self._ctx.checks, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
+        ctx = self._ctx
+        spec = plans.check_fresh_dispatch(ctx.checks, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                                           expert_alignment, config, checked_in_buffer(recv_x_in_buffer))
         lay = spec.layout
         row_bytes, topk_code, num_scales, num_experts, num_sms, send_chunk, recv_chunk = spec.signature
@@ -334,11 +336,11 @@ class DispatchPath:
                                  send_chunk=send_chunk, recv_chunk=recv_chunk, num_topk=spec.num_topk,
                                  num_experts=num_experts, num_channels=config.num_channels,
                                  expert_alignment=spec.expert_alignment, zero_off=lay.meta_off,
-                                 zero_count=lay.zero_count, region_tokens=lay.region_tokens, **self._ctx.host_counts)
-        notify = self._ctx.bind("notify_dispatch_kernel", grid=1 + self._ctx.num_ranks, per_call=NOTIFY_PER_CALL,
+                                 zero_count=lay.zero_count, region_tokens=lay.region_tokens, **ctx.host_counts)
+        notify = ctx.bind("notify_dispatch_kernel", grid=1 + ctx.num_ranks, per_call=NOTIFY_PER_CALL,
                                 **exchange_settings)
         del exchange_settings["report_refusal"]
-        refuse = self._ctx.bind("notify_dispatch_kernel", grid=1 + self._ctx.num_ranks, per_call=REFUSE_PER_CALL,
+        refuse = ctx.bind("notify_dispatch_kernel", grid=1 + ctx.num_ranks, per_call=REFUSE_PER_CALL,
                                 **exchange_settings)
         main = self._bind_transfer(spec, TRANSFER_PER_CALL)
         exchange = dict(exchange=1, row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms, recv_chunk=recv_chunk,
@@ -346,7 +348,7 @@ class DispatchPath:
         main_with_exchange = self._bind_transfer(spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, **exchange,
                                                  report_refusal=1)
         main_for_host = self._bind_transfer(spec, TRANSFER_PER_CALL + HOST_EXCHANGE_PER_CALL, **exchange,
-                                            **self._ctx.host_counts)
+                                            **ctx.host_counts)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
         lib = spec.rows.lib
@@ -354,7 +356,7 @@ class DispatchPath:
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
                     self._output_windows(lib, spec, outputs), main_for_host,
                     ahead_row_bytes(outputs, kept, spec.rows_in_buffer), refuse,
-                    refusal_scratch(lib, self._ctx.device_id, self._ctx.num_ranks, config.num_channels))
+                    refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels))
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
         """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
@@ -434,11 +436,12 @@ class DispatchPath:
         With rows in place (``plan.windows``) nothing is allocated but the handle: the outputs are
         views of the Buffer's areas, made once the count is known.
         """
+        ctx = self._ctx
         plan, lib = call.plan, call.lib
         kept = plan.kept_outputs
-        with self._ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        with ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
-            if self._ctx.order.capturing:
+            if ctx.order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
                                  "receive counts, which a CUDA graph capture cannot; pass num_worst_tokens "
                                  "(fixed-size outputs, no host wait) or capture a cached dispatch")
@@ -448,7 +451,7 @@ class DispatchPath:
                     rows, handle, kept_offset = ready.rows, ready.handle, ready.kept_offset
                     outputs, pointers = ready.outputs, ready.pointers
                 else:
-                    layout = handle_layout(self._ctx.num_ranks, plan.spec.config.num_channels, call.num_tokens)
+                    layout = handle_layout(ctx.num_ranks, plan.spec.config.num_channels, call.num_tokens)
                     handle, kept_offset = self._allocate_handle(lib, plan, layout, rows, allocate_on_comm_stream)
                     outputs, pointers = self._outputs_ahead(lib, plan, handle.base_ptr + kept_offset, rows,
                                                             allocate_on_comm_stream)
@@ -456,16 +459,16 @@ class DispatchPath:
                 self._refuse(call, run_on, failure)
                 raise
             self.last_dispatch_rows_allocated = max(rows, self.last_dispatch_rows_allocated or 0)
-            self._ctx.slots.start_dispatch()
+            ctx.slots.start_dispatch()
             kernel_done = event = None
             ordered.launched = True
-            if self._ctx.exchange_in_transfer:
+            if ctx.exchange_in_transfer:
                 self._launch_transfer(run_on, plan.main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
                                       call.per_rank, call.per_expert, rows)
             else:
                 self._launch_notify(run_on, call, handle, rows)
-                self._ctx.order.record_notify_done(run_on)  # in-process ranks wait on it (HostSlots.wait_for_count)
-                kernel_done = self._ctx.order.notify_done
+                ctx.order.record_notify_done(run_on)  # in-process ranks wait on it (HostSlots.wait_for_count)
+                kernel_done = ctx.order.notify_done
                 self._launch_transfer(run_on, plan.main, call, pointers, handle)
             handle.route(call.in_rank_array, call.in_rank)
             self._note_rows_in_buffer(plan, handle)
@@ -476,19 +479,19 @@ class DispatchPath:
             if not expand:
                 # Every kernel of the call is queued: the call is handed over while the count
                 # exchange runs, which the host waits for anyway (docs/PERFORMANCE.md).
-                event = self._ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
             if self._next_outputs.steady and rows_guessed is not None:
                 self._prepare_next(lib, plan, handle.layout, rows_guessed, caller, allocate_on_comm_stream)
-            num_recv = self._ctx.slots.wait_for_count(kernel_done)
-            verdict = self._ctx.slots.verdict()
+            num_recv = ctx.slots.wait_for_count(kernel_done)
+            verdict = ctx.slots.verdict()
             ordered.settled = True
             if verdict == VERDICT_OVER_CAPACITY:
-                self._ctx.order.abandon(run_on)  # the transfer moved nothing
+                ctx.order.abandon(run_on)  # the transfer moved nothing
                 return num_recv
             if verdict:
                 raise self._verdict_error(verdict, call)
-            per_expert_list = self._ctx.slots.expert_counts(plan.spec.num_experts // self._ctx.num_ranks)
+            per_expert_list = ctx.slots.expert_counts(plan.spec.num_experts // ctx.num_ranks)
             if plan.windows is not None:
                 outputs = self._dispatch_outputs(lib, plan, num_recv)
             else:
@@ -498,11 +501,11 @@ class DispatchPath:
                     outputs += lib.carve(block, kept.views(kept_offset, rows, num_recv))
             handle.num_recv_tokens = num_recv
             if expand:
-                with self._ctx.allocating(lib, allocate_on_comm_stream):
+                with ctx.allocating(lib, allocate_on_comm_stream):
                     outputs, expanded = self._expand(run_on, lib, plan.spec, outputs, per_expert_list, handle)
                 allocated = (*allocated, *expanded)
             if event is None:
-                event = self._ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
                                      allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
 
@@ -640,32 +643,32 @@ class DispatchPath:
 
     def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
                          recv_x_in_buffer=False):
+        ctx = self._ctx
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
         _, s_ptr, n_s, s_key = read(scales)
-        self._ctx.refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
+        ctx.refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
         key = ("cached dispatch", type(x) is tuple, x_key, s_key, config, recv_x_in_buffer)
-        plan = self._ctx.plans.get(key)
+        plan = ctx.plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:
-            plan = self._ctx.plan(key, self._cached_plan, x, config, recv_x_in_buffer)
-        self._ctx.check_handle(handle, config)
+            plan = ctx.plan(key, self._cached_plan, x, config, recv_x_in_buffer)
+        ctx.check_handle(handle, config)
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
         num_recv = handle.rows
         self._check_recv_rows_fit(plan, num_recv, "the handle")
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
-        ctx = self._ctx
         with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered
             try:
-                with self._ctx.allocating(lib, allocate_on_comm_stream):
+                with ctx.allocating(lib, allocate_on_comm_stream):
                     recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
             except BaseException as failure:
                 # Take part only to refuse the call: no rank moves anything (call_check.cuh).
                 plan.refuse.run(run_on, 0, 0, x_ptr, s_ptr, handle.in_rank_ptr, handle.channel_prefix_ptr,
                                 handle.rank_prefix_ptr, n, *scale_strides, -host_failure_code(failure),
                                 handle.verdict_ptr)
-                refused_before_launch(failure, self._ctx.rank)
+                refused_before_launch(failure, ctx.rank)
                 raise
             recv_x_ptr, recv_scales_ptr = self._pointers(lib, (recv_x, recv_scales))
             self._note_rows_in_buffer(plan, handle)
@@ -674,7 +677,7 @@ class DispatchPath:
                           handle.channel_prefix_ptr, handle.rank_prefix_ptr, n, *scale_strides, handle.verdict_ptr)
             ordered.settled = True
             outputs = (recv_x, recv_scales)
-            event = self._ctx.finish(caller, run_on, lib, async_finish,
+            event = ctx.finish(caller, run_on, lib, async_finish,
                                  (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
                                  allocate_on_comm_stream)
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
