@@ -48,6 +48,10 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
 OPTIONAL_KERNELS = ("expand_kernel", "ll_dispatch_kernel", "ll_combine_kernel")
+#: Sources whose kernels the path that uses them loads itself (the low-latency path, when a Buffer
+#: is made with ``low_latency_mode``), never :func:`warm_up`: the FP8 conversions of the decode
+#: kernels need sm_89, and no other Buffer should pay for them.
+OWN_WARM_UP = ("low_latency.cu",)
 
 #: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
@@ -206,7 +210,8 @@ def warm_up_instances(num_ranks: int, every_instance: bool = False) -> Tuple[str
                      for args in ((num_ranks, "true"), (num_ranks, "false", "true"), (num_ranks, "true", "true"))]
         combine = [name_expression("combine_kernel", (element, num_ranks) + in_place)
                    for in_place in ((), ("true",)) for element in COMBINE_DTYPES.values()]
-    untemplated = [expression for expressions in SOURCES.values() for expression in expressions
+    untemplated = [expression for file_name, expressions in SOURCES.items() if file_name not in OWN_WARM_UP
+                   for expression in expressions
                    if "<" not in expression and (every_instance or expression not in OPTIONAL_KERNELS)]
     untemplated.sort(key=lambda expression: expression == "dispatch_layout_kernel")  # the quickest, last
     return tuple(dispatch + combine + untemplated)

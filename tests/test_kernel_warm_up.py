@@ -177,10 +177,17 @@ def test_ranks_sharing_a_gpu_compile_every_instance_up_front():
     hot_path = kernels.warm_up_instances(4)
     assert "dispatch_kernel<4>" in hot_path and "dispatch_kernel<4, true>" not in hot_path
     assert "expand_kernel" not in hot_path
-    every = {e for expressions in kernels.SOURCES.values() for e in expressions
-             if "<" not in e or "4" in e[e.index("<") + 1:-1].split(", ")}
+    every = {e for file_name, expressions in kernels.SOURCES.items() if file_name not in kernels.OWN_WARM_UP
+             for e in expressions if "<" not in e or "4" in e[e.index("<") + 1:-1].split(", ")}
     assert {"dispatch_kernel<4, false, true>", "combine_kernel<float, 4, true>", "expand_kernel"} <= every
     assert set(kernels.warm_up_instances(4, every_instance=True)) == every
+
+
+def test_the_decode_kernels_are_loaded_by_the_low_latency_path_not_by_every_buffer():
+    # They need sm_89 (FP8 conversions); a Buffer without low_latency_mode never compiles them.
+    decode = set(kernels.SOURCES["low_latency.cu"])
+    assert "low_latency.cu" in kernels.OWN_WARM_UP
+    assert not decode & set(kernels.warm_up_instances(8, every_instance=True))
 
 
 @pytest.mark.parametrize("every_instance", [False, True])
