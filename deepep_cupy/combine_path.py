@@ -89,8 +89,8 @@ class CombinePath:
             ordered.settled = True
             outputs = (combined, combined_weights)
             event = ctx.finish(caller, run_on, lib, async_finish,
-                                 (x, topk_weights, *biases, handle.block, *outputs), outputs,
-                                 allocate_on_comm_stream)
+                               (x, topk_weights, *biases, handle.block, *outputs), outputs,
+                               allocate_on_comm_stream)
         return combined, combined_weights, event
 
     def _rows_in_place(self, handle, x_ptr: int, w_ptr: int):

@@ -253,7 +253,7 @@ class DispatchPath:
         with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
             try:
-                with self._ctx.allocating(lib, allocate_on_comm_stream):
+                with ctx.allocating(lib, allocate_on_comm_stream):
                     block = lib.empty((layout.words(rows, num_local_experts),), "int64", dev)
                     outputs = self._dispatch_outputs(lib, plan, rows)
             except BaseException as failure:
@@ -275,8 +275,8 @@ class DispatchPath:
                                   handle.recv_expert_counts_ptr)
             ordered.settled = True
             allocated = (block, *outputs)
-            event = self._ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                 allocate_on_comm_stream)
+            event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                               allocate_on_comm_stream)
         self.last_dispatch_allocation = "fixed"
         return dispatch_result(outputs, [], handle, event)
 
@@ -480,7 +480,7 @@ class DispatchPath:
                 # Every kernel of the call is queued: the call is handed over while the count
                 # exchange runs, which the host waits for anyway (docs/PERFORMANCE.md).
                 event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                     allocate_on_comm_stream)
+                                   allocate_on_comm_stream)
             if self._next_outputs.steady and rows_guessed is not None:
                 self._prepare_next(lib, plan, handle.layout, rows_guessed, caller, allocate_on_comm_stream)
             num_recv = ctx.slots.wait_for_count(kernel_done)
@@ -506,7 +506,7 @@ class DispatchPath:
                 allocated = (*allocated, *expanded)
             if event is None:
                 event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
-                                     allocate_on_comm_stream)
+                                   allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
 
     def _refuse(self, call: DispatchCall, run_on: int, failure: BaseException, report: bool = False) -> None:
@@ -678,8 +678,8 @@ class DispatchPath:
             ordered.settled = True
             outputs = (recv_x, recv_scales)
             event = ctx.finish(caller, run_on, lib, async_finish,
-                                 (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
-                                 allocate_on_comm_stream)
+                               (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
+                               allocate_on_comm_stream)
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)
 
     def _cached_plan(self, x, config, recv_x_in_buffer):
