@@ -7,11 +7,12 @@ import importlib.util
 import json
 import subprocess
 import sys
+import textwrap
 import types
 
 import numpy as np
 import pytest
-from _harness import REPO_ROOT, WORKERS, describe, run_python
+from _harness import REPO_ROOT, WORKERS, describe, records_by, run_mpi, run_python, worker_records
 from host_fakes import on_device
 from internode_fakes import make_paths, run_ranks, use_host_arrays
 
@@ -354,3 +355,77 @@ def test_the_soak_runs_the_worker_under_mpiexec_sharing_gpu_0_when_gpus_are_fewe
     worker_at = command.index(str(WORKERS / "internode_random_worker.py"))
     assert command[4:worker_at] == ([str(WORKERS / "one_gpu_ranks.py")] if shared else [])
     assert command[worker_at + 1:] == ["--seed", "1000", "--cases", "5"]
+
+
+# The worker's job under mpiexec with its GPU parts replaced: no device or stream, a Buffer that
+# counts itself, a run_on_rank told which seeds fail on rank 1.
+FAKE_GPU_DRIVER = textwrap.dedent('''
+    import contextlib, json, sys
+    sys.path.insert(0, sys.argv[1])  # the worker imports its siblings as a script does
+    import deepep_cupy as ep
+    import internode_random_worker as worker
+
+    plan = json.loads(sys.argv[2])
+    buffers = []
+
+    class FakeBuffer:
+        def __init__(self, comm, nvl_bytes, rdma_bytes, *, ranks_per_node, internode_transport, timeout_s):
+            assert nvl_bytes > 0 and rdma_bytes > 0 and internode_transport == "mpi"
+            self.rank, self.num_ranks = comm.Get_rank(), comm.Get_size()
+            buffers.append(f"{self.num_ranks // ranks_per_node}x{ranks_per_node}")
+
+        def destroy(self):
+            pass
+
+    def run_on_rank(buf, case, stream):
+        assert buf.num_ranks == case["num_ranks"]
+        if case["seed"] in plan["fail"] and buf.rank == 1:
+            return False, "Mismatch: recv_x: 1 of 8 elements differ", {}
+        return True, None, {"received": buf.rank}
+
+    class NoStream(contextlib.nullcontext):
+        ptr = 0
+
+    ep.Buffer = FakeBuffer
+    worker.run_on_rank = run_on_rank
+    worker.use_gpu = lambda rank: NoStream()
+    code = worker.main(sys.argv[3:])
+    print("BUFFERS " + json.dumps(buffers), flush=True)
+    sys.exit(code)
+''')
+
+
+def test_the_worker_job_runs_each_case_on_its_shape_and_reports_every_rank(tmp_path):
+    seeds = [c["seed"] for c in CASES[:40]]
+    cases = {c["seed"]: c for c in CASES[:40]}
+    fits = [s for s in seeds if cases[s]["num_ranks"] <= 4]
+    too_big = [s for s in seeds if cases[s]["num_ranks"] > 4]
+    fail = [s for s in fits if cases[s]["num_ranks"] >= 2][:2]
+    assert fits and too_big and len(fail) == 2
+    driver = tmp_path / "fake_gpu_internode_job.py"
+    driver.write_text(FAKE_GPU_DRIVER)
+    run = run_mpi(4, [driver, WORKERS, json.dumps({"fail": fail}), "--seeds", *map(str, seeds), "--records"],
+                  timeout=180)
+    assert run.returncode != 0, describe(run)  # the failing and the unrunnable cases
+    results = records_by(run.stdout, "seed")
+    assert sorted(results) == sorted(fits), describe(run)
+    for seed in fits:
+        assert sorted(r["rank"] for r in results[seed]) == list(range(cases[seed]["num_ranks"]))
+        assert all(r["ok"] == (seed not in fail or r["rank"] != 1) for r in results[seed])
+    failures = {f["seed"]: f for f in worker_records(run.stdout, "FAIL")}
+    assert sorted(failures) == sorted(fail + too_big)
+    for seed in fail:
+        assert list(failures[seed]["errors"]) == ["1"] and "Mismatch: recv_x" in failures[seed]["errors"]["1"]
+        assert failures[seed]["reproduce"] == f"make soak-internode SOAK_INTERNODE_SEED={seed} SOAK_INTERNODE_CASES=1"
+        assert failures[seed]["case"] == ic.describe_case(cases[seed])
+    for seed in too_big:
+        assert "needs" in failures[seed]["errors"]["all"]
+    assert sorted(r["seed"] for r in worker_records(run.stdout, "CASE")) == sorted(seeds)
+    summary = worker_records(run.stdout, "SUMMARY")[-1]
+    assert summary["cases"] == len(seeds) and summary["failed"] == sorted(fail + too_big)
+    # One Buffer per rank of each shape, and a new one on every rank of the shape after a failing case.
+    made = [b for record in worker_records(run.stdout, "BUFFERS") for b in record]
+    shapes = {f"{c['num_nodes']}x{c['ranks_per_node']}": c["num_ranks"] for c in cases.values() if c["seed"] in fits}
+    for shape, ranks in shapes.items():
+        failing = sum(f"{cases[s]['num_nodes']}x{cases[s]['ranks_per_node']}" == shape for s in fail)
+        assert made.count(shape) == ranks * (1 + failing), (shape, made)
