@@ -73,7 +73,7 @@ def test_the_seeds_cover_every_shape_dtype_routing_and_step(cases):
 
 def test_four_hundred_seeds_reach_the_ends_of_every_range():
     every_count = [n for c in CASES for n in counts_of(c)]
-    assert 0 in every_count and max(every_count) >= 3000
+    assert 0 in every_count and max(every_count) >= 900
     assert any(sum(counts_of(c)) == 0 for c in CASES)  # nobody dispatches anything
     assert _values(CASES, "num_topk") == set(range(rc.TOPK_RANGE[0], rc.TOPK_RANGE[1] + 1))
     assert _values(CASES, "scales_layout") == {"row", "column"}
@@ -92,6 +92,8 @@ def test_every_case_is_within_the_internode_limits():
         K, E, H, dtype = case["num_topk"], case["num_experts"], case["hidden"], case["dtype"]
         config = ic.config_of(case)  # raises if not valid
         assert config.num_sms <= ic.MAX_NUM_SMS and case["send_chunk"] <= case["recv_chunk"] <= rc.MAX_RECV_CHUNK
+        forwarded = N * max(counts_of(case))
+        assert forwarded <= ic.MAX_QUEUE_ROUNDS * case["recv_chunk"], case  # the round trips are capped
         assert E % R == 0 and E <= MAX_EXPERTS and E // R <= MAX_LOCAL_EXPERTS
         assert rc.TOPK_RANGE[0] <= K <= E // N, case  # a node holds top-k experts: one_node routing draws there
         counts = counts_of(case)
@@ -254,14 +256,15 @@ def as_cupy_case(case):
 
 
 #: A handful of small cases: every shape, every dtype, block scales column-major, every routing,
-#: num_worst_tokens, async, -1 entries, combine with biases, and ranks without tokens.
+#: num_worst_tokens, async, -1 entries, combine with biases, ranks without tokens and a case without any.
 END_TO_END = [*(small(lambda c, s=s: (c["num_nodes"], c["ranks_per_node"]) == s)[0] for s in ic.SHAPES),
               *(small(lambda c, d=d: c["dtype"] == d)[0] for d in ic.DTYPES),
               small(lambda c: c["scales_layout"] == "column")[0],
               *(small(lambda c, r=r: c["routing"] == r)[0] for r in ic.ROUTINGS),
               small(lambda c: c["worst"] and c["combine"] and c["bias"] == 2)[0],
               small(lambda c: c["mode"] == "async" and c["cached"])[0],
-              small(lambda c: 0 in counts_of(c) and c["drop"] and c["combine"])[0]]
+              small(lambda c: 0 in counts_of(c) and c["drop"] and c["combine"])[0],
+              next(c for c in CASES if sum(counts_of(c)) == 0 and c["ranks_per_node"] > 1 and c["combine"])]
 END_TO_END = list({c["seed"]: c for c in END_TO_END}.values())
 
 

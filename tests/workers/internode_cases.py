@@ -8,13 +8,14 @@ A case draws, within the limits the internode path enforces:
 
 * the node split: 2..4 nodes of 1..4 ranks each, 8 ranks at most (2x1, 2x2, 2x3, 2x4, 3x1, 3x2,
   4x1, 4x2);
-* 0..4096 tokens per rank (a tuple: uneven; sometimes one int: every rank alike);
+* 0..1024 tokens per rank (a tuple: uneven; sometimes one int: every rank alike);
 * every dtype the internode path takes (BF16, FP16, FP32, FP8 with ``[N, H/128]`` scales, row- or
   column-major, and with ``[N]`` scales), rows a multiple of 16 bytes up to hidden 8192;
 * top-k 1..9 over up to 8192 experts (every node holds at least top-k of them), with or without
   weights; routing uniform, skewed toward node 0, every token to one node, or every token to its
   own node (nothing crosses the network), with or without -1 entries;
-* ``expert_alignment`` 1..128, the intranode stage's config (``num_sms`` 2..32, chunks 1..1024);
+* ``expert_alignment`` 1..128, the intranode stage's config (``num_sms`` 2..32, chunks 1..1024,
+  the receive chunk at least 1/64 of the tokens a rank forwards: :data:`MAX_QUEUE_ROUNDS`);
 * CuPy or PyTorch, sync or async; a fresh dispatch exact or with ``num_worst_tokens``, then a
   cached dispatch and a combine (0..2 biases; after an FP8 dispatch the combine is BF16) or not.
 
@@ -42,7 +43,11 @@ token_counts = rc.token_counts
 #: (nodes, ranks per node): 2..4 nodes of 1..4 ranks, at most MAX_RANKS ranks in all.
 SHAPES = tuple((n, per_node) for n in range(2, 5) for per_node in range(1, 5) if n * per_node <= MAX_RANKS)
 ROUTINGS = ("uniform", "skewed", "one_node", "own_node")
-MAX_TOKENS = 4096
+MAX_TOKENS = 1024
+#: Queue round trips per channel of the intranode stage, at most: a rank's forwarded tokens over the
+#: receive chunk (ranks sharing a GPU as processes take turns on it, and each round trip between
+#: two of them costs time slices).
+MAX_QUEUE_ROUNDS = 64
 #: The intranode stage's num_sms, at most (ranks of one GPU are processes here: no SM budget).
 MAX_NUM_SMS = 32
 #: Bytes all ranks receive, at most: every rank computes every rank's reference.
@@ -99,7 +104,8 @@ def internode_case(seed: int) -> dict:
     with_weights = d.chance(0.75)
     expert_alignment = 1 if d.chance(0.3) else d.log_int(1, rc.MAX_ALIGNMENT)
     num_sms = 2 * d.log_int(1, MAX_NUM_SMS // 2)
-    recv_chunk = d.log_int(1, rc.MAX_RECV_CHUNK)
+    forwarded = num_nodes * max(counts)
+    recv_chunk = min(rc.MAX_RECV_CHUNK, max(d.log_int(1, rc.MAX_RECV_CHUNK), -(-forwarded // MAX_QUEUE_ROUNDS)))
     send_chunk = d.log_int(1, recv_chunk)
     mode = "async" if d.chance(0.35) else "sync"
     framework = "torch" if d.chance(0.3) else "cupy"
