@@ -318,6 +318,18 @@ def test_a_wrong_result_is_reported_as_a_mismatch(monkeypatch):
     assert all(ok for ok, _, _ in outcomes[1:]), [e for _, e, _ in outcomes[1:]]
 
 
+def test_a_pytorch_case_without_pytorch_runs_with_cupy_and_says_so(monkeypatch):
+    use_host_arrays(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    case = small(lambda c: c["framework"] == "torch" and c["ranks_per_node"] == 1)[0]
+    outcomes = run_ranks(make_paths(case["num_nodes"], 1),
+                         lambda rank, path: worker.run_on_rank(FakeBuffer(path), case, stream=None))
+    for ok, error, info in outcomes:
+        assert ok, error
+        assert info["framework"] == "cupy: PyTorch is not installed"
+
+
 # ---------------------------------------------------------------------------------------------
 # The worker's arguments and the soak's launcher
 

@@ -347,20 +347,23 @@ class CaseWatchdog:
 
 
 def run_on_rank(buf, case, stream):
-    """``(ok, error, info)`` of one case on this rank; PyTorch cases run on the job's stream too."""
+    """``(ok, error, info)`` of one case on this rank; PyTorch cases run on the job's stream too
+    (without PyTorch, with CuPy arrays, ``info["framework"]`` saying so)."""
     import contextlib
 
-    try:
-        if case["framework"] == "torch":
+    context, note = contextlib.nullcontext(), {}
+    if case["framework"] == "torch":
+        try:
             import torch
-
-            context = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+        except ImportError:
+            case, note = dict(case, framework="cupy"), {"framework": "cupy: PyTorch is not installed"}
         else:
-            context = contextlib.nullcontext()
+            context = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+    try:
         with context:
-            return True, None, run_case(buf, case)
+            return True, None, {**run_case(buf, case), **note}
     except Exception as exc:  # reported with the case; the job goes on
-        return False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", {}
+        return False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", note
 
 
 def run_shape(comm, batch, args, stream, watchdog):
