@@ -11,8 +11,10 @@ Ranks that are threads of one process (run_local_group, the "local" transport) c
 on the internode path: its host runs CuPy work between the rail exchange and the node's NVLink
 kernels, and the first launch of a CuPy kernel (a module load) or an allocation that reaches
 cudaMalloc waits for every kernel running in the process's context, among them a node peer's
-dispatch spinning until this rank's kernel starts (docs/GROUPS.md). Processes have contexts of
-their own, which take turns on the GPU, so the MPI transport runs every case on one GPU.
+dispatch spinning until this rank's kernel starts (docs/GROUPS.md); and each node's intranode
+Buffer checks the SM budget of its own node's ranks only, while every node's kernels are on the
+GPU at once. Processes have contexts of their own, which take turns on the GPU, so the MPI
+transport can run every case on one GPU.
 """
 
 import os
