@@ -382,10 +382,15 @@ FAKE_GPU_DRIVER = textwrap.dedent('''
 
     plan = json.loads(sys.argv[2])
     buffers = []
+    made = 0
 
     class FakeBuffer:
         def __init__(self, comm, nvl_bytes, rdma_bytes, *, ranks_per_node, internode_transport, timeout_s):
+            global made
             assert nvl_bytes > 0 and rdma_bytes > 0 and internode_transport == "mpi"
+            made += 1
+            if plan.get("no_buffer_for") is not None and made == 2:
+                raise RuntimeError("no Buffer now")  # the second Buffer, made for the second case
             self.rank, self.num_ranks = comm.Get_rank(), comm.Get_size()
             buffers.append(f"{self.num_ranks // ranks_per_node}x{ranks_per_node}")
 
@@ -438,9 +443,30 @@ def test_the_worker_job_runs_each_case_on_its_shape_and_reports_every_rank(tmp_p
     assert sorted(r["seed"] for r in worker_records(run.stdout, "CASE")) == sorted(seeds)
     summary = worker_records(run.stdout, "SUMMARY")[-1]
     assert summary["cases"] == len(seeds) and summary["failed"] == sorted(fail + too_big)
-    # One Buffer per rank of each shape, and a new one on every rank of the shape after a failing case.
+    # One Buffer per rank of each shape, and a new one on every rank of the shape for the case after
+    # a failing one.
     made = [b for record in worker_records(run.stdout, "BUFFERS") for b in record]
-    shapes = {f"{c['num_nodes']}x{c['ranks_per_node']}": c["num_ranks"] for c in cases.values() if c["seed"] in fits}
-    for shape, ranks in shapes.items():
-        failing = sum(f"{cases[s]['num_nodes']}x{cases[s]['ranks_per_node']}" == shape for s in fail)
-        assert made.count(shape) == ranks * (1 + failing), (shape, made)
+    by_shape = {}
+    for seed in fits:
+        by_shape.setdefault(f"{cases[seed]['num_nodes']}x{cases[seed]['ranks_per_node']}", []).append(seed)
+    for shape, shape_seeds in by_shape.items():
+        again = sum(s in fail for s in shape_seeds[:-1])
+        assert made.count(shape) == cases[shape_seeds[0]]["num_ranks"] * (1 + again), (shape, made)
+
+
+def test_a_buffer_that_cannot_be_made_fails_its_case_and_the_next_case_tries_again(tmp_path):
+    seeds = [c["seed"] for c in CASES if (c["num_nodes"], c["ranks_per_node"]) == (2, 1)][:3]
+    driver = tmp_path / "fake_gpu_internode_job.py"
+    driver.write_text(FAKE_GPU_DRIVER)
+    # The first case fails: the second Buffer, made for the second case, is refused.
+    run = run_mpi(2, [driver, WORKERS, json.dumps({"fail": [seeds[0]], "no_buffer_for": seeds[1]}), "--seeds",
+                      *map(str, seeds)], timeout=180)
+    assert run.returncode == 1, describe(run)
+    failures = worker_records(run.stdout, "FAIL")
+    assert [f["seed"] for f in failures] == seeds[:2], describe(run)
+    assert sorted(failures[1]["errors"]) == ["0", "1"]
+    assert all("the Buffer: RuntimeError: no Buffer now" in e for e in failures[1]["errors"].values())
+    assert worker_records(run.stdout, "SUMMARY")[-1]["failed"] == seeds[:2]
+    assert all(r["ok"] for r in records_by(run.stdout, "seed")[seeds[2]])
+    # Made for the first case, refused for the second, made again for the third (each of 2 ranks).
+    assert [b for record in worker_records(run.stdout, "BUFFERS") for b in record].count("2x1") == 4

@@ -14,8 +14,9 @@ the largest rank count among the cases; a case of more ranks fails, saying so.
 Cases are grouped by node shape (nodes x ranks per node), in seed order within a shape. For each
 shape the first ``nodes * ranks per node`` processes split off a communicator and make one Buffer
 (``ranks_per_node``, ``internode_transport="mpi"``, sized for the largest case of the shape); the
-others wait. A case that fails on any rank replaces the Buffers and the next case goes on. Every
-rank computes the whole reference of a case itself (the cases are capped to keep that cheap).
+others wait. After a case that fails on any rank the next case gets new Buffers (a Buffer that
+cannot be made fails the case it was made for). Every rank computes the whole reference of a case
+itself (the cases are capped to keep that cheap).
 
 Output (``TAG {json}`` lines):
     RESULT   every rank, every case: rank, seed, shape, ok, error, seconds, rows received and sent
@@ -367,7 +368,9 @@ def run_on_rank(buf, case, stream):
 
 
 def run_shape(comm, batch, args, stream, watchdog):
-    """Run one shape's cases on the ranks of ``comm``; returns the records (on rank 0 of ``comm``)."""
+    """Run one shape's cases on the ranks of ``comm``; returns the records (on rank 0 of ``comm``).
+    The Buffer is made before the first case and again before the case after a failing one; a
+    Buffer that cannot be made fails the case it was made for."""
     from mpi4py import MPI
 
     import deepep_cupy as ep
@@ -377,19 +380,25 @@ def run_shape(comm, batch, args, stream, watchdog):
     rdma_bytes = max(ic.rdma_bytes_needed(c) for c in batch)
 
     def new_buffer():
-        return ep.Buffer(comm, nvl_bytes, rdma_bytes, ranks_per_node=L, internode_transport="mpi",
-                         timeout_s=args.timeout)
+        """``(Buffer, None)``, or ``(None, why not)``."""
+        try:
+            return ep.Buffer(comm, nvl_bytes, rdma_bytes, ranks_per_node=L, internode_transport="mpi",
+                             timeout_s=args.timeout), None
+        except Exception as exc:  # reported as the case's error
+            return None, f"the Buffer: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
 
-    records = []
-    buf = new_buffer()
+    records, buf = [], None
     try:
         for case in batch:
             comm.Barrier()
-            watchdog.start(case)
+            watchdog.start(case)  # Buffer creation and clean-up included: they are collective too
             start = time.monotonic()
-            ok, error, info = run_on_rank(buf, case, stream)
+            if buf is None:
+                buf, error = new_buffer()
+            ok, info = False, {}
+            if buf is not None:
+                ok, error, info = run_on_rank(buf, case, stream)
             seconds = time.monotonic() - start
-            watchdog.end()
             emit("RESULT", {"rank": rank, "size": comm.Get_size(), "seed": case["seed"],
                             "shape": f"{case['num_nodes']}x{L}", "ok": ok, "error": error,
                             "seconds": round(seconds, 3), **info})
@@ -398,11 +407,13 @@ def run_shape(comm, batch, args, stream, watchdog):
                 errors = {str(r): e for r, e in enumerate(outcomes) if e is not None}
                 records.append(case_record(case, errors, seconds))
                 report(records[-1], args.records)
-            if not comm.allreduce(ok, op=MPI.LAND):
+            if not comm.allreduce(ok, op=MPI.LAND) and buf is not None:
                 buf.destroy()  # a kernel may have timed out: such a Buffer is not usable
-                buf = new_buffer()
+                buf = None
+            watchdog.end()
     finally:
-        buf.destroy()
+        if buf is not None:
+            buf.destroy()
     return records
 
 
