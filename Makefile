@@ -1,4 +1,5 @@
-# deepep_cupy: make test | lint | bench | soak | soak-cases | soak-sequences | install | clean | distclean | which
+# deepep_cupy: make test | lint | bench | soak | soak-cases | soak-sequences | soak-internode | install | clean |
+#              distclean | which
 #
 # Which Python runs things:
 #   * $(PYTHON) (default python3) itself, when it can already import cupy, mpi4py, numpy and
@@ -14,6 +15,7 @@
 #           make install EXTRAS=cuda12,test   (without PyTorch and matplotlib: their tests skip)
 #           make soak-cases SOAK_SEED=1234 SOAK_CASES=1   (one random case alone: a failing seed)
 #           make soak-sequences SOAK_SEQUENCE_SEED=1234 SOAK_SEQUENCES=1   (one sequence alone)
+#           make soak-internode SOAK_INTERNODE_SEED=1234 SOAK_INTERNODE_CASES=1   (one internode case alone)
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -22,8 +24,8 @@ VENV        ?= .venv
 EXTRAS      ?= cuda12,test,torch,plots
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
-# make soak runs the random-case soak, then the sequence soak; soak-cases and soak-sequences run
-# one of them alone.
+# make soak runs the random-case soak, the sequence soak, then the internode soak; soak-cases,
+# soak-sequences and soak-internode run one of them alone.
 # The random-case soak (tests/workers/random_soak.py): seeds SOAK_SEED .. SOAK_SEED+SOAK_CASES-1
 # (make test runs seeds 0..49); SOAK_ARGS: e.g. --gpus 2, --timeout 20, --list.
 SOAK_CASES  ?= 1000
@@ -36,6 +38,13 @@ SOAK_SEQUENCES     ?= 200
 SOAK_STEPS         ?= 50
 SOAK_SEQUENCE_SEED ?= 1000
 SOAK_SEQUENCE_ARGS ?=
+# The internode soak (tests/workers/internode_soak.py): random internode cases over simulated nodes,
+# seeds SOAK_INTERNODE_SEED .. +SOAK_INTERNODE_CASES-1, under mpiexec with the MPI transport (ranks
+# share GPU 0 when there are fewer GPUs than ranks; make test runs seeds 0..19);
+# SOAK_INTERNODE_ARGS: e.g. --timeout 60, --records, --list.
+SOAK_INTERNODE_CASES ?= 200
+SOAK_INTERNODE_SEED  ?= 1000
+SOAK_INTERNODE_ARGS  ?=
 PIP_FLAGS   ?=
 
 REPO    := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
@@ -65,7 +74,7 @@ endif
 # The checkout comes first on the import path (no install needed, and it wins over stale installs).
 export PYTHONPATH := $(REPO)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test lint bench soak soak-cases soak-sequences install clean distclean which
+.PHONY: test lint bench soak soak-cases soak-sequences soak-internode install clean distclean which
 
 # One line before the tests when an optional package is missing: which tests skip, and how to add it.
 define OPTIONAL_NOTE
@@ -91,7 +100,7 @@ lint: $(SETUP)
 bench: $(SETUP)
 	$(PY) -m deepep_cupy.bench $(BENCH_ARGS)
 
-soak: soak-cases soak-sequences
+soak: soak-cases soak-sequences soak-internode
 
 soak-cases: $(SETUP)
 	$(PY) tests/workers/random_soak.py --cases $(SOAK_CASES) --seed $(SOAK_SEED) $(SOAK_ARGS)
@@ -99,6 +108,10 @@ soak-cases: $(SETUP)
 soak-sequences: $(SETUP)
 	$(PY) tests/workers/sequence_soak.py --sequences $(SOAK_SEQUENCES) --steps $(SOAK_STEPS) \
 		--seed $(SOAK_SEQUENCE_SEED) $(SOAK_SEQUENCE_ARGS)
+
+soak-internode: $(SETUP)
+	$(PY) tests/workers/internode_soak.py --cases $(SOAK_INTERNODE_CASES) --seed $(SOAK_INTERNODE_SEED) \
+		$(SOAK_INTERNODE_ARGS)
 
 ifeq ($(USE_VENV),1)
 install: $(STAMP)

@@ -73,10 +73,12 @@ _STREAM_KEY = 0x15500C
 
 
 class _Draws:
-    """Draws built on ``rng.random()`` only."""
+    """Draws built on ``rng.random()`` only; ``key`` names the stream (another kind of case, e.g.
+    tests/workers/internode_cases.py, draws from its own key, so that its seeds share nothing
+    with these)."""
 
-    def __init__(self, seed: int):
-        self._rng = np.random.default_rng([_STREAM_KEY, int(seed)])
+    def __init__(self, seed: int, key: int = _STREAM_KEY):
+        self._rng = np.random.default_rng([int(key), int(seed)])
 
     def uniform(self) -> float:
         return float(self._rng.random())
