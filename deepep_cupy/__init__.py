@@ -1,9 +1,11 @@
-"""deepep-cupy: expert-parallel dispatch and combine over NVLink, with CuPy and mpi4py.
+"""deepep-cupy: expert-parallel dispatch and combine over NVLink inside a node and NCCL or MPI
+across nodes, with DeepEP's low-latency (decode) calls, on CuPy and mpi4py.
 
 Public surface (DeepEP-compatible names; ``import deepep_cupy as deep_ep`` runs DeepEP's intranode
 scripts): :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, ``topk_idx_t``,
-:func:`get_dispatch_config`, :func:`get_combine_config`, :func:`get_nvl_buffer_size_hint`, and
-the exceptions. ``deepep_cupy.reference`` is the NumPy
+:func:`get_dispatch_config`, :func:`get_combine_config`, :func:`get_nvl_buffer_size_hint`, the
+node shape of a group (:class:`NodeTopology`, :func:`discover_topology`), and the exceptions.
+``deepep_cupy.reference`` (with ``internode_reference`` and ``low_latency_reference``) is the NumPy
 model every GPU result is checked against.
 """
 
@@ -23,6 +25,7 @@ from .errors import (
 from .events import EventOverlap
 from .handle import DispatchHandle
 from .local_group import ThreadGroup, run_local_group
+from .nodes import NodeTopology, discover_topology
 from .sm_budget import check_sm_budget
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
     "DeepEPError", "DeepEPTimeoutError", "PeerAbortedError", "PeerFailedError", "RankMismatchError", "KernelBuildError",
     "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",
+    "NodeTopology", "discover_topology",
 ]
 
 __version__ = "0.1.0"
