@@ -37,6 +37,15 @@ for stage in $STAGES; do
       done 2>&1 | tee -a "$OUT/ab.log";;
     test)
       timeout ${TEST_TIMEOUT:-500} make test 2>&1 | tee "$OUT/test.log" | tail -40;;
+    suite1|suite2)
+      # The GPU test files in two halves that each fit one call, on one GPU (ranks share it):
+      # DEEPEP_TEST_ONE_GPU_MPI=1, and too few GPUs is a failure, not a skip.
+      files=$(ls tests/test_gpu_*.py | sort)
+      half=$(( ($(echo "$files" | wc -l) + 1) / 2 ))
+      if [ "$stage" = suite1 ]; then files=$(echo "$files" | head -n $half); else files=$(echo "$files" | tail -n +$((half + 1))); fi
+      DEEPEP_TEST_ONE_GPU_MPI=1 DEEPEP_TEST_REQUIRE_GPUS=1 timeout ${SUITE_TIMEOUT:-560} python3 -m pytest -q -ra \
+        --durations=15 $files > "$OUT/$stage.log" 2>&1
+      echo "$stage: pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$stage.log" | tail -30;;
     local)
       for n in ${LOCAL_RANKS:-4 8}; do
         timeout ${LOCAL_TIMEOUT:-150} python3 tests/workers/local_gpu_worker.py --ranks $n --timeout ${KERNEL_TIMEOUT:-20} \
