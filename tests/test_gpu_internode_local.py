@@ -3,8 +3,13 @@ rail transport, one GPU per rank, against deepep_cupy.internode_reference (the s
 tests/workers/internode_worker.py). Ranks sharing a GPU in one process are not run here: a first
 launch of a CuPy kernel on one rank's thread may wait for a peer's spinning NVLink kernel."""
 
+import sys
+
 import pytest
-from workers import internode_worker
+from _harness import WORKERS
+
+sys.path.insert(0, str(WORKERS))  # the worker imports its siblings as a script does
+import internode_worker  # noqa: E402
 
 SCENARIOS = [s for s in internode_worker.SCENARIOS if s.get("framework") != "torch"]
 

@@ -9,9 +9,8 @@ what failed, stops the peers' kernels at once.
 
 import sys
 
-import numpy as np
 import pytest
-from host_fakes import fake_buffer
+from host_fakes import FakeMapped, fake_buffer
 from test_host_path import CONFIG, H, dispatch, workload
 
 import deepep_cupy as ep
@@ -118,7 +117,7 @@ def test_a_cached_dispatch_or_combine_that_cannot_allocate_launches_its_refusal_
 
 
 def test_a_refusal_recorded_by_the_settings_check_raises_peer_failed_and_leaves_the_buffer_usable():
-    host = slots.HostSlots(0, 5.0, in_process=False, mapped=_Mapped())
+    host = slots.HostSlots(0, 5.0, in_process=False, mapped=FakeMapped())
     host.values[:7] = (ERROR_HOST_FAILED, 6, 0, -1, 1, HOST_FAILED_ALLOCATION, 0)  # stage 6: combine check
     with pytest.raises(ep.PeerFailedError, match="rank 0: the last combine was refused .* rank 1 failed") as info:
         host.raise_if_failed()
@@ -136,17 +135,6 @@ class _Nvl:
         self.marks.append(reason)
 
     def close(self):
-        pass
-
-
-class _Mapped:
-    def __init__(self):
-        self.values = np.zeros(slots.SLOT_INTS, dtype=np.int32)
-
-    def device_ptr(self, index):
-        return 0x7000_0000 + 4 * index
-
-    def free(self):
         pass
 
 
@@ -189,7 +177,7 @@ def test_an_interrupt_after_the_call_settled_still_gives_up_on_the_buffer(monkey
 
 
 def test_a_peer_that_gave_up_after_a_host_failure_is_named_with_the_failure():
-    host = slots.HostSlots(1, 5.0, in_process=False, mapped=_Mapped())
+    host = slots.HostSlots(1, 5.0, in_process=False, mapped=FakeMapped())
     host.values[:7] = (ERROR_PEER_ABORTED, 5, 1, 3, 0, 9, HOST_FAILED_INTERRUPT)  # stage 5: dispatch receiver
     with pytest.raises(ep.PeerAbortedError, match=r"rank 0 had given up on this Buffer earlier \(its host failed "
                                                   r"during a call \(the call was interrupted"):

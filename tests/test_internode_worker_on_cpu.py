@@ -7,9 +7,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _harness import WORKERS
 from host_fakes import on_device
 from internode_fakes import make_paths, run_ranks, use_host_arrays
-from workers import internode_worker
+
+sys.path.insert(0, str(WORKERS))  # the worker imports its siblings as a script does
+import internode_worker  # noqa: E402
 
 
 def fake_cupy_module():

@@ -20,7 +20,6 @@ import numpy as np
 def make_inputs(sc, num_ranks):
     """Every rank's x (storage dtype), scales, topk_idx, topk_weights for scenario ``sc``."""
     from deepep_cupy import reference as ref
-    from deepep_cupy.constants import FP8_SCALE_BLOCK
 
     rng = np.random.default_rng(sc["seed"])
     counts = sc["num_tokens"] if isinstance(sc["num_tokens"], tuple) else (sc["num_tokens"],) * num_ranks
@@ -37,25 +36,46 @@ def make_inputs(sc, num_ranks):
             topk = ref.random_routing(rng, n, E, K, skew=4.0 if routing == "skewed" else 0.0,
                                       drop_fraction=0.3 if routing == "drop" else 0.0)
         weights = rng.random((n, K), dtype=np.float32) + 0.5
-        scales = None
-        dtype = sc["dtype"]
-        if dtype.startswith("float8"):
-            # A per-token scale ("_1d") only needs 16-byte rows: draw whole 128-column blocks and
-            # keep the first H columns (H a multiple of 128 draws exactly as before).
-            blocks = -(-H // FP8_SCALE_BLOCK)
-            x, scales = ref.fp8_e4m3_scaled_random(rng, n, blocks * FP8_SCALE_BLOCK)
-            if blocks * FP8_SCALE_BLOCK != H:
-                x = np.ascontiguousarray(x[:, :H])
-            if dtype.endswith("_1d"):
-                scales = scales[:, 0].copy()
-        elif dtype == "bfloat16":
-            x = ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32))
-        elif dtype == "float16":
-            x = rng.standard_normal((n, H), dtype=np.float32).astype(np.float16)
-        else:
-            x = rng.standard_normal((n, H), dtype=np.float32)
+        x, scales = draw_rows(rng, n, H, sc["dtype"])
         inputs.append(dict(x=x, scales=scales, topk=topk, weights=weights))
     return inputs
+
+
+def draw_rows(rng, n, H, dtype):
+    """``(x in its storage dtype, FP8 scales or None)``: ``n`` random rows of ``H`` elements of
+    ``dtype`` (``float8_e4m3fn`` with per-block scales, ``float8_e4m3fn_1d`` with one per token)."""
+    from deepep_cupy import reference as ref
+    from deepep_cupy.constants import FP8_SCALE_BLOCK
+
+    if dtype.startswith("float8"):
+        # A per-token scale ("_1d") only needs 16-byte rows: draw whole 128-column blocks and
+        # keep the first H columns (H a multiple of 128 draws exactly as before).
+        blocks = -(-H // FP8_SCALE_BLOCK)
+        x, scales = ref.fp8_e4m3_scaled_random(rng, n, blocks * FP8_SCALE_BLOCK)
+        if blocks * FP8_SCALE_BLOCK != H:
+            x = np.ascontiguousarray(x[:, :H])
+        return x, scales[:, 0].copy() if dtype.endswith("_1d") else scales
+    if dtype == "bfloat16":
+        return ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32)), None
+    if dtype == "float16":
+        return rng.standard_normal((n, H), dtype=np.float32).astype(np.float16), None
+    return rng.standard_normal((n, H), dtype=np.float32), None
+
+
+def device_array(a, torch_arrays=False):
+    """``a`` (a NumPy array, or None) on the current GPU: a CuPy array, or with ``torch_arrays`` a
+    PyTorch tensor (BF16 bits as torch.bfloat16)."""
+    import cupy
+
+    if a is None:
+        return None
+    d = cupy.asarray(a)
+    if not torch_arrays:
+        return d
+    import torch
+
+    t = torch.as_tensor(d, device=f"cuda:{d.device.id}")
+    return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
 
 
 class Mismatch(AssertionError):
@@ -94,6 +114,7 @@ def to_numpy(a):
             a = a.view(torch.int16)
         elif a.dtype == torch.float8_e4m3fn:
             a = a.view(torch.uint8)
+        torch.cuda.current_stream().synchronize()  # PyTorch's stream may not be CuPy's
         a = cupy.asarray(a)
         if a.dtype == np.int16:
             a = a.view(np.uint16)
@@ -163,15 +184,7 @@ def _run_scenario(buf, sc):
     want = results[rank]
 
     def device(a):
-        if a is None:
-            return None
-        d = cupy.asarray(a)
-        if sc["framework"] == "torch":
-            import torch
-
-            t = torch.as_tensor(d, device=f"cuda:{d.device.id}")
-            return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
-        return d
+        return device_array(a, sc["framework"] == "torch")
 
     x = device(mine["x"])
     if mine["scales"] is not None:

@@ -41,7 +41,7 @@ import traceback
 
 import internode_cases as ic
 import numpy as np
-from internode_worker import Mismatch, expect_equal, to_numpy
+from gpu_worker import Mismatch, device_array, draw_rows, expect_equal, to_numpy
 
 #: Seconds the kernels and the rail transfers of a case may wait for a peer (the Buffer's timeout_s).
 DEFAULT_TIMEOUT_S = 60.0
@@ -60,7 +60,6 @@ def emit(tag, record):
 def make_inputs(case):
     """Every rank's x (storage dtype), scales (None but for FP8), topk_idx and topk_weights."""
     from deepep_cupy import reference as ref
-    from deepep_cupy.constants import FP8_SCALE_BLOCK
 
     rng = np.random.default_rng(case["seed"])
     L, N = case["ranks_per_node"], case["num_nodes"]
@@ -77,20 +76,7 @@ def make_inputs(case):
             topk = ref.random_routing(rng, n, E, K, skew=SKEW if case["routing"] == "skewed" else 0.0,
                                       drop_fraction=drop)
         weights = rng.random((n, K), dtype=np.float32) + 0.5
-        scales = None
-        if dtype.startswith("float8"):
-            # Per-token scales need only 16-byte rows: whole 128-column blocks drawn, H kept.
-            blocks = -(-H // FP8_SCALE_BLOCK)
-            x, scales = ref.fp8_e4m3_scaled_random(rng, n, blocks * FP8_SCALE_BLOCK)
-            x = np.ascontiguousarray(x[:, :H])
-            if dtype.endswith("_1d"):
-                scales = scales[:, 0].copy()
-        elif dtype == "bfloat16":
-            x = ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32))
-        elif dtype == "float16":
-            x = rng.standard_normal((n, H), dtype=np.float32).astype(np.float16)
-        else:
-            x = rng.standard_normal((n, H), dtype=np.float32)
+        x, scales = draw_rows(rng, n, H, dtype)
         inputs.append(dict(x=x, scales=scales, topk=topk, weights=weights))
     return inputs
 
@@ -148,15 +134,7 @@ def run_case(buf, case):
     torch_mode = case["framework"] == "torch"
 
     def device(a):
-        if a is None:
-            return None
-        d = cupy.asarray(a)
-        if torch_mode:
-            import torch
-
-            t = torch.as_tensor(d, device=f"cuda:{d.device.id}")
-            return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
-        return d
+        return device_array(a, torch_mode)
 
     x = device(mine["x"])
     if fp8:

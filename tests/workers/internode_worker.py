@@ -14,6 +14,7 @@ import time
 import traceback
 
 import numpy as np
+from gpu_worker import Mismatch, device_array, expect_equal, to_numpy  # run as a script: its folder is on sys.path
 
 HIDDEN = 128
 SCENARIOS = [
@@ -59,41 +60,6 @@ def make_inputs(sc, R, num_nodes, E, K, seed):
     return inputs
 
 
-class Mismatch(AssertionError):
-    pass
-
-
-def expect_equal(what, got, want):
-    got, want = np.asarray(got), np.asarray(want)
-    if got.shape != want.shape or got.dtype != want.dtype:
-        raise Mismatch(f"{what}: {got.dtype}{got.shape}, expected {want.dtype}{want.shape}")
-    if got.dtype.kind == "f":
-        got, want = got.view(f"u{got.dtype.itemsize}"), want.view(f"u{want.dtype.itemsize}")
-    if not np.array_equal(got, want):
-        bad = np.argwhere(got != want)
-        raise Mismatch(f"{what}: {len(bad)} of {got.size} elements differ; first at {tuple(bad[0])}")
-
-
-def to_numpy(a):
-    import cupy
-
-    if a is None:
-        return None
-    if type(a).__module__.startswith("torch"):
-        import torch
-
-        if a.dtype == torch.bfloat16:
-            a = a.view(torch.int16)
-        elif a.dtype == torch.float8_e4m3fn:
-            a = a.view(torch.uint8)
-        torch.cuda.current_stream().synchronize()
-        a = cupy.asarray(a)
-        if a.dtype == np.int16:
-            a = a.view(np.uint16)
-    cupy.cuda.get_current_stream().synchronize()
-    return cupy.asnumpy(a)
-
-
 def run_scenario(buf, sc, seed):
     import cupy
 
@@ -125,17 +91,7 @@ def run_scenario(buf, sc, seed):
     torch_mode = sc.get("framework") == "torch"
 
     def device(a):
-        if a is None:
-            return None
-        d = cupy.asarray(a)
-        if torch_mode:
-            import torch
-
-            t = torch.as_tensor(d, device=f"cuda:{d.device.id}")
-            if a.dtype == np.uint16:
-                return t.view(torch.bfloat16)
-            return t
-        return d
+        return device_array(a, torch_mode)
 
     x = device(mine["x"])
     if fp8:

@@ -142,13 +142,10 @@ class RecordingBuffer:
 # One reference per scenario, shared by the rank threads
 
 
-class SharedReference:
-    """Memoizes make_inputs and the reference dispatch/combine across the rank threads.
-
-    Keys are the identities of the (memoized, hence kept alive) input arrays, so every rank of one
-    scenario gets the same objects; the first thread computes, the others wait on a lock (not in
-    a GPU collective). ``clear()`` between scenarios, when no rank is using them.
-    """
+class Memo:
+    """Values computed once for all the rank threads of this process: the first thread that asks
+    for a key computes it, the others wait on a lock (not in a GPU collective). ``clear()`` when no
+    rank is using them."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -166,6 +163,14 @@ class SharedReference:
     def clear(self):
         with self._lock:
             self._entries = {}
+
+
+class SharedReference(Memo):
+    """Memoizes make_inputs and the reference dispatch/combine across the rank threads.
+
+    Keys are the identities of the (memoized, hence kept alive) input arrays, so every rank of one
+    scenario gets the same objects. ``clear()`` between scenarios.
+    """
 
     def install(self):
         """Route gpu_worker.make_inputs and reference.dispatch/combine through the memo."""

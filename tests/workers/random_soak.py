@@ -90,11 +90,12 @@ def reproduce_command(seed, args):
     return f"make soak-cases SOAK_SEED={seed} SOAK_CASES=1{extra}"
 
 
-def by_rank_count(cases):
-    """``{num_ranks: [cases in seed order]}``, rank counts ascending."""
+def by_rank_count(items):
+    """``{num_ranks: [items in seed order]}``, rank counts ascending (cases here, sequences in
+    sequence_soak.py)."""
     batches = {}
-    for case in cases:
-        batches.setdefault(case["num_ranks"], []).append(case)
+    for item in items:
+        batches.setdefault(item["num_ranks"], []).append(item)
     return dict(sorted(batches.items()))
 
 
@@ -102,11 +103,13 @@ def by_rank_count(cases):
 # Hang detection
 
 
-class CaseWatchdog:
-    """Names a case that runs past the deadline, dumps every thread's stack and ends the process.
+class Watchdog:
+    """Names what runs past the deadline, dumps every thread's stack and ends the process (exit 3).
 
-    A Python thread does the naming; faulthandler's own timer (which needs no GIL) is armed a
-    little later as a backstop, for a hang that holds the GIL.
+    A Python thread does the naming (a ``HANG`` record: what :meth:`start` was given, as
+    :meth:`note` updated it); faulthandler's own timer (which needs no GIL) is armed a little later
+    as a backstop, for a hang that holds the GIL. The random soak watches cases, the sequence soak
+    sequences (and notes their step).
     """
 
     BACKSTOP_S = 30.0
@@ -114,13 +117,18 @@ class CaseWatchdog:
     def __init__(self, deadline_s):
         self.deadline_s = deadline_s
         self._lock = threading.Lock()
-        self._running = None  # (case, start time)
+        self._running = None  # (hang record, start time)
         threading.Thread(target=self._watch, name="soak-watchdog", daemon=True).start()
 
-    def start(self, case):
+    def start(self, record):
         with self._lock:
-            self._running = (case, time.monotonic())
+            self._running = (dict(record), time.monotonic())
         faulthandler.dump_traceback_later(self.deadline_s + self.BACKSTOP_S, exit=True)
+
+    def note(self, **fields):
+        with self._lock:
+            if self._running is not None:
+                self._running[0].update(fields)
 
     def end(self):
         faulthandler.cancel_dump_traceback_later()
@@ -132,9 +140,9 @@ class CaseWatchdog:
             time.sleep(0.5)
             with self._lock:
                 running = self._running
+                record = None if running is None else dict(running[0])
             if running is not None and time.monotonic() - running[1] > self.deadline_s:
-                case = running[0]
-                emit("HANG", {"seed": case["seed"], "case": describe_case(case), "deadline_s": self.deadline_s})
+                emit("HANG", {**record, "deadline_s": self.deadline_s})
                 faulthandler.dump_traceback(all_threads=True)
                 sys.stderr.flush()
                 os._exit(3)
@@ -203,7 +211,7 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
             group.barrier()  # nobody uses the previous case's reference any more
             if rank == 0:
                 shared.clear()
-                watchdog.start(case)
+                watchdog.start({"seed": case["seed"], "case": describe_case(case)})
             group.barrier()  # start together: see local_gpu_worker.rank_main
             start = time.monotonic()
             outcome = run_case(buf, case)
@@ -297,7 +305,7 @@ def main(argv):
     cases = random_cases(args.seed, args.cases, num_gpus, sm_count)
     shared = SharedReference()
     shared.install()
-    watchdog = CaseWatchdog(args.case_deadline)
+    watchdog = Watchdog(args.case_deadline)
     records, batches, stuck = [], {}, False
     for num_ranks, batch in by_rank_count(cases).items():
         if stuck:

@@ -41,16 +41,13 @@ then one plain line with the same summary. Exit status 1 if any sequence failed.
 """
 
 import argparse
-import faulthandler
-import os
 import sys
-import threading
 import time
 import traceback
 
 import gpu_worker  # run as a script: its folder is on sys.path
 import numpy as np
-from local_gpu_worker import emit
+from local_gpu_worker import Memo, emit
 from memory_bounds import (
     CupyMemoryCounter,
     TorchPeak,
@@ -61,7 +58,7 @@ from memory_bounds import (
     output_row_bytes,
     peak_limit,
 )
-from random_soak import warm_combine_kernels
+from random_soak import Watchdog, by_rank_count, warm_combine_kernels
 from sequence_cases import (
     DEFAULT_GPUS,
     DEFAULT_SM_COUNT,
@@ -123,77 +120,8 @@ def reproduce_command(seed, args):
     return f"make soak-sequences SOAK_SEQUENCE_SEED={seed} SOAK_SEQUENCES=1 SOAK_STEPS={args.steps}{extra}"
 
 
-def by_rank_count(sequences):
-    batches = {}
-    for seq in sequences:
-        batches.setdefault(seq["num_ranks"], []).append(seq)
-    return dict(sorted(batches.items()))
-
-
-# ---------------------------------------------------------------------------------------------
-# Hang detection
-
-
-class SequenceWatchdog:
-    """Names a sequence that runs past the deadline, dumps every thread's stack and ends the
-    process (faulthandler's own timer, which needs no GIL, as a backstop)."""
-
-    BACKSTOP_S = 30.0
-
-    def __init__(self, deadline_s):
-        self.deadline_s = deadline_s
-        self._lock = threading.Lock()
-        self._running = None  # (sequence, start time)
-        self.step = None
-        threading.Thread(target=self._watch, name="sequence-watchdog", daemon=True).start()
-
-    def start(self, seq):
-        with self._lock:
-            self._running, self.step = (seq, time.monotonic()), None
-        faulthandler.dump_traceback_later(self.deadline_s + self.BACKSTOP_S, exit=True)
-
-    def end(self):
-        faulthandler.cancel_dump_traceback_later()
-        with self._lock:
-            self._running = None
-
-    def _watch(self):
-        while True:
-            time.sleep(0.5)
-            with self._lock:
-                running, step = self._running, self.step
-            if running is not None and time.monotonic() - running[1] > self.deadline_s:
-                seq = running[0]
-                emit("HANG", {"seed": seq["seed"], "sequence": describe_sequence(seq), "step": step,
-                              "deadline_s": self.deadline_s})
-                faulthandler.dump_traceback(all_threads=True)
-                sys.stderr.flush()
-                os._exit(3)
-
-
 # ---------------------------------------------------------------------------------------------
 # One step on one rank
-
-
-class StepMemo:
-    """Each step's inputs and reference, computed by the first rank thread that needs them."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._entries = {}
-
-    def get(self, key, compute):
-        with self._lock:
-            entry = self._entries.setdefault(key, {"lock": threading.Lock(), "done": False, "value": None})
-        with entry["lock"]:
-            if not entry["done"]:
-                entry["value"] = compute()
-                entry["done"] = True
-        return entry["value"]
-
-    def clear(self):
-        with self._lock:
-            self._entries = {}
 
 
 def step_reference(seq, step, num_channels):
@@ -263,15 +191,7 @@ def run_step(ctx, state, seq, step, memo):
     work = {}
 
     def to_device(a):
-        if a is None:
-            return None
-        d = cupy.asarray(a)
-        if torch_arrays:
-            import torch
-
-            t = torch.as_tensor(d, device=f"cuda:{d.device.id}")
-            return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
-        return d
+        return gpu_worker.device_array(a, torch_arrays)
 
     def prepare():
         inputs, results, combined, worst = memo.get((seq["seed"], step["index"]),
@@ -505,7 +425,7 @@ def run_sequence(ctx, seq, memo, watchdog, args):
             group.barrier()  # nobody uses the previous step's reference any more
             if rank == 0:
                 memo.clear()
-                watchdog.step = step["index"]
+                watchdog.note(step=step["index"])
             group.barrier()  # nobody asks for this step's before it is cleared
             ok, error, info = run_step(ctx, state, seq, step, memo)
             everyone = group.allgather((ok, error, info))
@@ -545,7 +465,7 @@ def rank_loop(group, sequences, args, memo, watchdog, devices, meters, reported)
             for seq in sequences:
                 group.barrier()
                 if rank == 0:
-                    watchdog.start(seq)
+                    watchdog.start({"seed": seq["seed"], "sequence": describe_sequence(seq), "step": None})
                 ctx["meter"] = meters["torch"][device] if seq["framework"] == "torch" else counter
                 with torch_stream(seq, device):
                     record = run_sequence(ctx, seq, memo, watchdog, args)
@@ -674,7 +594,7 @@ def main(argv):
     start = time.monotonic()
     num_gpus, sm_count = visible_gpus(args)
     sequences = random_sequences(args.seed, args.sequences, args.steps, num_gpus, sm_count)
-    memo, watchdog, meters = StepMemo(), SequenceWatchdog(args.sequence_deadline), make_meters(num_gpus)
+    memo, watchdog, meters = Memo(), Watchdog(args.sequence_deadline), make_meters(num_gpus)
     records, stuck = [], False
     for num_ranks, batch in by_rank_count(sequences).items():
         if stuck:
