@@ -189,10 +189,6 @@ class Buffer:
                 make_intranode=lambda node_group: Buffer(node_group, self.num_nvl_bytes, **settings))
         self.topology, self._internode, self._order = topology, path, path.order
         self.internode_transport = path.transport.name
-        # The operations are the internode path's: instance attributes in front of the intranode
-        # methods (the intranode state stays empty; the engine of the node is an intranode Buffer).
-        for name in ("get_dispatch_layout", "dispatch", "combine", "destroy", "check_kernel_errors", "barrier"):
-            setattr(self, name, getattr(path, name))
         return True
 
     def _set_up_host(self, group: Any, num_nvl_bytes: int, timeout_s: float, device: Optional[int],
@@ -217,6 +213,9 @@ class Buffer:
         self.device_id = device_id = compat.resolve_device(device, self._group)
         self._nvl: Optional[NvlBuffer] = None
         self._low_latency: Optional[LowLatencyPath] = None
+        # With num_rdma_bytes > 0 on several nodes every operation is this path's (the intranode
+        # state stays empty: the node's engine is an intranode Buffer of its own).
+        self._internode = None
         self._slots: Optional[HostSlots] = None
         self._order: Optional[StreamOrder] = None
         self._default_configs: Dict[tuple, Config] = {}
@@ -446,6 +445,9 @@ class Buffer:
         way out after a timeout: it does not raise because a call or a kernel failed, and a new
         Buffer on the same communicator works afterwards (docs/FAILURES.md, "After a timeout").
         """
+        if self._internode is not None:
+            self._internode.destroy()
+            return
         if self._nvl is None and self._slots is None and self._low_latency is None:
             return
         with self._on_device:
@@ -506,6 +508,8 @@ class Buffer:
         Every operation does this first; call it after waiting for an asynchronous call to learn
         of its failure without starting another one.
         """
+        if self._internode is not None:
+            return self._internode.check_kernel_errors()
         self._slots.raise_if_failed()
 
     def _config(self, config: Optional[Config], kind: str) -> Config:
@@ -547,6 +551,9 @@ class Buffer:
             is_token_in_rank bool [num_tokens, R], event)``. The ``None`` stands where DeepEP returns
             its RDMA counts (internode only).
         """
+        if self._internode is not None:
+            return self._internode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                                       allocate_on_comm_stream)
         self._slots.raise_if_failed()
         per_rank, per_expert, in_rank, event = self._dispatch.layout(topk_idx, num_experts, previous_event,
                                                                      async_finish, allocate_on_comm_stream)
@@ -571,8 +578,8 @@ class Buffer:
                 layout arguments and top-k are not needed and not returned).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from
                 :meth:`get_dispatch_layout` (int32 [R], bool [num_tokens, R], int32 [E]).
-            num_tokens_per_rdma_rank: DeepEP's internode counts; must be None (what
-                :meth:`get_dispatch_layout` returns in its place).
+            num_tokens_per_rdma_rank: DeepEP's internode counts: accepted (not read) on an internode
+                Buffer; on one node None (what :meth:`get_dispatch_layout` returns in its place).
             topk_idx: int64 ``[num_tokens, num_topk]`` or None; topk_weights: float32, same shape.
             expert_alignment: round each local expert's receive count up to a multiple of this.
             num_worst_tokens: 0, or the most tokens this rank can receive (fresh dispatch only):
@@ -620,6 +627,11 @@ class Buffer:
             ``recv_topk_weights`` float32 (0 where the id is -1), both None without top-k;
             the expert counts as a Python list (None in cached mode).
         """
+        if self._internode is not None:
+            return self._internode.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                            num_worst_tokens, config, previous_event, async_finish,
+                                            allocate_on_comm_stream, expand=expand, recv_x_in_buffer=recv_x_in_buffer)
         self._slots.raise_if_failed()
         config = self._config(config, "dispatch")
         if num_tokens_per_rdma_rank is not None:
@@ -668,6 +680,9 @@ class Buffer:
             to in ascending order of their rows, rounded to x's dtype (0 for tokens sent nowhere
             without bias).
         """
+        if self._internode is not None:
+            return self._internode.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                           allocate_on_comm_stream)
         self._slots.raise_if_failed()
         config = self._config(config, "combine")
         return self._combine.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
@@ -677,6 +692,8 @@ class Buffer:
 
     def barrier(self) -> None:
         """A device-side barrier of all ranks on the communication stream; the host waits for it."""
+        if self._internode is not None:
+            return self._internode.barrier()
         self._slots.raise_if_failed()
         with self._on_device:
             stream = self._order.begin_on_comm_stream()

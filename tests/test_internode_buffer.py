@@ -39,7 +39,8 @@ def test_a_buffer_with_rdma_bytes_across_nodes_routes_every_operation_to_the_int
     assert built["ranks_per_node"] == 2 and built["transport_kind"] == "mpi"
     assert built["topology"] == nodes.NodeTopology(1, 4, 2) and buf.topology is built["topology"]
     assert built["device_id"] == 0 and built["timeout_s"] == 7.0
-    assert [buf.get_dispatch_layout(), buf.dispatch(), buf.combine()] == ["get_dispatch_layout", "dispatch", "combine"]
+    assert [buf.get_dispatch_layout(None, 8), buf.dispatch(None), buf.combine(None, None)] == \
+        ["get_dispatch_layout", "dispatch", "combine"]
     assert buf.comm_stream == "the path's stream" and buf.internode_transport == "mpi"
     assert buf.num_rdma_bytes == 1 << 20 and buf.num_ranks == 4
     with buf:
