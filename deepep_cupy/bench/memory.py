@@ -2,14 +2,19 @@
 
 The outputs, handles and the next call's prepared outputs of a Buffer's calls come from CuPy's
 memory pool (the benchmark's arrays are CuPy's). A memory hook on the rank's thread counts the
-bytes the pool hands out and takes back while an op is timed; its peak is what the op's calls
-hold at most at once, above what was in use when timing began (the NVLink buffer, allocated once,
-is reported apart as ``nvl_bytes``).
+bytes the pool hands out and takes back over :data:`PEAK_MEMORY_CALLS` calls of an op, made after
+its timed calls (the hook's Python runs at every allocation, which the times must not include);
+its peak is what the op's calls hold at most at once, above what was in use before them (the
+NVLink buffer, allocated once, is reported apart as ``nvl_bytes``).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+#: Calls of an op whose allocations the hook counts: in a steady loop a call holds its outputs and
+#: the next call's, so two show the peak; one more for the outputs a call lets go late.
+PEAK_MEMORY_CALLS = 3
 
 
 def peak_pool_bytes() -> Any:
