@@ -12,6 +12,7 @@ import time
 
 import pytest
 from _harness import WORKERS, describe, run_mpi, worker_records
+from transport_fakes import FakeComm
 
 from deepep_cupy.comm import MPIGroup, check_partition
 from deepep_cupy.errors import DeepEPTimeoutError, GroupAbortedError, RankFailed, RankMismatchError
@@ -144,21 +145,10 @@ def test_a_freed_sub_group_no_longer_follows_its_parent():
 # MPIGroup
 
 
-class FakeSplitComm:
+class FakeSplitComm(FakeComm):
     def __init__(self, rank, size):
-        self.rank, self.size, self.calls = rank, size, []
-
-    def Get_rank(self):
-        return self.rank
-
-    def Get_size(self):
-        return self.size
-
-    def allgather(self, obj):
-        return [obj] * self.size
-
-    def Barrier(self):
-        pass
+        super().__init__(rank, size)
+        self.calls = []
 
     def Split(self, color, key):
         self.calls.append(("Split", color, key))

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 from _harness import WORKERS, describe, run_mpi, worker_records
-from transport_fakes import FakeNccl, HostMemory, expected_recv, packed_send, random_counts
+from transport_fakes import FakeComm, FakeNccl, HostMemory, expected_recv, packed_send, random_counts
 
 from deepep_cupy import transports
 from deepep_cupy._transport_local import LocalRailTransport
@@ -36,22 +36,6 @@ def run(fn, n, **kwargs):
 # ---------------------------------------------------------------------------------------------
 # Which transport
 
-
-class FakeComm:
-    def __init__(self, rank=0, size=2):
-        self.rank, self.size = rank, size
-
-    def Get_rank(self):
-        return self.rank
-
-    def Get_size(self):
-        return self.size
-
-    def allgather(self, obj):
-        return [obj] * self.size
-
-    def Barrier(self):
-        pass
 
 
 def _torch_group(backend, monkeypatch):

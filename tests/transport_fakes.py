@@ -137,3 +137,22 @@ def expected_recv(rank, counts, seed):
     chunks = [np.random.default_rng([seed, p, rank]).integers(0, 256, counts[p][rank], dtype=np.uint8)
               for p in range(len(counts))]
     return np.concatenate(chunks) if chunks else np.empty(0, np.uint8)
+
+class FakeComm:
+    """An mpi4py communicator of ``size`` ranks seen from rank ``rank``, whose allgather answers
+    every rank's object with this rank's own."""
+
+    def __init__(self, rank=0, size=2):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def allgather(self, obj):
+        return [obj] * self.size
+
+    def Barrier(self):
+        pass
