@@ -336,4 +336,3 @@ class _Router:
             if any(call is c for c in planned) or any(call is c for c in buf._dispatch._expand_calls.values()):
                 return launches(call, stream_ptr)
         raise AssertionError(f"a launch of {call.name} from no fake Buffer's plan")
-
