@@ -235,16 +235,31 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
 def run_rank_count(num_ranks, cases, num_gpus, args, shared, watchdog):
     """Run one rank count's cases; returns ``(records of every case, the group broke down and left
     threads behind)``."""
+    nvl_bytes = max(nvl_bytes_needed(c) for c in cases)
+
+    def not_run(case, why):
+        record = not_run_record(case, why, args)
+        report(record, args)
+        return record
+
+    return run_local_batch(num_ranks, cases, num_gpus, args.case_deadline, watchdog, not_run,
+                           lambda group, reported: rank_loop(group, cases, nvl_bytes, args, shared, watchdog,
+                                                             reported))
+
+
+def run_local_batch(num_ranks, items, num_gpus, deadline_s, watchdog, not_run, rank_loop):
+    """Run ``rank_loop(group, reported)`` on ``num_ranks`` in-process ranks (rank ``r`` on GPU
+    ``r % num_gpus``), which appends a record per item (a case, a sequence) to ``reported``;
+    returns ``(records of every item, the group broke down and left threads behind)``. When the
+    group breaks down, an ``ERROR`` record says why and ``not_run(item, why)`` makes the record of
+    each item that did not report."""
     import deepep_cupy as ep
 
     devices = [r % num_gpus for r in range(num_ranks)]
-    nvl_bytes = max(nvl_bytes_needed(c) for c in cases)
-    reported = []
-    stuck = False
+    reported, stuck = [], False
     try:
-        ep.run_local_group(lambda group: rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported),
-                           num_ranks, devices, timeout_s=args.case_deadline + 30,
-                           num_sms=max(c["num_sms"] for c in cases))
+        ep.run_local_group(lambda group: rank_loop(group, reported), num_ranks, devices, timeout_s=deadline_s + 30,
+                           num_sms=max(item["num_sms"] for item in items))
     except ep.RankFailed as exc:
         watchdog.end()
         stuck = bool(exc.stuck)
@@ -252,11 +267,8 @@ def run_rank_count(num_ranks, cases, num_gpus, args, shared, watchdog):
                        "traceback": "".join(traceback.format_exception(type(exc.exception), exc.exception,
                                                                        exc.exception.__traceback__))})
         done = {r["seed"] for r in reported}
-        for case in cases:
-            if case["seed"] not in done:
-                record = not_run_record(case, f"the {num_ranks}-rank group broke down: {exc}", args)
-                reported.append(record)
-                report(record, args)
+        reported += [not_run(item, f"the {num_ranks}-rank group broke down: {exc}") for item in items
+                     if item["seed"] not in done]
     return reported, stuck
 
 

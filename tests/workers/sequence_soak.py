@@ -58,7 +58,7 @@ from memory_bounds import (
     output_row_bytes,
     peak_limit,
 )
-from random_soak import Watchdog, by_rank_count, warm_combine_kernels
+from random_soak import Watchdog, by_rank_count, run_local_batch, warm_combine_kernels
 from sequence_cases import (
     DEFAULT_GPUS,
     DEFAULT_SM_COUNT,
@@ -517,26 +517,16 @@ def not_run_record(seq, why):
 
 def run_rank_count(num_ranks, sequences, num_gpus, args, memo, watchdog, meters):
     """Run one rank count's sequences; returns ``(records, the group broke down leaving threads)``."""
-    import deepep_cupy as ep
-
     devices = [r % num_gpus for r in range(num_ranks)]
-    reported, stuck = [], False
-    try:
-        ep.run_local_group(lambda group: rank_loop(group, sequences, args, memo, watchdog, devices, meters, reported),
-                           num_ranks, devices, timeout_s=args.sequence_deadline + 30,
-                           num_sms=max(s["num_sms"] for s in sequences))
-    except ep.RankFailed as exc:
-        watchdog.end()
-        stuck = bool(exc.stuck)
-        emit("ERROR", {"ranks": num_ranks, "rank": exc.rank, "message": str(exc), "stuck": exc.stuck,
-                       "traceback": "".join(traceback.format_exception(type(exc.exception), exc.exception,
-                                                                       exc.exception.__traceback__))})
-        done = {r["seed"] for r in reported}
-        for seq in sequences:
-            if seq["seed"] not in done:
-                reported.append(not_run_record(seq, f"the {num_ranks}-rank group broke down: {exc}"))
-                report(reported[-1], seq, args)
-    return reported, stuck
+
+    def not_run(seq, why):
+        record = not_run_record(seq, why)
+        report(record, seq, args)
+        return record
+
+    return run_local_batch(num_ranks, sequences, num_gpus, args.sequence_deadline, watchdog, not_run,
+                           lambda group, reported: rank_loop(group, sequences, args, memo, watchdog, devices, meters,
+                                                             reported))
 
 
 # ---------------------------------------------------------------------------------------------
