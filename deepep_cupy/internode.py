@@ -89,8 +89,10 @@ class RecordLayout(NamedTuple):
         return records
 
     def part(self, records, offset: int, width: int, dtype, shape: Tuple[int, ...]):
-        """One part of every record, as contiguous ``dtype`` elements of ``shape``."""
-        return _cupy().ascontiguousarray(records[:, offset:offset + width]).view(dtype).reshape(shape)
+        """One part of every record, as contiguous ``dtype`` elements of ``shape`` (a copy: the part
+        of a single record is already contiguous, but only as aligned as ``offset``, and a view of
+        int64 or float32 elements there faults with a misaligned address)."""
+        return records[:, offset:offset + width].copy().view(dtype).reshape(shape)
 
 
 class _Forwarded(NamedTuple):

@@ -264,3 +264,17 @@ def test_records_are_padded_to_16_bytes():
     assert (full.bytes, full.scales_off, full.topk_off, full.weights_off) == (14336 + 96, 14336, 14336, 14336 + 64)
     assert internode.RecordLayout(7168, 224, 8).bytes == 7168 + 224 + 64
     assert internode.RecordLayout(7168, 4).bytes == 7168 + 16
+
+
+def test_a_part_of_a_single_record_is_copied_to_an_aligned_address(monkeypatch):
+    # One forwarded record's part is contiguous already; at offset 1408 + 44 its int64 view would
+    # sit 4 bytes off alignment (a misaligned-address fault on the GPU: soak seed 44).
+    use_host_arrays(monkeypatch)
+    layout = internode.RecordLayout(1408, 44, 6, 6)
+    topk = np.arange(6, dtype=np.int64).reshape(1, 6)
+    records = layout.pack(None, np.zeros((1, 1408), np.uint8), np.ones((1, 11), np.float32), topk,
+                          np.full((1, 6), 0.5, np.float32))
+    assert layout.topk_off % 8 == 4
+    part = layout.part(records, layout.topk_off, 8 * 6, np.int64, (1, 6))
+    assert part.ctypes.data % 8 == 0
+    assert np.array_equal(part, topk)

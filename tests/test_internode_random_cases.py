@@ -246,7 +246,7 @@ class FakeBuffer:
         self.get_dispatch_layout, self.dispatch, self.combine = path.get_dispatch_layout, path.dispatch, path.combine
 
     @staticmethod
-    def capture():
+    def capture(stream=None):
         return None
 
 

@@ -5,7 +5,8 @@ The step is what an inference server captures: a dispatch that never waits for t
 every token of every rank. The graph is captured once per array library and token count, after a
 warm-up call (plans, kernels and allocator pools made outside the capture; CuPy's on the capture
 stream itself), on a capture stream of its own (``torch.cuda.graph``; CuPy's
-``Stream.begin_capture``), in thread-local mode when the ranks are threads of one process. A replay
+``Stream.begin_capture``), in thread-local mode when the ranks are threads of one process (PyTorch's
+``CUDAGraph.capture_begin`` then, without the device-wide synchronization of ``torch.cuda.graph``). A replay
 launches on the caller's current stream.
 """
 
@@ -43,11 +44,23 @@ class Replay:
             import torch
 
             fn()
-            torch.cuda.current_stream(device).synchronize()
+            caller = torch.cuda.current_stream(device)
+            caller.synchronize()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device),
-                                  capture_error_mode="thread_local" if thread_local else "global"):
-                self.outputs = fn()
+            if not thread_local:
+                with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)):
+                    self.outputs = fn()
+                return
+            # torch.cuda.graph synchronizes the whole device and empties the cache on entry, which
+            # fails, and breaks the capture, while a rank thread sharing the GPU is capturing already.
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                self.graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.outputs = fn()
+                finally:
+                    self.graph.capture_end()
         else:
             import cupy
 

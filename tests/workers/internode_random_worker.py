@@ -153,8 +153,10 @@ def run_case(buf, case):
     def call(operation, *args, **kwargs):
         if not asynchronous:
             return operation(*args, **kwargs)
-        out = operation(*args, previous_event=buf.capture(), async_finish=True, allocate_on_comm_stream=True,
-                        **kwargs)
+        # The job's stream, which PyTorch cases use too: Buffer.capture() alone records on PyTorch's
+        # current stream once this process has used PyTorch, not on CuPy's (where the inputs were made).
+        out = operation(*args, previous_event=buf.capture(cupy.cuda.get_current_stream()), async_finish=True,
+                        allocate_on_comm_stream=True, **kwargs)
         out[-1].current_stream_wait()
         return out
 

@@ -110,9 +110,15 @@ def run_scenario(buf, sc, seed):
         if asynchronous:
             event.current_stream_wait()
 
-    previous = buf.capture() if asynchronous else None
+    def previous():
+        # Buffer.capture() records on PyTorch's current stream once this process has used PyTorch;
+        # CuPy inputs were made on CuPy's.
+        if not asynchronous:
+            return None
+        return buf.capture() if torch_mode else buf.capture(cupy.cuda.get_current_stream())
+
     per_rank, per_node, per_expert, in_rank, event = buf.get_dispatch_layout(
-        topk, E, previous_event=previous, async_finish=asynchronous)
+        topk, E, previous_event=previous(), async_finish=asynchronous)
     wait(event)
     w_rank, w_node, w_expert, w_in = iref.get_dispatch_layout(mine["topk"], E, R, L)
     expect_equal("num_tokens_per_rank", to_numpy(per_rank), w_rank)
@@ -124,7 +130,7 @@ def run_scenario(buf, sc, seed):
     recv_x, recv_topk, recv_w, experts, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights, expert_alignment=alignment,
-        num_worst_tokens=worst, previous_event=buf.capture() if asynchronous else None, async_finish=asynchronous)
+        num_worst_tokens=worst, previous_event=previous(), async_finish=asynchronous)
     wait(event)
     w = want[rank]
     n = len(w["recv_x"])
