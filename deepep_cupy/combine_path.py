@@ -66,7 +66,7 @@ class CombinePath:
                 raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
                                  f"got {rows}")
         with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
-            caller, run_on = ordered
+            caller, run_on = ordered.caller, ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):
                     combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)

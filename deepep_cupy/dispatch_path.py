@@ -659,7 +659,7 @@ class DispatchPath:
         self._check_recv_rows_fit(plan, num_recv, "the handle")
         scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
         with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
-            caller, run_on = ordered
+            caller, run_on = ordered.caller, ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):
                     recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)

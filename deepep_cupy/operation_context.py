@@ -127,6 +127,8 @@ class OperationContext:
         self.shared_args: Dict[str, Any] = {}
         self.host_counts: Dict[str, Any] = {}
         self._call: Optional[OrderedCall] = None
+        #: What a handle made by this Buffer's dispatches names as its owner.
+        self.owner = id(self)
 
     def attach(self, nvl: Any, host_slots: HostSlots, order: StreamOrder, peer_table_ptr: int,
                give_up: Callable[[BaseException], None]) -> None:
@@ -191,10 +193,6 @@ class OperationContext:
                 raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
                                  "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
 
-    @property
-    def owner(self) -> int:
-        """What a handle made by this Buffer's dispatches names as its owner."""
-        return id(self)
 
     def check_handle(self, handle, config: Config) -> DispatchHandle:
         """``handle`` as a cached dispatch or a combine with ``config`` may use it."""
