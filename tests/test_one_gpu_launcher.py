@@ -18,6 +18,15 @@ def test_the_launcher_runs_the_worker_as_main_with_its_arguments_and_folder(tmp_
     assert f"RAN __main__ ['{worker}', 'scenario', '--flag'] {tmp_path}" in run.stdout, describe(run)
 
 
+def test_the_launcher_runs_a_module_as_python_dash_m_does(tmp_path):
+    import_or_skip("cupy")
+    (tmp_path / "probe_module.py").write_text("import sys\nprint('RAN', __name__, sys.argv[1:])\n")
+    run = run_python([LAUNCHER, "-m", "probe_module", "--ranks-per-node", "2"], timeout=120,
+                     env={"PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0, describe(run)
+    assert "RAN __main__ ['--ranks-per-node', '2']" in run.stdout, describe(run)
+
+
 def test_the_launcher_gives_each_rank_a_bus_id_of_its_own(tmp_path):
     import_or_skip("cupy")
     worker = tmp_path / "worker.py"

@@ -1,6 +1,7 @@
 """Run a process-per-rank worker with every rank on the one GPU of a one-GPU machine.
 
-Usage: ``mpiexec -n 2 python tests/workers/one_gpu_ranks.py WORKER [ARGS ...]``
+Usage: ``mpiexec -n 2 python tests/workers/one_gpu_ranks.py WORKER [ARGS ...]`` (or ``-m MODULE
+[ARGS ...]``, as ``python -m`` takes it: ``-m deepep_cupy.bench --ranks-per-node 2``)
 (``DEEPEP_TEST_ONE_GPU_MPI=1`` makes the test harness start its mpiexec workers this way).
 
 A Buffer refuses processes that share a GPU: their contexts take turns on it, so every wait for
@@ -67,7 +68,13 @@ if __name__ == "__main__":
     _give_each_rank_a_bus_id()
     _make_process_groups_use_gloo()
     _make_set_device_pick_gpu_0()
-    worker = os.path.abspath(sys.argv[1])
-    sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(worker))
-    runpy.run_path(worker, run_name="__main__")
+    if sys.argv[1] == "-m" and len(sys.argv) > 2:  # a module, as `python -m` runs it
+        module = sys.argv[2]
+        sys.argv = [module, *sys.argv[3:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        worker = os.path.abspath(sys.argv[1])
+        sys.argv = sys.argv[1:]
+        sys.path.insert(0, os.path.dirname(worker))
+        runpy.run_path(worker, run_name="__main__")
