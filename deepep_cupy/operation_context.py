@@ -193,7 +193,6 @@ class OperationContext:
                 raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
                                  "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
 
-
     def check_handle(self, handle, config: Config) -> DispatchHandle:
         """``handle`` as a cached dispatch or a combine with ``config`` may use it."""
         if not isinstance(handle, DispatchHandle):

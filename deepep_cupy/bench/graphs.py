@@ -5,9 +5,9 @@ The step is what an inference server captures: a dispatch that never waits for t
 every token of every rank. The graph is captured once per array library and token count, after a
 warm-up call (plans, kernels and allocator pools made outside the capture; CuPy's on the capture
 stream itself), on a capture stream of its own (``torch.cuda.graph``; CuPy's
-``Stream.begin_capture``), in thread-local mode when the ranks are threads of one process (PyTorch's
-``CUDAGraph.capture_begin`` then, without the device-wide synchronization of ``torch.cuda.graph``). A replay
-launches on the caller's current stream.
+``Stream.begin_capture``), in thread-local mode when the ranks are threads of one process (there
+PyTorch's ``CUDAGraph.capture_begin``, without the device-wide synchronization of
+``torch.cuda.graph``). A replay launches on the caller's current stream.
 """
 
 from __future__ import annotations
