@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import types
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -208,6 +209,33 @@ class EventOrder(FakeOrder):
         if done.event is not None:
             done.event = SimpleNamespace(ptr=0xE7, synchronize=lambda: None)
         return done
+
+
+def fake_cupy_module():
+    """A stand-in ``cupy`` module for the GPU workers run on the CPU: host arrays that claim a
+    device, one stream, no events to wait for."""
+    stream = SimpleNamespace(ptr=0, synchronize=lambda: None)
+    module = types.ModuleType("cupy")
+    module.cuda = SimpleNamespace(get_current_stream=lambda: stream, Device=lambda *a: SimpleNamespace(id=0),
+                                  runtime=SimpleNamespace(streamWaitEvent=lambda *a: None))
+    module.asarray = lambda a: on_device(np.asarray(a))
+    module.asnumpy = np.asarray
+    module.asfortranarray = lambda a: np.asfortranarray(a).view(type(a))
+    return module
+
+
+class FakeInternodeBuffer:
+    """The internode Buffer's surface the GPU workers use, over one rank's InternodePath
+    (``capture``: no event, as the fake order needs none)."""
+
+    def __init__(self, path):
+        self.path, self.rank, self.num_ranks = path, path.topology.rank, path.topology.num_ranks
+        self.topology = path.topology
+        self.get_dispatch_layout, self.dispatch, self.combine = path.get_dispatch_layout, path.dispatch, path.combine
+
+    @staticmethod
+    def capture(stream=None):
+        return None
 
 
 def make_paths(num_nodes: int, ranks_per_node: int):

@@ -8,13 +8,11 @@ import json
 import subprocess
 import sys
 import textwrap
-import types
 
 import numpy as np
 import pytest
 from _harness import REPO_ROOT, WORKERS, describe, records_by, run_mpi, run_python, worker_records
-from host_fakes import on_device
-from internode_fakes import make_paths, run_ranks, use_host_arrays
+from internode_fakes import FakeInternodeBuffer, fake_cupy_module, make_paths, run_ranks, use_host_arrays
 
 sys.path.insert(0, str(WORKERS))  # the workers import their siblings as scripts do
 
@@ -225,31 +223,6 @@ def test_fp8_inputs_have_block_or_per_token_scales():
 # The cases end to end on the internode path with fake hardware
 
 
-def fake_cupy_module():
-    from types import SimpleNamespace
-
-    stream = SimpleNamespace(ptr=0, synchronize=lambda: None)
-    module = types.ModuleType("cupy")
-    module.cuda = SimpleNamespace(get_current_stream=lambda: stream,
-                                  runtime=SimpleNamespace(streamWaitEvent=lambda *a: None))
-    module.asarray = lambda a: on_device(np.asarray(a))
-    module.asnumpy = np.asarray
-    module.asfortranarray = lambda a: np.asfortranarray(a).view(type(a))
-    return module
-
-
-class FakeBuffer:
-    """The internode Buffer's surface the worker uses, over one rank's InternodePath."""
-
-    def __init__(self, path):
-        self.rank, self.num_ranks, self.topology = path.topology.rank, path.topology.num_ranks, path.topology
-        self.get_dispatch_layout, self.dispatch, self.combine = path.get_dispatch_layout, path.dispatch, path.combine
-
-    @staticmethod
-    def capture(stream=None):
-        return None
-
-
 def as_cupy_case(case):
     """The case with CuPy arrays (the fakes have no PyTorch)."""
     return dict(case, framework="cupy")
@@ -284,7 +257,7 @@ def test_a_random_case_passes_on_the_internode_path_bit_exactly(monkeypatch, cas
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
     case = as_cupy_case(case)
     paths = make_paths(case["num_nodes"], case["ranks_per_node"])
-    infos = run_ranks(paths, lambda rank, path: worker.run_case(FakeBuffer(path), case))
+    infos = run_ranks(paths, lambda rank, path: worker.run_case(FakeInternodeBuffer(path), case))
     want = worker.reference_dispatch(case, worker.make_inputs(case))
     assert [i["received"] for i in infos] == [len(w["recv_x"]) for w in want]
     L = case["ranks_per_node"]
@@ -300,7 +273,7 @@ def test_a_wrong_result_is_reported_as_a_mismatch(monkeypatch):
     paths = make_paths(case["num_nodes"], 1)
 
     def corrupted(rank, path):
-        buf = FakeBuffer(path)
+        buf = FakeInternodeBuffer(path)
         dispatch = buf.dispatch
 
         def dispatch_flipping_a_bit(*args, **kwargs):
@@ -324,7 +297,7 @@ def test_a_pytorch_case_without_pytorch_runs_with_cupy_and_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     case = small(lambda c: c["framework"] == "torch" and c["ranks_per_node"] == 1)[0]
     outcomes = run_ranks(make_paths(case["num_nodes"], 1),
-                         lambda rank, path: worker.run_on_rank(FakeBuffer(path), case, stream=None))
+                         lambda rank, path: worker.run_on_rank(FakeInternodeBuffer(path), case, stream=None))
     for ok, error, info in outcomes:
         assert ok, error
         assert info["framework"] == "cupy: PyTorch is not installed"
