@@ -56,7 +56,8 @@ for stage in $STAGES; do
       files=$(ls tests/test_gpu_*.py | sort)
       half=$(( ($(echo "$files" | wc -l) + 1) / 2 ))
       if [ "$stage" = suite1 ]; then files=$(echo "$files" | head -n $half); else files=$(echo "$files" | tail -n +$((half + 1))); fi
-      DEEPEP_TEST_ONE_GPU_MPI=1 DEEPEP_TEST_REQUIRE_GPUS=1 timeout ${SUITE_TIMEOUT:-560} python3 -m pytest -q -ra \
+      DEEPEP_TEST_ONE_GPU_MPI=1 DEEPEP_TEST_REQUIRE_GPUS=1 DEEPEP_TEST_LOG_DIR="$OUT/runs_$stage" \
+        timeout ${SUITE_TIMEOUT:-560} python3 -m pytest -q -ra \
         --durations=15 $files > "$OUT/$stage.log" 2>&1
       echo "$stage: pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$stage.log" | tail -30;;
     local)

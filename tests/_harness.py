@@ -177,13 +177,31 @@ def run_command(cmd: Sequence[str], timeout: float,
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stdout, stderr = _stop(proc)
+        _keep_log(cmd, f"timed out after {timeout:g} s", stdout, stderr)
         raise AssertionError(
             f"timed out after {timeout:g} s: {' '.join(cmd)}\n"
             f"--- stdout ---\n{stdout or ''}\n--- stderr ---\n{stderr or ''}") from None
     except BaseException:
         _stop(proc)
         raise
+    _keep_log(cmd, f"exit {proc.returncode}", stdout, stderr)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+#: ``DEEPEP_TEST_LOG_DIR``: every command run_command runs leaves its output there, numbered, as
+#: soon as it ends, so that a GPU session cut short still has the workers' own reports.
+LOG_DIR = os.environ.get("DEEPEP_TEST_LOG_DIR", "")
+_logs_kept = [0]
+
+
+def _keep_log(cmd: Sequence[str], how: str, stdout: Optional[str], stderr: Optional[str]) -> None:
+    if not LOG_DIR:
+        return
+    os.makedirs(LOG_DIR, exist_ok=True)
+    _logs_kept[0] += 1
+    script = next((Path(c).stem for c in reversed(cmd) if c.endswith(".py")), Path(cmd[0]).name)
+    path = Path(LOG_DIR) / f"{os.getpid()}-{_logs_kept[0]:03d}-{script}.log"
+    path.write_text(f"$ {' '.join(cmd)}\n{how}\n--- stdout ---\n{stdout or ''}\n--- stderr ---\n{stderr or ''}")
 
 
 def _stop(proc: subprocess.Popen, grace: float = 5.0):
