@@ -187,18 +187,6 @@ class DispatchPath:
               expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
               expand=False, recv_x_in_buffer=False):
         """A dispatch with routing (``Buffer.dispatch`` without a handle)."""
-        return self._fresh_dispatch(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                    topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
-                                    async_finish, allocate_on_comm_stream, expand, recv_x_in_buffer)
-
-    def cached(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream, recv_x_in_buffer=False):
-        """A dispatch with an earlier dispatch's handle (``Buffer.dispatch(x, handle=...)``)."""
-        return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
-                                     recv_x_in_buffer)
-
-    def _fresh_dispatch(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                        topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                        allocate_on_comm_stream, expand=False, recv_x_in_buffer=False):
         ctx = self._ctx
         call = self._read_fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, config, recv_x_in_buffer)
@@ -641,8 +629,8 @@ class DispatchPath:
             bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
         return verdict_error(verdict, self._ctx.rank, spec.num_experts, spec.signature, bad_ids)
 
-    def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
-                         recv_x_in_buffer=False):
+    def cached(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream, recv_x_in_buffer=False):
+        """A dispatch with an earlier dispatch's handle (``Buffer.dispatch(x, handle=...)``)."""
         ctx = self._ctx
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
