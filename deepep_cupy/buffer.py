@@ -142,7 +142,8 @@ class Buffer:
             return
         with self._on_device:
             self._check_group(cupy)
-            shares_gpu = self._group.in_process and self._group.ranks_on_device(self.device_id) > 1
+            ranks_on_gpu = self._ranks_on_gpu()
+            shares_gpu = ranks_on_gpu > 1
             # A low-latency Buffer (DeepEP's decode API) may have no NVLink buffer for the normal
             # calls (num_nvl_bytes=0); its own buffer is num_rdma_bytes, owned by its LowLatencyPath.
             self._nvl = NvlBuffer(self._group, self.num_nvl_bytes) if self.num_nvl_bytes else None
@@ -154,11 +155,10 @@ class Buffer:
                     kernels.warm_up(self.num_ranks, every_instance=shares_gpu)
                 if low_latency_mode:
                     self.low_latency_mode = True
-                    self.num_rdma_bytes = int(num_rdma_bytes)
                     self._low_latency = LowLatencyPath.create(
                         self._group, self.num_rdma_bytes, order=self._order, slots=self._slots,
                         timeout_s=self.timeout_s, device_id=self.device_id, on_device=self._on_device,
-                        ranks_on_gpu=self._group.ranks_on_device(self.device_id) if self._group.in_process else 1)
+                        ranks_on_gpu=ranks_on_gpu)
             except BaseException:
                 self.destroy()
                 raise
@@ -181,7 +181,7 @@ class Buffer:
             topology = discover_topology(self._group, ranks_per_node)
             if topology.num_nodes == 1:
                 return False
-            shares_gpu = self._group.in_process and self._group.ranks_on_device(self.device_id) > 1
+            shares_gpu = self._ranks_on_gpu() > 1
             settings = dict(timeout_s=self.timeout_s, device=self.device_id, allocate_ahead=self.allocate_ahead)
             path = internode.create_internode_path(
                 self._group, topology, device_id=self.device_id, timeout_s=self.timeout_s,
@@ -190,6 +190,10 @@ class Buffer:
         self.topology, self._internode, self._order = topology, path, path.order
         self.internode_transport = path.transport.name
         return True
+
+    def _ranks_on_gpu(self) -> int:
+        """The group's ranks on this Buffer's GPU in this process (their kernels must fit on it together)."""
+        return max(1, self._group.ranks_on_device(self.device_id)) if self._group.in_process else 1
 
     def _set_up_host(self, group: Any, num_nvl_bytes: int, timeout_s: float, device: Optional[int],
                      allocate_ahead: bool, low_latency_mode: bool = False) -> None:
@@ -527,8 +531,7 @@ class Buffer:
             raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
         if config.num_sms not in self._checked_sms:
             # Ranks sharing a GPU spin-wait on each other, so all their blocks must be resident at once.
-            sharing = max(1, self._group.ranks_on_device(self.device_id)) if self._group.in_process else 1
-            check_sm_budget({self.device_id: sharing}, config.num_sms)
+            check_sm_budget({self.device_id: self._ranks_on_gpu()}, config.num_sms)
             self._checked_sms.add(config.num_sms)
         return config
 
