@@ -25,7 +25,7 @@ from . import compat, kernels, slots, tensors
 from .combine_path import CombinePath
 from .comm import Group, as_group
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
-from .constants import HOST_FAILED_ALLOCATION, HOST_FAILED_EXCEPTION, HOST_FAILURES, MAX_RANKS
+from .constants import HOST_FAILURES, MAX_RANKS
 from .dispatch_path import DispatchPath
 from .errors import RankMismatchError
 from .events import EventOverlap
@@ -395,9 +395,7 @@ class Buffer:
         """This rank's host failed after its call launched kernels that meet the other ranks: mark
         the Buffer given up on every rank (their kernels stop and name this rank and the failure,
         instead of waiting out their timeout) and on this one (its next call raises)."""
-        code = slots.host_failure_code(failure)
-        if code == HOST_FAILED_ALLOCATION:
-            code = HOST_FAILED_EXCEPTION  # not before the launch: any exception at all
+        code = slots.host_failure_code(failure, before_launch=False)
         what = HOST_FAILURES[code]
         try:
             self._nvl.mark_gave_up(code)

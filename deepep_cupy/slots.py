@@ -103,12 +103,13 @@ class MappedInts:
             self._ptr = 0
 
 
-def host_failure_code(failure: BaseException) -> int:
-    """The ``constants.HOST_FAILURES`` code of an exception a host met while getting a call ready
-    (allocating its outputs): an interrupt, or else a failed allocation."""
+def host_failure_code(failure: BaseException, before_launch: bool = True) -> int:
+    """The ``constants.HOST_FAILURES`` code of an exception a host met in a call: an interrupt;
+    else, before the call's launch (where the host only allocates its outputs), a failed
+    allocation, and after it any exception."""
     if isinstance(failure, KeyboardInterrupt):
         return HOST_FAILED_INTERRUPT
-    if isinstance(failure, Exception):
+    if before_launch and isinstance(failure, Exception):
         return HOST_FAILED_ALLOCATION
     return HOST_FAILED_EXCEPTION
 
