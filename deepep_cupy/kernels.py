@@ -47,7 +47,7 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "low_latency.cu": ("ll_dispatch_kernel", "ll_combine_kernel"),
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
-OPTIONAL_KERNELS = ("expand_kernel", "ll_dispatch_kernel", "ll_combine_kernel")
+OPTIONAL_KERNELS = ("expand_kernel",)
 #: Sources whose kernels the path that uses them loads itself (the low-latency path, when a Buffer
 #: is made with ``low_latency_mode``), never :func:`warm_up`: the FP8 conversions of the decode
 #: kernels need sm_89, and no other Buffer should pay for them.
