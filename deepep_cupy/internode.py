@@ -349,12 +349,10 @@ class InternodePath:
         with self._on(lib, run_on):
             topk = device_view(topk_idx, info, self.device_id)
             T = topk.shape[0]
+            per_expert = _counts(topk, num_experts)
             valid = (topk >= 0) & (topk < num_experts)
-            ids = topk[valid]
-            per_expert = _counts(ids, num_experts)
-            in_rank = cupy.zeros((T, R), dtype=cupy.bool_)
-            rows = cupy.nonzero(valid)[0]
-            in_rank[rows, ids // (num_experts // R)] = True
+            rank_of = cupy.where(valid, topk // (num_experts // R), -1)
+            in_rank = (rank_of[:, :, None] == cupy.arange(R)[None, None, :]).any(axis=1)
             per_rank = in_rank.sum(axis=0).astype(cupy.int32)
             per_node = in_rank.reshape(T, N, R // N).any(axis=2).sum(axis=0).astype(cupy.int32)
             outputs = (self._to_lib(lib, per_rank, "int32"), self._to_lib(lib, per_node, "int32"),
@@ -501,7 +499,14 @@ class InternodePath:
         send_counts = [0] * N
         for n, count in zip(self.packed_nodes, host[:N]):
             send_counts[n] = int(count)
-        token_ids = cupy.flatnonzero(in_node.ravel()) % max(T, 1)
+        # The set entries' flat indices in order (as flatnonzero, without its host sync: the host
+        # knows their number): each goes to its rank among them, the others to one spare slot.
+        total = sum(send_counts)
+        flat = in_node.ravel()
+        slots = cupy.where(flat, cupy.cumsum(flat, dtype=cupy.int64) - 1, total)
+        picked = cupy.empty(total + 1, cupy.int64)
+        picked[slots] = cupy.arange(flat.size, dtype=cupy.int64)
+        token_ids = picked[:total] % max(T, 1)
         return send_counts, token_ids, bool(host[N])
 
     def _forward(self, packed, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int],
@@ -533,21 +538,18 @@ class InternodePath:
         """The forwarded tokens to the ranks of this node owning their experts: ``(outputs [recv_x,
         recv_scales, recv_topk, recv_weights], expert counts, intranode handle, received rows)``."""
         M = inputs.rows.shape[0]
+        if self.intranode is None and num_worst_tokens:  # one rank per node, outputs of fixed size
+            outputs = self._pad_rows(lib, num_worst_tokens, M, (inputs.rows, info.dtype_name),
+                                     (inputs.scales, "float32"), (inputs.topk, "int64"), (inputs.weights, "float32"))
+            return outputs, [], None, M
         x_in = self._to_lib(lib, inputs.rows, info.dtype_name)
         scales_in = None if inputs.scales is None else self._to_lib(lib, inputs.scales, "float32")
         topk_in = self._to_lib(lib, inputs.topk, "int64")
         weights_in = None if inputs.weights is None else self._to_lib(lib, inputs.weights, "float32")
         if self.intranode is None:  # one rank per node: the forwarded tokens are the outputs
-            counts = _cupy().asnumpy(_counts(inputs.topk[inputs.topk >= 0], experts_per_node))
-            expert_list = [] if num_worst_tokens else \
-                [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
-            if num_worst_tokens:
-                outputs = self._pad_rows(lib, num_worst_tokens, M, (inputs.rows, info.dtype_name),
-                                         (inputs.scales, "float32"), (inputs.topk, "int64"),
-                                         (inputs.weights, "float32"))
-            else:
-                outputs = [x_in, scales_in, topk_in, weights_in]
-            return outputs, expert_list, None, M
+            counts = _cupy().asnumpy(_counts(inputs.topk, experts_per_node))
+            expert_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
+            return [x_in, scales_in, topk_in, weights_in], expert_list, None, M
         engine = self.intranode
         per_rank, _, per_expert, in_rank, _ = engine.get_dispatch_layout(topk_in, experts_per_node)
         recv_x, recv_topk, recv_weights, expert_list, inner, _ = engine.dispatch(
@@ -762,11 +764,14 @@ class InternodePath:
 
 
 def _counts(ids, length: int):
-    """int32 occurrences of each id in ``[0, length)`` (``ids`` non-negative; may be empty)."""
+    """int32 occurrences of each id in ``[0, length)`` among ``ids`` (any shape; other values, -1
+    included, are not counted). No host sync: ``cupy.bincount`` and a boolean mask both read a size
+    back to the host, a scatter-add into one spare bin for the ids not counted does not."""
     cupy = _cupy()
-    if not ids.size:
-        return cupy.zeros(length, cupy.int32)
-    return cupy.bincount(ids, minlength=length).astype(cupy.int32)
+    bins = cupy.zeros(length + 1, cupy.int32)
+    if ids.size:
+        cupy.add.at(bins, cupy.where((ids >= 0) & (ids < length), ids, length).ravel(), 1)
+    return bins[:length]
 
 
 def _byte_rows(values, info: tensors.ArrayInfo):
