@@ -89,10 +89,13 @@ class RecordLayout(NamedTuple):
         return records
 
     def part(self, records, offset: int, width: int, dtype, shape: Tuple[int, ...]):
-        """One part of every record, as contiguous ``dtype`` elements of ``shape`` (a copy: the part
-        of a single record is already contiguous, but only as aligned as ``offset``, and a view of
-        int64 or float32 elements there faults with a misaligned address)."""
-        return records[:, offset:offset + width].copy().view(dtype).reshape(shape)
+        """One part of every record, as contiguous ``dtype`` elements of ``shape``; ``records`` is
+        an array of records or a sequence of them, read in order (the forwarded blocks, joined
+        here part by part rather than copied whole first). A copy: the part of a single record is
+        already contiguous, but only as aligned as ``offset``, and a view of int64 or float32
+        elements there faults with a misaligned address."""
+        blocks = records if isinstance(records, (list, tuple)) else (records,)
+        return _cupy().concatenate([b[:, offset:offset + width] for b in blocks]).view(dtype).reshape(shape)
 
 
 class _Forwarded(NamedTuple):
@@ -435,12 +438,11 @@ class InternodePath:
         self.transport.alltoallv(device_pointer(send_buffer), send_bytes, device_pointer(received), recv_bytes, run_on)
         return received
 
-    def _in_node_order(self, received, own_block, recv_counts: Sequence[int]):
-        """The forwarded records in node order: the received blocks with the own one in its place."""
-        cupy = _cupy()
-        me = self.topology.node
-        before = sum(recv_counts[:me])
-        return cupy.concatenate([received[:before], own_block, received[before:]])
+    def _in_node_order(self, received, own_block, recv_counts: Sequence[int]) -> Tuple[Any, Any, Any]:
+        """The forwarded records in node order, as three blocks: the received ones from the nodes
+        before this one, its own, those after (:meth:`RecordLayout.part` reads them in order)."""
+        before = sum(recv_counts[:self.topology.node])
+        return received[:before], own_block, received[before:]
 
     def _fresh_dispatch(self, rows, scales, info, scales_info, topk_idx, topk_info, topk_weights, weights_info,
                         num_experts, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -466,7 +468,7 @@ class InternodePath:
                                   0 if weights is None else K)
             forwarded = self._forward(layout.pack(token_ids, x_rows, x_scales, topk, weights), layout, send_counts,
                                       recv_counts, run_on)
-            inputs = self._node_inputs(forwarded, layout, info, scales_info, experts_per_node)
+            inputs = self._node_inputs(forwarded, sum(recv_counts), layout, info, scales_info, experts_per_node)
             outputs, expert_list, inner, num_recv = self._deliver(lib, inputs, info, experts_per_node,
                                                                   expert_alignment, num_worst_tokens, config)
             handle = InternodeHandle(id(self), T, token_ids, send_counts, recv_counts, inner, num_recv,
@@ -511,16 +513,19 @@ class InternodePath:
 
     def _forward(self, packed, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int],
                  run_on: int):
-        """Send ``packed`` (records in packed order) over the rail; the forwarded records in node order."""
+        """Send ``packed`` (records in packed order) over the rail; the forwarded records in node order
+        (:meth:`_in_node_order`'s blocks)."""
         remote = packed.shape[0] - send_counts[self.topology.node]
         received = self._exchange(packed, layout.bytes, send_counts, recv_counts, run_on)
         self.last_internode_rows = remote
         return self._in_node_order(received, packed[remote:], recv_counts)
 
-    def _node_inputs(self, forwarded, layout: RecordLayout, info, scales_info, experts_per_node: int) -> _Forwarded:
-        """The forwarded records unpacked, top-k made node-local (-1 and weight 0 where the id is not)."""
+    def _node_inputs(self, forwarded, M: int, layout: RecordLayout, info, scales_info,
+                     experts_per_node: int) -> _Forwarded:
+        """The ``M`` forwarded records unpacked, top-k made node-local (-1 and weight 0 where the id
+        is not)."""
         cupy = _cupy()
-        M, K = forwarded.shape[0], layout.num_topk
+        K = layout.num_topk
         topk = layout.part(forwarded, layout.topk_off, 8 * K, cupy.int64, (M, K))
         first = self.topology.node * experts_per_node
         local = (topk >= first) & (topk < first + experts_per_node)
@@ -614,7 +619,7 @@ class InternodePath:
             layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
             forwarded = self._forward(layout.pack(handle.send_token_idx, x_rows, x_scales), layout, handle.send_counts,
                                       handle.recv_counts, run_on)
-            M = forwarded.shape[0]
+            M = handle.num_forwarded
             fw_rows = layout.part(forwarded, 0, layout.row_bytes, STORAGE[info.dtype_name], (M, *info.shape[1:]))
             fw_scales = None if scales_info is None else layout.part(
                 forwarded, layout.scales_off, layout.scale_bytes, cupy.float32, (M, *scales_info.shape[1:]))
@@ -698,7 +703,7 @@ class InternodePath:
             before, own = sum(handle.recv_counts[:me]), handle.recv_counts[me]
             send = cupy.concatenate([records[:before], records[before + own:]])
             received = self._exchange(send, layout.bytes, handle.recv_counts, handle.send_counts, run_on)
-            back = cupy.concatenate([received, records[before:before + own]])  # packed order, as send_token_idx
+            own_block = records[before:before + own]
 
             combined = cupy.zeros((T, H), cupy.float32)
             for b, b_info in bias_infos:
@@ -713,7 +718,8 @@ class InternodePath:
                 if not count:
                     continue
                 tokens = handle.send_token_idx[begin:begin + count]
-                block = back[begin:begin + count]
+                # Packed order, as send_token_idx: the received blocks, then the own one.
+                block = own_block if n == me else received[begin:begin + count]
                 rows = layout.part(block, 0, layout.row_bytes, STORAGE[dtype], (count, H))
                 combined[tokens] = combined[tokens] + to_float32(rows, dtype)
                 if combined_w is not None:
