@@ -321,14 +321,20 @@ class InternodePath:
         return self.order.finish(caller, run_on, lib, async_finish, [a for a in arrays if a is not None],
                                  [o for o in outputs if o is not None], run_on != caller)
 
+    def _new_output(self, lib, shape: Tuple[int, ...], dtype_name: str):
+        """``(array, view)``: a new C-contiguous array of the caller's library and a CuPy view of it."""
+        out = lib.empty(shape, dtype_name, self.device_id)
+        if lib.name == "cupy":
+            return out, out
+        info = tensors.ArrayInfo(lib, dtype_name, None, tuple(shape), True, _c_strides(shape, dtype_name))
+        return out, device_view(out, info, self.device_id)
+
     def _to_lib(self, lib, values, dtype_name: str):
         """``values`` (CuPy, storage dtype) as an array of the caller's library (a copy for PyTorch)."""
         if lib.name == "cupy":
             return values
-        out = lib.empty(values.shape, dtype_name, self.device_id)
+        out, view = self._new_output(lib, values.shape, dtype_name)
         if values.size:
-            view = device_view(out, tensors.ArrayInfo(lib, dtype_name, None, tuple(values.shape), True,
-                                                      _c_strides(values.shape, dtype_name)), self.device_id)
             view[...] = values
         return out
 
@@ -482,7 +488,7 @@ class InternodePath:
     def _read_x(self, rows, scales, info, scales_info):
         """x as uint8 rows ``[T, row bytes]`` and its scales as ``[T, S]`` (None without), CuPy views."""
         dev = self.device_id
-        x_rows = _byte_rows(device_view(rows, info, dev), info)
+        x_rows = _byte_rows(device_view(rows, info, dev))
         x_scales = None if scales_info is None else _scale_rows(device_view(scales, scales_info, dev), scales_info)
         return x_rows, x_scales
 
@@ -602,11 +608,11 @@ class InternodePath:
             if values is None:
                 out.append(None)
                 continue
-            padded = _cupy().empty((rows, *values.shape[1:]), values.dtype)
-            padded[:received] = values
+            padded, view = self._new_output(lib, (rows, *values.shape[1:]), dtype_name)
+            view[:received] = values
             if dtype_name == "int64":
-                padded[received:] = -1
-            out.append(self._to_lib(lib, padded, dtype_name))
+                view[received:] = -1
+            out.append(padded)
         return out
 
     def _cached_dispatch(self, rows, scales, info, scales_info, handle: InternodeHandle, config, previous_event,
@@ -698,7 +704,7 @@ class InternodePath:
                 partial_w = None if w_info is None else device_view(topk_weights, w_info, dev)[:M]
             K = 0 if partial_w is None else partial_w.shape[1]
             layout = RecordLayout(tensors.row_bytes((H,), dtype), num_weights=K)
-            records = layout.pack(None, _byte_rows(partial, info), weights=partial_w)
+            records = layout.pack(None, _byte_rows(partial), weights=partial_w)
             # Rows in node order; the other nodes' blocks go back over the rail, the own one stays.
             before, own = sum(handle.recv_counts[:me]), handle.recv_counts[me]
             send = cupy.concatenate([records[:before], records[before + own:]])
@@ -780,8 +786,8 @@ def _counts(ids, length: int):
     return bins[:length]
 
 
-def _byte_rows(values, info: tensors.ArrayInfo):
-    """The C-contiguous ``[T, H]`` ``values`` as uint8 rows ``[T, row bytes]``."""
+def _byte_rows(values):
+    """The ``[T, H]`` ``values`` as uint8 rows ``[T, row bytes]`` (a copy unless C-contiguous)."""
     return _cupy().ascontiguousarray(values).view(_cupy().uint8)
 
 
