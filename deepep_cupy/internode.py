@@ -440,7 +440,7 @@ class InternodePath:
         me = self.topology.node
         send_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(send_counts)]
         recv_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(recv_counts)]
-        received = cupy.empty((sum(recv_bytes) // record_bytes if record_bytes else 0, record_bytes), cupy.uint8)
+        received = cupy.empty((sum(c for n, c in enumerate(recv_counts) if n != me), record_bytes), cupy.uint8)
         self.transport.alltoallv(device_pointer(send_buffer), send_bytes, device_pointer(received), recv_bytes, run_on)
         return received
 
@@ -496,21 +496,18 @@ class InternodePath:
         """``(send_counts per node, the tokens of each node in packed order, whether an id is out of
         range)``: the counts and the verdict reach the host in one copy."""
         cupy = _cupy()
-        N = self.topology.num_nodes
+        N, me = self.topology.num_nodes, self.topology.node
         T, K = topk.shape
         node_of = cupy.where(topk >= 0, topk // (num_experts // N), -1)
-        packed_nodes = cupy.asarray(np.asarray(self.packed_nodes, dtype=np.int64))
-        in_node = (node_of[None, :, :] == packed_nodes[:, None, None]).any(axis=2)  # [N (packed order), T]
+        in_node = (node_of[None, :, :] == cupy.arange(N)[:, None, None]).any(axis=2)  # [N, T]
         bad = ((topk < -1) | (topk >= num_experts)).any() if T and K else cupy.zeros((), cupy.bool_)
         bad = cupy.asarray(bad).reshape(1).astype(cupy.int64)
         host = cupy.asnumpy(cupy.concatenate([in_node.sum(axis=1), bad]))
-        send_counts = [0] * N
-        for n, count in zip(self.packed_nodes, host[:N]):
-            send_counts[n] = int(count)
-        # The set entries' flat indices in order (as flatnonzero, without its host sync: the host
-        # knows their number): each goes to its rank among them, the others to one spare slot.
+        send_counts = [int(c) for c in host[:N]]
+        # The set entries' flat indices in packed order (as flatnonzero, without its host sync: the
+        # host knows their number): each goes to its rank among them, the others to a spare slot.
         total = sum(send_counts)
-        flat = in_node.ravel()
+        flat = cupy.concatenate([in_node[:me], in_node[me + 1:], in_node[me:me + 1]]).ravel()
         slots = cupy.where(flat, cupy.cumsum(flat, dtype=cupy.int64) - 1, total)
         picked = cupy.empty(total + 1, cupy.int64)
         picked[slots] = cupy.arange(flat.size, dtype=cupy.int64)
