@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+from ._transport_memory import CudaMemory
 from .errors import DeepEPTimeoutError, RankMismatchError
 from .transports import RailTransport, offsets
 
@@ -39,21 +40,13 @@ class LocalRailTransport(RailTransport):
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float, *,
                  memory: Any = None):
-        super().__init__(rail, rail_group.rank)
         if not rail_group.in_process:
             raise ValueError("transport: 'local' needs an in-process group (run_local_group)")
-        if rail_group.size != len(self.rail):
-            raise ValueError(f"rail: {len(self.rail)} ranks, but the rail group has {rail_group.size}")
+        super().__init__(rail_group, rail, device_id, timeout_s)
         self._group = rail_group
-        self.device_id = device_id
-        self.timeout_s = float(timeout_s)
-        if memory is None:
-            from ._transport_memory import CudaMemory
-
-            memory = CudaMemory(device_id)
-        self._memory = memory
-        self._ready: Optional[int] = memory.new_event()
-        self._done: Optional[int] = memory.new_event()
+        self._memory = CudaMemory(device_id) if memory is None else memory
+        self._ready: Optional[int] = self._memory.new_event()
+        self._done: Optional[int] = self._memory.new_event()
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int) -> None:

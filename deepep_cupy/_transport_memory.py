@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .tensors import library
+
 
 def _runtime():
     from cupy.cuda import runtime
@@ -66,12 +68,9 @@ class CudaMemory:
 
     def device_view(self, ptr: int, nbytes: int) -> Any:
         """A uint8 CuPy array over ``nbytes`` bytes at ``ptr`` (not owned), for CUDA-aware MPI."""
-        import cupy
-
         if nbytes == 0:
             return np.empty(0, np.uint8)
-        memory = cupy.cuda.UnownedMemory(ptr, nbytes, None, self.device_id)
-        return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+        return library("cupy").window(ptr, nbytes, self.device_id, None)
 
     def new_event(self) -> int:
         rt = _runtime()

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ._transport_memory import CudaMemory
 from .errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
 from .transports import RailTransport, offsets
 
@@ -73,22 +74,14 @@ class MpiRailTransport(RailTransport):
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float, *,
                  cuda_aware: Optional[bool] = None, memory: Any = None):
-        super().__init__(rail, rail_group.rank)
+        super().__init__(rail_group, rail, device_id, timeout_s)
         from mpi4py import MPI
 
-        if rail_group.size != len(self.rail):
-            raise ValueError(f"rail: {len(self.rail)} ranks, but the rail group has {rail_group.size}")
         self._MPI = MPI
         self._group = rail_group
         self._comm = rail_group.comm
-        self.device_id = device_id
-        self.timeout_s = float(timeout_s)
         self.cuda_aware = mpi_is_cuda_aware(self._comm) if cuda_aware is None else bool(cuda_aware)
-        if memory is None:
-            from ._transport_memory import CudaMemory
-
-            memory = CudaMemory(device_id)
-        self._memory = memory
+        self._memory = CudaMemory(device_id) if memory is None else memory
         self._send_host: Optional[np.ndarray] = None
         self._recv_host: Optional[np.ndarray] = None
         self._copied_back: Optional[int] = None     # event: the last copy out of _recv_host has run
@@ -100,13 +93,9 @@ class MpiRailTransport(RailTransport):
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int) -> None:
         self._check_usable()
-        send_bytes = self._counts("send_bytes", send_bytes)
-        recv_bytes = self._counts("recv_bytes", recv_bytes)
+        send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
         me, memory = self.rank, self._memory
         send_off, recv_off = offsets(send_bytes), offsets(recv_bytes)
-        if send_bytes[me] != recv_bytes[me]:
-            raise ValueError(f"send_bytes/recv_bytes: this rank sends itself {send_bytes[me]} bytes but receives "
-                             f"{recv_bytes[me]}")
         if send_bytes[me]:
             memory.copy(recv_ptr + recv_off[me], send_ptr + send_off[me], send_bytes[me], stream)
         # The self entry is the copy above; MPI moves the others.

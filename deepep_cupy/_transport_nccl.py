@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+from ._transport_memory import CudaMemory
 from .transports import RailTransport, nccl_module, offsets
 
 
@@ -43,38 +44,26 @@ class NcclRailTransport(RailTransport):
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float, *,
                  nccl: Any = None, memory: Any = None):
-        super().__init__(rail, rail_group.rank)
-        if rail_group.size != len(self.rail):
-            raise ValueError(f"rail: {len(self.rail)} ranks, but the rail group has {rail_group.size}")
+        super().__init__(rail_group, rail, device_id, timeout_s)
         if nccl is None:
             nccl = nccl_module()
             if nccl is None:
                 raise ValueError("transport: 'nccl' needs CuPy's NCCL bindings, which cannot load NCCL here "
                                  "(pip install nvidia-nccl-cu12), or choose 'mpi'")
-        if memory is None:
-            from ._transport_memory import CudaMemory
-
-            memory = CudaMemory(device_id)
+        self._memory = CudaMemory(device_id) if memory is None else memory
         self._nccl = nccl
-        self._memory = memory
         self._group = rail_group
-        self.device_id = device_id
-        self.timeout_s = float(timeout_s)
         unique_id = rail_group.allgather(nccl.get_unique_id() if self.rank == 0 else None)[0]
-        with memory.device():
+        with self._memory.device():
             self._comm: Optional[Any] = nccl.NcclCommunicator(self.size, unique_id, self.rank)
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int) -> None:
-        send_bytes = self._counts("send_bytes", send_bytes)
-        recv_bytes = self._counts("recv_bytes", recv_bytes)
+        send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
         me, nccl, comm = self.rank, self._nccl, self._comm
         if comm is None:
             raise ValueError("the NCCL rail transport was closed")
         send_off, recv_off = offsets(send_bytes), offsets(recv_bytes)
-        if send_bytes[me] != recv_bytes[me]:
-            raise ValueError(f"send_bytes/recv_bytes: this rank sends itself {send_bytes[me]} bytes but receives "
-                             f"{recv_bytes[me]}")
         if send_bytes[me]:
             self._memory.copy(recv_ptr + recv_off[me], send_ptr + send_off[me], send_bytes[me], stream)
         peers = [p for p in range(self.size) if p != me and (send_bytes[p] or recv_bytes[p])]
@@ -124,15 +113,11 @@ class TorchNcclRailTransport(RailTransport):
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float, *,
                  torch: Any = None):
-        super().__init__(rail, rail_group.rank)
-        if rail_group.size != len(self.rail):
-            raise ValueError(f"rail: {len(self.rail)} ranks, but the rail group has {rail_group.size}")
+        super().__init__(rail_group, rail, device_id, timeout_s)
         if torch is None:
             import torch
         self._torch = torch
         self._group = rail_group
-        self.device_id = device_id
-        self.timeout_s = float(timeout_s)
         self._device = torch.device("cuda", device_id)
         self._stream: Any = (None, None)    # (raw stream, its torch.cuda.ExternalStream): the last one used
 
@@ -144,15 +129,10 @@ class TorchNcclRailTransport(RailTransport):
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int) -> None:
-        send_bytes = self._counts("send_bytes", send_bytes)
-        recv_bytes = self._counts("recv_bytes", recv_bytes)
+        send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
         if self._group is None:
             raise ValueError("the NCCL rail transport was closed")
         torch = self._torch
-        me = self.rank
-        if send_bytes[me] != recv_bytes[me]:
-            raise ValueError(f"send_bytes/recv_bytes: this rank sends itself {send_bytes[me]} bytes but receives "
-                             f"{recv_bytes[me]}")
         # A collective, so every rank of the rail takes part in every call (also with nothing to
         # move), as torch's lazily made NCCL communicators need; NCCL copies the self entry on the device.
         if self._stream[0] != stream:

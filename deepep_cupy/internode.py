@@ -89,10 +89,13 @@ class RecordLayout(NamedTuple):
         return records
 
     def part(self, records, offset: int, width: int, dtype, shape: Tuple[int, ...]):
-        """One part of every record, as contiguous ``dtype`` elements of ``shape`` (a copy: the part
-        of a single record is already contiguous, but only as aligned as ``offset``, and a view of
-        int64 or float32 elements there faults with a misaligned address)."""
-        return records[:, offset:offset + width].copy().view(dtype).reshape(shape)
+        """One part of every record, as contiguous ``dtype`` elements of ``shape``; ``records`` is
+        an array of records or a sequence of them, read in order (the forwarded blocks, joined
+        here part by part rather than copied whole first). A copy: the part of a single record is
+        already contiguous, but only as aligned as ``offset``, and a view of int64 or float32
+        elements there faults with a misaligned address."""
+        blocks = records if isinstance(records, (list, tuple)) else (records,)
+        return _cupy().concatenate([b[:, offset:offset + width] for b in blocks]).view(dtype).reshape(shape)
 
 
 class _Forwarded(NamedTuple):
@@ -318,14 +321,20 @@ class InternodePath:
         return self.order.finish(caller, run_on, lib, async_finish, [a for a in arrays if a is not None],
                                  [o for o in outputs if o is not None], run_on != caller)
 
+    def _new_output(self, lib, shape: Tuple[int, ...], dtype_name: str):
+        """``(array, view)``: a new C-contiguous array of the caller's library and a CuPy view of it."""
+        out = lib.empty(shape, dtype_name, self.device_id)
+        if lib.name == "cupy":
+            return out, out
+        info = tensors.ArrayInfo(lib, dtype_name, None, tuple(shape), True, _c_strides(shape, dtype_name))
+        return out, device_view(out, info, self.device_id)
+
     def _to_lib(self, lib, values, dtype_name: str):
         """``values`` (CuPy, storage dtype) as an array of the caller's library (a copy for PyTorch)."""
         if lib.name == "cupy":
             return values
-        out = lib.empty(values.shape, dtype_name, self.device_id)
+        out, view = self._new_output(lib, values.shape, dtype_name)
         if values.size:
-            view = device_view(out, tensors.ArrayInfo(lib, dtype_name, None, tuple(values.shape), True,
-                                                      _c_strides(values.shape, dtype_name)), self.device_id)
             view[...] = values
         return out
 
@@ -349,12 +358,10 @@ class InternodePath:
         with self._on(lib, run_on):
             topk = device_view(topk_idx, info, self.device_id)
             T = topk.shape[0]
+            per_expert = _counts(topk, num_experts)
             valid = (topk >= 0) & (topk < num_experts)
-            ids = topk[valid]
-            per_expert = _counts(ids, num_experts)
-            in_rank = cupy.zeros((T, R), dtype=cupy.bool_)
-            rows = cupy.nonzero(valid)[0]
-            in_rank[rows, ids // (num_experts // R)] = True
+            rank_of = cupy.where(valid, topk // (num_experts // R), -1)
+            in_rank = (rank_of[:, :, None] == cupy.arange(R)[None, None, :]).any(axis=1)
             per_rank = in_rank.sum(axis=0).astype(cupy.int32)
             per_node = in_rank.reshape(T, N, R // N).any(axis=2).sum(axis=0).astype(cupy.int32)
             outputs = (self._to_lib(lib, per_rank, "int32"), self._to_lib(lib, per_node, "int32"),
@@ -433,16 +440,15 @@ class InternodePath:
         me = self.topology.node
         send_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(send_counts)]
         recv_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(recv_counts)]
-        received = cupy.empty((sum(recv_bytes) // record_bytes if record_bytes else 0, record_bytes), cupy.uint8)
+        received = cupy.empty((sum(c for n, c in enumerate(recv_counts) if n != me), record_bytes), cupy.uint8)
         self.transport.alltoallv(device_pointer(send_buffer), send_bytes, device_pointer(received), recv_bytes, run_on)
         return received
 
-    def _in_node_order(self, received, own_block, recv_counts: Sequence[int]):
-        """The forwarded records in node order: the received blocks with the own one in its place."""
-        cupy = _cupy()
-        me = self.topology.node
-        before = sum(recv_counts[:me])
-        return cupy.concatenate([received[:before], own_block, received[before:]])
+    def _in_node_order(self, received, own_block, recv_counts: Sequence[int]) -> Tuple[Any, Any, Any]:
+        """The forwarded records in node order, as three blocks: the received ones from the nodes
+        before this one, its own, those after (:meth:`RecordLayout.part` reads them in order)."""
+        before = sum(recv_counts[:self.topology.node])
+        return received[:before], own_block, received[before:]
 
     def _fresh_dispatch(self, rows, scales, info, scales_info, topk_idx, topk_info, topk_weights, weights_info,
                         num_experts, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -468,7 +474,7 @@ class InternodePath:
                                   0 if weights is None else K)
             forwarded = self._forward(layout.pack(token_ids, x_rows, x_scales, topk, weights), layout, send_counts,
                                       recv_counts, run_on)
-            inputs = self._node_inputs(forwarded, layout, info, scales_info, experts_per_node)
+            inputs = self._node_inputs(forwarded, sum(recv_counts), layout, info, scales_info, experts_per_node)
             outputs, expert_list, inner, num_recv = self._deliver(lib, inputs, info, experts_per_node,
                                                                   expert_alignment, num_worst_tokens, config)
             handle = InternodeHandle(id(self), T, token_ids, send_counts, recv_counts, inner, num_recv,
@@ -482,7 +488,7 @@ class InternodePath:
     def _read_x(self, rows, scales, info, scales_info):
         """x as uint8 rows ``[T, row bytes]`` and its scales as ``[T, S]`` (None without), CuPy views."""
         dev = self.device_id
-        x_rows = _byte_rows(device_view(rows, info, dev), info)
+        x_rows = _byte_rows(device_view(rows, info, dev))
         x_scales = None if scales_info is None else _scale_rows(device_view(scales, scales_info, dev), scales_info)
         return x_rows, x_scales
 
@@ -490,32 +496,39 @@ class InternodePath:
         """``(send_counts per node, the tokens of each node in packed order, whether an id is out of
         range)``: the counts and the verdict reach the host in one copy."""
         cupy = _cupy()
-        N = self.topology.num_nodes
+        N, me = self.topology.num_nodes, self.topology.node
         T, K = topk.shape
         node_of = cupy.where(topk >= 0, topk // (num_experts // N), -1)
-        packed_nodes = cupy.asarray(np.asarray(self.packed_nodes, dtype=np.int64))
-        in_node = (node_of[None, :, :] == packed_nodes[:, None, None]).any(axis=2)  # [N (packed order), T]
+        in_node = (node_of[None, :, :] == cupy.arange(N)[:, None, None]).any(axis=2)  # [N, T]
         bad = ((topk < -1) | (topk >= num_experts)).any() if T and K else cupy.zeros((), cupy.bool_)
         bad = cupy.asarray(bad).reshape(1).astype(cupy.int64)
         host = cupy.asnumpy(cupy.concatenate([in_node.sum(axis=1), bad]))
-        send_counts = [0] * N
-        for n, count in zip(self.packed_nodes, host[:N]):
-            send_counts[n] = int(count)
-        token_ids = cupy.flatnonzero(in_node.ravel()) % max(T, 1)
+        send_counts = [int(c) for c in host[:N]]
+        # The set entries' flat indices in packed order (as flatnonzero, without its host sync: the
+        # host knows their number): each goes to its rank among them, the others to a spare slot.
+        total = sum(send_counts)
+        flat = cupy.concatenate([in_node[:me], in_node[me + 1:], in_node[me:me + 1]]).ravel()
+        slots = cupy.where(flat, cupy.cumsum(flat, dtype=cupy.int64) - 1, total)
+        picked = cupy.empty(total + 1, cupy.int64)
+        picked[slots] = cupy.arange(flat.size, dtype=cupy.int64)
+        token_ids = picked[:total] % max(T, 1)
         return send_counts, token_ids, bool(host[N])
 
     def _forward(self, packed, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int],
                  run_on: int):
-        """Send ``packed`` (records in packed order) over the rail; the forwarded records in node order."""
+        """Send ``packed`` (records in packed order) over the rail; the forwarded records in node order
+        (:meth:`_in_node_order`'s blocks)."""
         remote = packed.shape[0] - send_counts[self.topology.node]
         received = self._exchange(packed, layout.bytes, send_counts, recv_counts, run_on)
         self.last_internode_rows = remote
         return self._in_node_order(received, packed[remote:], recv_counts)
 
-    def _node_inputs(self, forwarded, layout: RecordLayout, info, scales_info, experts_per_node: int) -> _Forwarded:
-        """The forwarded records unpacked, top-k made node-local (-1 and weight 0 where the id is not)."""
+    def _node_inputs(self, forwarded, M: int, layout: RecordLayout, info, scales_info,
+                     experts_per_node: int) -> _Forwarded:
+        """The ``M`` forwarded records unpacked, top-k made node-local (-1 and weight 0 where the id
+        is not)."""
         cupy = _cupy()
-        M, K = forwarded.shape[0], layout.num_topk
+        K = layout.num_topk
         topk = layout.part(forwarded, layout.topk_off, 8 * K, cupy.int64, (M, K))
         first = self.topology.node * experts_per_node
         local = (topk >= first) & (topk < first + experts_per_node)
@@ -533,21 +546,18 @@ class InternodePath:
         """The forwarded tokens to the ranks of this node owning their experts: ``(outputs [recv_x,
         recv_scales, recv_topk, recv_weights], expert counts, intranode handle, received rows)``."""
         M = inputs.rows.shape[0]
+        if self.intranode is None and num_worst_tokens:  # one rank per node, outputs of fixed size
+            outputs = self._pad_rows(lib, num_worst_tokens, M, (inputs.rows, info.dtype_name),
+                                     (inputs.scales, "float32"), (inputs.topk, "int64"), (inputs.weights, "float32"))
+            return outputs, [], None, M
         x_in = self._to_lib(lib, inputs.rows, info.dtype_name)
         scales_in = None if inputs.scales is None else self._to_lib(lib, inputs.scales, "float32")
         topk_in = self._to_lib(lib, inputs.topk, "int64")
         weights_in = None if inputs.weights is None else self._to_lib(lib, inputs.weights, "float32")
         if self.intranode is None:  # one rank per node: the forwarded tokens are the outputs
-            counts = _cupy().asnumpy(_counts(inputs.topk[inputs.topk >= 0], experts_per_node))
-            expert_list = [] if num_worst_tokens else \
-                [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
-            if num_worst_tokens:
-                outputs = self._pad_rows(lib, num_worst_tokens, M, (inputs.rows, info.dtype_name),
-                                         (inputs.scales, "float32"), (inputs.topk, "int64"),
-                                         (inputs.weights, "float32"))
-            else:
-                outputs = [x_in, scales_in, topk_in, weights_in]
-            return outputs, expert_list, None, M
+            counts = _cupy().asnumpy(_counts(inputs.topk, experts_per_node))
+            expert_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in counts]
+            return [x_in, scales_in, topk_in, weights_in], expert_list, None, M
         engine = self.intranode
         per_rank, _, per_expert, in_rank, _ = engine.get_dispatch_layout(topk_in, experts_per_node)
         recv_x, recv_topk, recv_weights, expert_list, inner, _ = engine.dispatch(
@@ -595,11 +605,11 @@ class InternodePath:
             if values is None:
                 out.append(None)
                 continue
-            padded = _cupy().empty((rows, *values.shape[1:]), values.dtype)
-            padded[:received] = values
+            padded, view = self._new_output(lib, (rows, *values.shape[1:]), dtype_name)
+            view[:received] = values
             if dtype_name == "int64":
-                padded[received:] = -1
-            out.append(self._to_lib(lib, padded, dtype_name))
+                view[received:] = -1
+            out.append(padded)
         return out
 
     def _cached_dispatch(self, rows, scales, info, scales_info, handle: InternodeHandle, config, previous_event,
@@ -612,7 +622,7 @@ class InternodePath:
             layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
             forwarded = self._forward(layout.pack(handle.send_token_idx, x_rows, x_scales), layout, handle.send_counts,
                                       handle.recv_counts, run_on)
-            M = forwarded.shape[0]
+            M = handle.num_forwarded
             fw_rows = layout.part(forwarded, 0, layout.row_bytes, STORAGE[info.dtype_name], (M, *info.shape[1:]))
             fw_scales = None if scales_info is None else layout.part(
                 forwarded, layout.scales_off, layout.scale_bytes, cupy.float32, (M, *scales_info.shape[1:]))
@@ -691,12 +701,12 @@ class InternodePath:
                 partial_w = None if w_info is None else device_view(topk_weights, w_info, dev)[:M]
             K = 0 if partial_w is None else partial_w.shape[1]
             layout = RecordLayout(tensors.row_bytes((H,), dtype), num_weights=K)
-            records = layout.pack(None, _byte_rows(partial, info), weights=partial_w)
+            records = layout.pack(None, _byte_rows(partial), weights=partial_w)
             # Rows in node order; the other nodes' blocks go back over the rail, the own one stays.
             before, own = sum(handle.recv_counts[:me]), handle.recv_counts[me]
             send = cupy.concatenate([records[:before], records[before + own:]])
             received = self._exchange(send, layout.bytes, handle.recv_counts, handle.send_counts, run_on)
-            back = cupy.concatenate([received, records[before:before + own]])  # packed order, as send_token_idx
+            own_block = records[before:before + own]
 
             combined = cupy.zeros((T, H), cupy.float32)
             for b, b_info in bias_infos:
@@ -711,7 +721,8 @@ class InternodePath:
                 if not count:
                     continue
                 tokens = handle.send_token_idx[begin:begin + count]
-                block = back[begin:begin + count]
+                # Packed order, as send_token_idx: the received blocks, then the own one.
+                block = own_block if n == me else received[begin:begin + count]
                 rows = layout.part(block, 0, layout.row_bytes, STORAGE[dtype], (count, H))
                 combined[tokens] = combined[tokens] + to_float32(rows, dtype)
                 if combined_w is not None:
@@ -762,15 +773,18 @@ class InternodePath:
 
 
 def _counts(ids, length: int):
-    """int32 occurrences of each id in ``[0, length)`` (``ids`` non-negative; may be empty)."""
+    """int32 occurrences of each id in ``[0, length)`` among ``ids`` (any shape; other values, -1
+    included, are not counted). No host sync: ``cupy.bincount`` and a boolean mask both read a size
+    back to the host, a scatter-add into one spare bin for the ids not counted does not."""
     cupy = _cupy()
-    if not ids.size:
-        return cupy.zeros(length, cupy.int32)
-    return cupy.bincount(ids, minlength=length).astype(cupy.int32)
+    bins = cupy.zeros(length + 1, cupy.int32)
+    if ids.size:
+        cupy.add.at(bins, cupy.where((ids >= 0) & (ids < length), ids, length).ravel(), 1)
+    return bins[:length]
 
 
-def _byte_rows(values, info: tensors.ArrayInfo):
-    """The C-contiguous ``[T, H]`` ``values`` as uint8 rows ``[T, row bytes]``."""
+def _byte_rows(values):
+    """The ``[T, H]`` ``values`` as uint8 rows ``[T, row bytes]`` (a copy unless C-contiguous)."""
     return _cupy().ascontiguousarray(values).view(_cupy().uint8)
 
 

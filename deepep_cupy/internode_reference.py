@@ -50,13 +50,9 @@ def check_topology(num_ranks: int, ranks_per_node: int, num_experts: int) -> int
 
 
 def node_membership(topk_idx, num_experts: int, num_nodes: int) -> np.ndarray:
-    """bool ``[num_tokens, N]``: whether token ``t`` has at least one expert on node ``n``."""
-    topk_idx = reference._check_topk_idx(topk_idx, num_experts)
-    experts_per_node = int(num_experts) // int(num_nodes)
-    in_node = np.zeros((topk_idx.shape[0], num_nodes), dtype=bool)
-    rows, cols = np.nonzero(topk_idx >= 0)
-    in_node[rows, topk_idx[rows, cols] // experts_per_node] = True
-    return in_node
+    """bool ``[num_tokens, N]``: whether token ``t`` has at least one expert on node ``n`` (the
+    intranode layout's ``is_token_in_rank`` with the nodes as ranks)."""
+    return reference.get_dispatch_layout(topk_idx, num_experts, num_nodes)[2]
 
 
 def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, ranks_per_node: int):
@@ -71,12 +67,6 @@ def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, ranks_per_no
     per_rank, per_expert, in_rank = reference.get_dispatch_layout(topk_idx, num_experts, num_ranks)
     per_node = node_membership(topk_idx, num_experts, num_nodes).sum(axis=0).astype(np.int32)
     return per_rank, per_node, per_expert, in_rank
-
-
-def _concat(parts, trailing, dtype):
-    if not parts:
-        return np.zeros((0, *trailing), dtype=dtype)
-    return np.concatenate(parts, axis=0)
 
 
 def dispatch(xs, topk_idxs, num_experts: int, ranks_per_node: int, num_channels: int, *, topk_weights=None,
@@ -123,15 +113,15 @@ def dispatch(xs, topk_idxs, num_experts: int, ranks_per_node: int, num_channels:
         n, local = divmod(f, L)
         sources = [s * L + local for s in range(num_nodes)]
         picks = [send_idx[src][n] for src in sources]
-        topk = _concat([topk_idxs[src][p] for src, p in zip(sources, picks)], (num_topk,), np.int64)
+        topk = reference._gather_rows([topk_idxs[s] for s in sources], picks, (num_topk,), np.int64)
         local = (topk >= n * experts_per_node) & (topk < (n + 1) * experts_per_node)
         fw = {
-            "x": _concat([xs[src][p] for src, p in zip(sources, picks)], trailing, dtype),
+            "x": reference._gather_rows([xs[s] for s in sources], picks, trailing, dtype),
             "x_scales": None if scales is None else
-            _concat([scales[src][p] for src, p in zip(sources, picks)], scales[0].shape[1:], np.float32),
+            reference._gather_rows([scales[s] for s in sources], picks, scales[0].shape[1:], np.float32),
             "topk_idx": np.where(local, topk - n * experts_per_node, -1).astype(np.int64),
             "topk_weights": None if weights is None else np.where(
-                local, _concat([weights[src][p] for src, p in zip(sources, picks)], (num_topk,), np.float32),
+                local, reference._gather_rows([weights[s] for s in sources], picks, (num_topk,), np.float32),
                 np.float32(0.0)).astype(np.float32),
             "recv_counts": [len(p) for p in picks],
         }
@@ -231,16 +221,16 @@ def traffic(topk_idxs, num_experts: int, num_ranks: int, ranks_per_node: int) ->
 
     Returns:
         ``{"hierarchical": int, "flat": int, "flat_all_ranks": int, "per_rank_hierarchical": [R],
-        "per_rank_flat": [R]}``: ``hierarchical`` counts the (token, destination node) pairs with
-        the destination node not the token's (the rows this design sends over the network: a row
-        per token per other node); ``flat`` counts the (token, destination rank) pairs with the
-        destination rank on another node (what a flat all-to-all that sends each token once per
-        rank, like DeepEP's intranode dispatch, puts on the network); ``flat_all_ranks`` counts
-        the (token, destination rank) pairs with any other destination rank (all a flat
-        all-to-all moves, over NVLink or not). Multiply by the row bytes for bytes.
+        "per_rank_flat": [R], "per_rank_flat_all_ranks": [R]}``: ``hierarchical`` counts the (token,
+        destination node) pairs with the destination node not the token's (the rows this design sends
+        over the network: a row per token per other node); ``flat`` counts the (token, destination rank)
+        pairs with the destination rank on another node (what a flat all-to-all that sends each token
+        once per rank, like DeepEP's intranode dispatch, puts on the network); ``flat_all_ranks`` counts
+        the (token, destination rank) pairs with any other destination rank (all a flat all-to-all
+        moves, over NVLink or not). Multiply by the row bytes for bytes.
     """
     num_nodes = check_topology(num_ranks, ranks_per_node, num_experts)
-    per_hier, per_flat, flat_all = [], [], 0
+    per_hier, per_flat, per_flat_all = [], [], []
     for r, topk in enumerate(topk_idxs):
         own_node = r // ranks_per_node
         in_node = node_membership(topk, num_experts, num_nodes)
@@ -249,6 +239,6 @@ def traffic(topk_idxs, num_experts: int, num_ranks: int, ranks_per_node: int) ->
         other_node = np.ones(num_ranks, dtype=bool)
         other_node[own_node * ranks_per_node:(own_node + 1) * ranks_per_node] = False
         per_flat.append(int(in_rank[:, other_node].sum()))
-        flat_all += int(in_rank.sum() - in_rank[:, r].sum())
-    return {"hierarchical": sum(per_hier), "flat": sum(per_flat), "flat_all_ranks": flat_all,
-            "per_rank_hierarchical": per_hier, "per_rank_flat": per_flat}
+        per_flat_all.append(int(in_rank.sum() - in_rank[:, r].sum()))
+    return {"hierarchical": sum(per_hier), "flat": sum(per_flat), "flat_all_ranks": sum(per_flat_all),
+            "per_rank_hierarchical": per_hier, "per_rank_flat": per_flat, "per_rank_flat_all_ranks": per_flat_all}

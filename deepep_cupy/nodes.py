@@ -65,12 +65,11 @@ class NodeTopology(NamedTuple):
 
     def node_ranks(self) -> List[int]:
         """The global ranks of this rank's node, in order."""
-        first = self.node * self.ranks_per_node
-        return list(range(first, first + self.ranks_per_node))
+        return self.node_partition()[self.node]
 
     def rail_ranks(self) -> List[int]:
         """The global ranks with this rank's local index, one per node, in node order."""
-        return list(range(self.local_rank, self.num_ranks, self.ranks_per_node))
+        return self.rail_partition()[self.local_rank]
 
     def node_partition(self) -> List[List[int]]:
         """Every node's ranks (a partition of the group, for :meth:`deepep_cupy.comm.Group.split`)."""
@@ -197,7 +196,6 @@ def discover_topology(group: Any, ranks_per_node: Optional[int] = None,
         return NodeTopology(rank, size, 1 if peers_mappable is False else host_L)
     if peers_mappable is True:
         return NodeTopology(rank, size, host_L)
-    node = rank // host_L
-    peers = [everyone[r][3] for r in range(node * host_L, node * host_L + host_L) if r != rank]
+    peers = [everyone[r][3] for r in NodeTopology(rank, size, host_L).node_ranks() if r != rank]
     verdicts = group.allgather(bool(can_map_peers(everyone[rank][3], peers)))
     return NodeTopology(rank, size, host_L if all(verdicts) else 1)

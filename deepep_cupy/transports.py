@@ -36,19 +36,31 @@ TRANSPORT_KINDS = ("nccl", "mpi", "local")
 class RailTransport(abc.ABC):
     """Moves bytes between the ranks of one rail (one rank per node).
 
+    Args:
+        rail_group: the rail's :class:`deepep_cupy.comm.Group` (one rank per node; owned by the
+            transport: freed by :meth:`close`).
+        rail: the rail's global ranks (in the Buffer's group), in rail order (for messages).
+        device_id: this rank's CUDA device.
+        timeout_s: how long a host wait of the transport may last (where it has one).
+
     Attributes:
         name: ``"nccl"``, ``"mpi"`` or ``"local"``.
         size: ranks in the rail (the number of nodes).
         rank: this rank's index in the rail (its node index).
         rail: the global ranks of the rail (in the Buffer's group), in rail order.
+        device_id, timeout_s: as given.
     """
 
     name: str = ""
 
-    def __init__(self, rail: Sequence[int], rank: int):
+    def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float):
         self.rail = [int(r) for r in rail]
         self.size = len(self.rail)
-        self.rank = rank
+        self.rank = rail_group.rank
+        if rail_group.size != self.size:
+            raise ValueError(f"rail: {self.size} ranks, but the rail group has {rail_group.size}")
+        self.device_id = device_id
+        self.timeout_s = float(timeout_s)
 
     @abc.abstractmethod
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
@@ -96,6 +108,15 @@ class RailTransport(abc.ABC):
             raise ValueError(f"{name}: expected {self.size} non-negative byte counts (one per rail peer), "
                              f"got {values}")
         return values
+
+    def _byte_counts(self, send_bytes: Sequence[int], recv_bytes: Sequence[int]) -> Tuple[List[int], List[int]]:
+        """:meth:`alltoallv`'s counts checked, the self entries equal (a copy on the device)."""
+        send_bytes, recv_bytes = self._counts("send_bytes", send_bytes), self._counts("recv_bytes", recv_bytes)
+        me = self.rank
+        if send_bytes[me] != recv_bytes[me]:
+            raise ValueError(f"send_bytes/recv_bytes: this rank sends itself {send_bytes[me]} bytes but receives "
+                             f"{recv_bytes[me]}")
+        return send_bytes, recv_bytes
 
     def _check_ints(self, values: Sequence[int]) -> List[int]:
         try:

@@ -278,3 +278,38 @@ def test_a_part_of_a_single_record_is_copied_to_an_aligned_address(monkeypatch):
     part = layout.part(records, layout.topk_off, 8 * 6, np.int64, (1, 6))
     assert part.ctypes.data % 8 == 0
     assert np.array_equal(part, topk)
+
+
+@pytest.mark.parametrize("worst, reads", [(0, 2), (64, 1)])
+def test_a_fresh_dispatch_with_one_rank_per_node_reads_the_device_once_per_host_decision(monkeypatch, worst, reads):
+    # The per-node counts (and the verdict on the ids) reach the host in one copy, the expert
+    # counts in another (none with num_worst_tokens); nothing else waits for the device: no
+    # nonzero, bincount or boolean mask, whose sizes CuPy reads back with a host sync.
+    use_host_arrays(monkeypatch)
+    numpy_as_cupy = internode._cupy()
+    syncs = []
+
+    class Counting(type(numpy_as_cupy)):
+        def asnumpy(self, a):
+            syncs.append("asnumpy")
+            return np.asarray(a)
+
+        def __getattr__(self, name):
+            if name in ("nonzero", "flatnonzero", "bincount", "unique", "argwhere"):
+                syncs.append(name)
+            return getattr(np, name)
+
+    counting = Counting()
+    monkeypatch.setattr(internode, "_cupy", lambda: counting)
+    inputs = make_inputs(11, 2, 8, 3, "bfloat16", drop=0.2)
+
+    def body(rank, path):
+        mine = inputs[rank]
+        topk = on_device(mine["topk"])
+        per_expert = path.get_dispatch_layout(topk, 8)[2]
+        path.dispatch(on_device(mine["x"]), num_tokens_per_expert=per_expert, topk_idx=topk,
+                      topk_weights=on_device(mine["weights"]), num_worst_tokens=worst)
+        return True
+
+    assert all(run_ranks(make_paths(2, 1), body))
+    assert all(s == "asnumpy" for s in syncs) and len(syncs) == 2 * reads

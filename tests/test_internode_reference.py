@@ -179,6 +179,7 @@ def test_traffic_counts_pairs_with_another_node_and_the_flat_pairs(num_nodes, L)
     t = iref.traffic(topks, E, R, L)
     epn, epr = E // num_nodes, E // R
     hier = flat = flat_all = 0
+    per_rank_flat_all = [0] * R
     for r in range(R):
         for tok in topks[r]:
             nodes = {e // epn for e in tok if e >= 0}
@@ -186,7 +187,9 @@ def test_traffic_counts_pairs_with_another_node_and_the_flat_pairs(num_nodes, L)
             hier += len(nodes - {r // L})
             flat += sum(1 for d in ranks if d // L != r // L)
             flat_all += len(ranks - {r})
+            per_rank_flat_all[r] += len(ranks - {r})
     assert (t["hierarchical"], t["flat"], t["flat_all_ranks"]) == (hier, flat, flat_all)
+    assert t["per_rank_flat_all_ranks"] == per_rank_flat_all
     got = iref.dispatch(xs, topks, E, L, 4)
     assert t["hierarchical"] == sum(sum(g["send_counts"]) - g["send_counts"][r // L] for r, g in enumerate(got))
     assert t["hierarchical"] <= t["flat"]

@@ -39,11 +39,9 @@ def traffic_rows(topk_idxs: Sequence[np.ndarray], num_experts: int, ranks_per_no
     rows of a flat all-to-all to every other rank (``flat_all_ranks``)."""
     from .. import internode_reference as iref
 
-    R = len(topk_idxs)
-    t = iref.traffic(topk_idxs, num_experts, R, ranks_per_node)
-    masks = [token_rank_mask(np.asarray(topk), num_experts, R) for topk in topk_idxs]
-    flat_all = [int(mask.sum() - mask[:, r].sum()) for r, mask in enumerate(masks)]
-    return {"hierarchical": t["per_rank_hierarchical"], "flat": t["per_rank_flat"], "flat_all_ranks": flat_all}
+    t = iref.traffic(topk_idxs, num_experts, len(topk_idxs), ranks_per_node)
+    return {"hierarchical": t["per_rank_hierarchical"], "flat": t["per_rank_flat"],
+            "flat_all_ranks": t["per_rank_flat_all_ranks"]}
 
 
 def format_internode_report(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
