@@ -208,6 +208,21 @@ def check_combine(combined, inputs, results, rank, what, ys=None):
 # Cases
 
 
+def checked_round_trip(ctx, inputs, arrays, mode, what):
+    """A plain dispatch and combine of this rank's device ``arrays`` (x, topk, weights, y) of
+    ``inputs`` in ``mode``, each output checked against the reference (``what`` names the checks)."""
+    x, topk, weights, y = arrays
+    results = reference(inputs, ctx.E, mode)
+    ctx.together()
+    out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, **FP8_MODES[mode])
+    ctx.synchronize()
+    check_dispatch(out, results[ctx.rank], mode, what)
+    ctx.together()
+    combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
+    ctx.synchronize()
+    check_combine(combined, inputs, results, ctx.rank, what)
+
+
 def dispatch_and_combine(ctx, mode, hook, seed):
     inputs = draw(seed, ctx.R, ctx.E)
     mine = inputs[ctx.rank]
@@ -232,17 +247,8 @@ def case_token_counts(ctx):
         counts = [max(1, n - 3 * r) for r in range(ctx.R)]
         for mode in ("bf16", "fp8"):
             inputs = draw(100 + seed, ctx.R, ctx.E, counts)
-            mine = inputs[ctx.rank]
-            x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
-            results = reference(inputs, ctx.E, mode)
-            ctx.together()
-            out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, **FP8_MODES[mode])
-            ctx.synchronize()
-            check_dispatch(out, results[ctx.rank], mode, f"{n} tokens {mode}")
-            ctx.together()
-            combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
-            ctx.synchronize()
-            check_combine(combined, inputs, results, ctx.rank, f"{n} tokens {mode}")
+            arrays = tuple(to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights", "y"))
+            checked_round_trip(ctx, inputs, arrays, mode, f"{n} tokens {mode}")
 
 
 def case_two_in_flight(ctx):
@@ -308,18 +314,9 @@ def case_stats(ctx):
 
 def case_hidden_7168(ctx):
     inputs = draw(500, ctx.R, ctx.E, hidden=BIG_HIDDEN, num_topk=8 if ctx.E >= 8 else ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    arrays = tuple(to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights", "y"))
     for mode in ("fp8", "fp8_ue8m0"):
-        results = reference(inputs, ctx.E, mode)
-        ctx.together()
-        out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, **FP8_MODES[mode])
-        ctx.synchronize()
-        check_dispatch(out, results[ctx.rank], mode, f"hidden 7168 {mode}")
-        ctx.together()
-        combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
-        ctx.synchronize()
-        check_combine(combined, inputs, results, ctx.rank, f"hidden 7168 {mode}")
+        checked_round_trip(ctx, inputs, arrays, mode, f"hidden 7168 {mode}")
 
 
 def case_async_finish(ctx):
@@ -371,16 +368,7 @@ def case_bad_expert_id(ctx):
                                           f"{ctx.E})" not in raised[0]):
         raise Mismatch(f"rank {ctx.rank}: expected {int(ctx.rank == 0)} ValueError naming id {ctx.E}, got {raised}")
     ctx.synchronize()
-    results = reference(fixed, ctx.E, "bf16")
-    topk = to_device(mine["topk"])
-    ctx.together()
-    out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, use_fp8=False)
-    ctx.synchronize()
-    check_dispatch(out, results[ctx.rank], "bf16", "after the refused id")
-    ctx.together()
-    combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
-    ctx.synchronize()
-    check_combine(combined, fixed, results, ctx.rank, "after the refused id")
+    checked_round_trip(ctx, fixed, (x, to_device(mine["topk"]), weights, y), "bf16", "after the refused id")
 
 
 def case_lone_call_times_out(ctx):
