@@ -30,6 +30,7 @@ import traceback
 
 import numpy as np
 from gpu_worker import Mismatch, expect_equal, to_numpy
+from local_gpu_worker import RankBuffer
 
 M, H, K = 128, 1024, 4
 EXPERTS_PER_RANK = 4
@@ -527,34 +528,24 @@ def rank_main(group, names):
                          allow_nvlink_for_low_latency_mode=True, timeout_s=TIMEOUT_S)
 
     failures = 0
-    buf = new_buffer()
-    try:
-        with torch_stream_context():
-            for name in names:
-                group.barrier()
-                start = time.time()
-                skipped = None
-                try:
-                    run_case(Ctx(group, buf, sharing), name)
-                    ok, error = True, None
-                except Skip as exc:
-                    ok, error, skipped = True, None, str(exc)
-                except Exception as exc:  # report, then go on with the next case
-                    ok, error = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-                    failures += 1
-                all_ok = all(group.allgather(ok))
-                emit("RESULT", {"case": name, "rank": group.rank, "size": R, "ok": ok, "all_ok": all_ok,
-                                "error": error, "skipped": skipped, "seconds": round(time.time() - start, 3),
-                                "in_process": bool(group.in_process)})
-                if not all_ok:
-                    buf.destroy()
-                    buf = new_buffer()
-    except BaseException as exc:
-        if hasattr(group, "abort"):
-            group.abort(f"failed: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        buf.destroy()
+    with RankBuffer(group, new_buffer) as rank_buf, torch_stream_context():
+        for name in names:
+            group.barrier()
+            start = time.time()
+            skipped = None
+            try:
+                run_case(Ctx(group, rank_buf.buf, sharing), name)
+                ok, error = True, None
+            except Skip as exc:
+                ok, error, skipped = True, None, str(exc)
+            except Exception as exc:  # report, then go on with the next case
+                ok, error = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                failures += 1
+            all_ok = all(group.allgather(ok))
+            emit("RESULT", {"case": name, "rank": group.rank, "size": R, "ok": ok, "all_ok": all_ok,
+                            "error": error, "skipped": skipped, "seconds": round(time.time() - start, 3),
+                            "in_process": bool(group.in_process)})
+            rank_buf.renew_unless(all_ok)
     return failures
 
 

@@ -42,7 +42,7 @@ import time
 import traceback
 
 import gpu_worker  # run as a script: its folder is on sys.path
-from local_gpu_worker import SharedReference, emit
+from local_gpu_worker import RankBuffer, SharedReference, emit
 from random_cases import DEFAULT_GPUS, DEFAULT_SM_COUNT, describe_case, nvl_bytes_needed, random_cases, ranks_per_gpu
 
 from deepep_cupy.gpu_check import exit_unless_gpu
@@ -204,8 +204,7 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
             buf._ctx.exchange_in_transfer = True
         return buf
 
-    buf = new_buffer()
-    try:
+    with RankBuffer(group, new_buffer) as rank_buf:
         warm_combine_kernels(group.size)
         for case in cases:
             group.barrier()  # nobody uses the previous case's reference any more
@@ -214,22 +213,14 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
                 watchdog.start({"seed": case["seed"], "case": describe_case(case)})
             group.barrier()  # start together: see local_gpu_worker.rank_main
             start = time.monotonic()
-            outcome = run_case(buf, case)
+            outcome = run_case(rank_buf.buf, case)
             outcomes = group.allgather(outcome)
             if rank == 0:
                 watchdog.end()
                 record = case_record(case, outcomes, time.monotonic() - start, args)
                 reported.append(record)
                 report(record, args)
-            if not all(ok for ok, _ in outcomes):
-                buf.destroy()  # a kernel may have timed out: such a Buffer is not usable
-                buf = new_buffer()
-    except BaseException as exc:
-        # Release the other ranks before this one's clean-up (destroy ends with a barrier).
-        group.abort(f"failed: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        buf.destroy()
+            rank_buf.renew_unless(all(ok for ok, _ in outcomes))
 
 
 def run_rank_count(num_ranks, cases, num_gpus, args, shared, watchdog):
