@@ -47,7 +47,7 @@ from random_cases import DEFAULT_GPUS, DEFAULT_SM_COUNT, describe_case, nvl_byte
 
 from deepep_cupy.gpu_check import exit_unless_gpu
 
-#: Seconds the kernels of a case may wait for a peer (the Buffer's timeout_s).
+#: Seconds the kernels may wait for a peer (the Buffer's timeout_s), here and in sequence_soak.py.
 DEFAULT_TIMEOUT_S = 20.0
 
 
@@ -55,13 +55,29 @@ DEFAULT_TIMEOUT_S = 20.0
 # Arguments
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=1000, help="how many cases (default 1000)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first case (default 0)")
+def add_run_options(parser, item):
+    """The options both in-process soaks take (this one and sequence_soak.py): ``--seed`` of the
+    first ``item`` ("case", "sequence"), ``--gpus``, ``--timeout``."""
+    parser.add_argument("--seed", type=int, default=0, help=f"seed of the first {item} (default 0)")
     parser.add_argument("--gpus", type=int, default=None, help="use GPUs 0..G-1 (default: all visible)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"Buffer timeout_s: kernel and host waits, seconds (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def check_run_options(parser, args):
+    """Refuse (``parser.error``) values of :func:`add_run_options`' options that no run can use."""
+    if args.seed < 0:
+        parser.error(f"--seed: expected a non-negative seed, got {args.seed}")
+    if args.gpus is not None and args.gpus < 1:
+        parser.error(f"--gpus: expected at least 1, got {args.gpus}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=1000, help="how many cases (default 1000)")
+    add_run_options(parser, "case")
     parser.add_argument("--case-deadline", type=float, default=None,
                         help="seconds after which a case counts as hung (default 3 x timeout + 30)")
     parser.add_argument("--records", action="store_true", help="print a CASE record for every case")
@@ -73,12 +89,7 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.cases < 1:
         parser.error(f"--cases: expected at least 1, got {args.cases}")
-    if args.seed < 0:
-        parser.error(f"--seed: expected a non-negative seed, got {args.seed}")
-    if args.gpus is not None and args.gpus < 1:
-        parser.error(f"--gpus: expected at least 1, got {args.gpus}")
-    if not args.timeout > 0:
-        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+    check_run_options(parser, args)
     if args.case_deadline is None:
         args.case_deadline = 3 * args.timeout + 30
     return args

@@ -58,7 +58,14 @@ from memory_bounds import (
     output_row_bytes,
     peak_limit,
 )
-from random_soak import Watchdog, by_rank_count, run_local_batch, warm_combine_kernels
+from random_soak import (
+    Watchdog,
+    add_run_options,
+    by_rank_count,
+    check_run_options,
+    run_local_batch,
+    warm_combine_kernels,
+)
 from sequence_cases import (
     DEFAULT_GPUS,
     DEFAULT_SM_COUNT,
@@ -71,8 +78,6 @@ from sequence_cases import (
     step_inputs,
 )
 
-#: Seconds the kernels may wait for a peer (the Buffer's timeout_s).
-DEFAULT_TIMEOUT_S = 20.0
 #: Seconds a step may take before its sequence counts as hung (on top of 3 timeouts + 30 s).
 STEP_ALLOWANCE_S = 4.0
 #: Exact outputs smaller than this are left out of the worst peak ratio (allocator rounding).
@@ -88,10 +93,7 @@ def parse_args(argv):
     parser.add_argument("--sequences", type=int, default=200, help="how many sequences (default 200)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help=f"steps per sequence (default {DEFAULT_STEPS})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first sequence (default 0)")
-    parser.add_argument("--gpus", type=int, default=None, help="use GPUs 0..G-1 (default: all visible)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help=f"Buffer timeout_s: kernel and host waits, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    add_run_options(parser, "sequence")
     parser.add_argument("--sequence-deadline", type=float, default=None,
                         help=f"seconds after which a sequence counts as hung (default 3 x timeout + 30 + "
                              f"{STEP_ALLOWANCE_S:g} per step)")
@@ -103,12 +105,7 @@ def parse_args(argv):
         parser.error(f"--sequences: expected at least 1, got {args.sequences}")
     if args.steps < 1:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
-    if args.seed < 0:
-        parser.error(f"--seed: expected a non-negative seed, got {args.seed}")
-    if args.gpus is not None and args.gpus < 1:
-        parser.error(f"--gpus: expected at least 1, got {args.gpus}")
-    if not args.timeout > 0:
-        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+    check_run_options(parser, args)
     if args.sequence_deadline is None:
         args.sequence_deadline = 3 * args.timeout + 30 + STEP_ALLOWANCE_S * args.steps
     return args
