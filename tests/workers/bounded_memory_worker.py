@@ -204,7 +204,7 @@ def step_record(mode, group, step, ok, all_ok, error, seconds, device, info):
 def run_step(buf, group, step, config, nvl_bytes, shared, largest, same_device, leader):
     import cupy
     import torch
-    from gpu_worker import Mismatch, expect_equal, to_numpy
+    from gpu_worker import check_fresh_handle, expect_equal, to_numpy
     from memory_bounds import (
         TorchPeak,
         ahead_bound,
@@ -243,12 +243,7 @@ def run_step(buf, group, step, config, nvl_bytes, shared, largest, same_device, 
     expect_equal("recv_x", to_numpy(recv_x), want["recv_x"])
     expect_equal("recv_topk_idx", to_numpy(recv_topk), want["recv_topk_idx"])
     expect_equal("recv_topk_weights", to_numpy(recv_weights), want["recv_topk_weights"])
-    if per_expert_list != want["num_recv_tokens_per_expert_list"]:
-        raise Mismatch(f"num_recv_tokens_per_expert_list: {per_expert_list}, expected "
-                       f"{want['num_recv_tokens_per_expert_list']}")
-    for name, got, expected in zip(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
-                                    "recv_src_idx", "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
-        expect_equal(f"handle.{name}", to_numpy(got), expected)
+    check_fresh_handle(per_expert_list, handle, want)
 
     group.barrier()  # ranks sharing a GPU start each call together (local_gpu_worker.RecordingBuffer)
     combined_x, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_weights, config=config)
