@@ -299,6 +299,11 @@ def visible_gpus(args):
     """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence and
     exit status 2."""
     exit_unless_gpu("the random-case soak (tests/workers/random_soak.py)")
+    return gpus_to_use(args)
+
+
+def gpus_to_use(args):
+    """``(GPUs to use: --gpus or every visible one, the smallest SM count among them)``."""
     import cupy
 
     from deepep_cupy.sm_budget import sm_count_of

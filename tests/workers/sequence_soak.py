@@ -63,6 +63,7 @@ from random_soak import (
     add_run_options,
     by_rank_count,
     check_run_options,
+    gpus_to_use,
     run_local_batch,
     warm_combine_kernels,
 )
@@ -550,15 +551,7 @@ def list_sequences(args):
 
 def visible_gpus(args):
     """``(GPUs to use, the smallest SM count among them)``."""
-    import cupy
-
-    from deepep_cupy.sm_budget import sm_count_of
-
-    count = cupy.cuda.runtime.getDeviceCount()
-    gpus = args.gpus or count
-    if gpus > count:
-        raise SystemExit(f"--gpus {gpus}: {count} GPUs are visible")
-    return gpus, min(sm_count_of(d) for d in range(gpus))
+    return gpus_to_use(args)
 
 
 def make_meters(num_gpus):
