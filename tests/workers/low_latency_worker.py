@@ -209,6 +209,11 @@ def check_combine(combined, inputs, results, rank, what, ys=None):
 # Cases
 
 
+def rank_arrays(ctx, inputs):
+    """This rank's x, topk, weights and y of ``inputs``, on its device."""
+    return tuple(to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights", "y"))
+
+
 def checked_round_trip(ctx, inputs, arrays, mode, what):
     """A plain dispatch and combine of this rank's device ``arrays`` (x, topk, weights, y) of
     ``inputs`` in ``mode``, each output checked against the reference (``what`` names the checks)."""
@@ -226,8 +231,7 @@ def checked_round_trip(ctx, inputs, arrays, mode, what):
 
 def dispatch_and_combine(ctx, mode, hook, seed):
     inputs = draw(seed, ctx.R, ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    x, topk, weights, y = rank_arrays(ctx, inputs)
     results = reference(inputs, ctx.E, mode)
     ctx.together()
     out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, return_recv_hook=hook, **FP8_MODES[mode])
@@ -248,8 +252,7 @@ def case_token_counts(ctx):
         counts = [max(1, n - 3 * r) for r in range(ctx.R)]
         for mode in ("bf16", "fp8"):
             inputs = draw(100 + seed, ctx.R, ctx.E, counts)
-            arrays = tuple(to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights", "y"))
-            checked_round_trip(ctx, inputs, arrays, mode, f"{n} tokens {mode}")
+            checked_round_trip(ctx, inputs, rank_arrays(ctx, inputs), mode, f"{n} tokens {mode}")
 
 
 def case_two_in_flight(ctx):
@@ -279,15 +282,14 @@ def case_two_in_flight(ctx):
 
 def case_zero_copy(ctx):
     inputs = draw(300, ctx.R, ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    x, topk, weights, y = rank_arrays(ctx, inputs)
     results = reference(inputs, ctx.E, "bf16")
     ctx.together()
     out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, use_fp8=False)
     ctx.synchronize()
     area = ctx.buf.get_next_low_latency_combine_buffer(out[2])
     area[...] = y
-    decoy = to_device(np.zeros(mine["y"].shape, np.uint16))  # x of a zero-copy combine: only its shape counts
+    decoy = to_device(np.zeros(y.shape, np.uint16))  # x of a zero-copy combine: only its shape counts
     ctx.synchronize()
     ctx.together()
     combined = ctx.buf.low_latency_combine(decoy, topk, weights, out[2], zero_copy=True)[0]
@@ -315,15 +317,14 @@ def case_stats(ctx):
 
 def case_hidden_7168(ctx):
     inputs = draw(500, ctx.R, ctx.E, hidden=BIG_HIDDEN, num_topk=8 if ctx.E >= 8 else ctx.E)
-    arrays = tuple(to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights", "y"))
+    arrays = rank_arrays(ctx, inputs)
     for mode in ("fp8", "fp8_ue8m0"):
         checked_round_trip(ctx, inputs, arrays, mode, f"hidden 7168 {mode}")
 
 
 def case_async_finish(ctx):
     inputs = draw(600, ctx.R, ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    x, topk, weights, y = rank_arrays(ctx, inputs)
     results = reference(inputs, ctx.E, "fp8_round_scale")
     ctx.together()
     out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, async_finish=True, **FP8_MODES["fp8_round_scale"])
