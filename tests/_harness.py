@@ -138,6 +138,13 @@ def mpi_env(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     return merged
 
 
+def local_gpu_args() -> List[str]:
+    """``["--gpus", G]`` for an in-process worker or soak when ``DEEPEP_TEST_LOCAL_GPUS`` asks for
+    GPUs ``0..G-1`` (at most the visible ones); else none (every visible GPU)."""
+    wanted = int(os.environ.get("DEEPEP_TEST_LOCAL_GPUS") or 0)
+    return ["--gpus", str(min(wanted, gpu_count()))] if wanted else []
+
+
 def run_mpi(n: int, args: Sequence[str], timeout: float,
             env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n python args...`` and return its CompletedProcess (text, output captured).
