@@ -138,6 +138,13 @@ def mpi_env(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     return merged
 
 
+def local_gpu_args() -> List[str]:
+    """``["--gpus", G]`` for an in-process worker or soak when ``DEEPEP_TEST_LOCAL_GPUS`` asks for
+    GPUs ``0..G-1`` (at most the visible ones); else none (every visible GPU)."""
+    wanted = int(os.environ.get("DEEPEP_TEST_LOCAL_GPUS") or 0)
+    return ["--gpus", str(min(wanted, gpu_count()))] if wanted else []
+
+
 def run_mpi(n: int, args: Sequence[str], timeout: float,
             env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n python args...`` and return its CompletedProcess (text, output captured).
@@ -271,6 +278,37 @@ def import_or_skip(name: str, needed_for: str = "", allow_module_level: bool = F
     except ImportError as exc:
         skip_or_fail(f"{name} does not import ({type(exc).__name__}: {exc})"
                      + (f"; needed for {needed_for}" if needed_for else ""), allow_module_level)
+
+
+def gloo_records(rank_main, num_ranks: int, out_dir: Path, *args) -> List[dict]:
+    """Every rank's ``rank_main(rank, num_ranks, *args)`` (a JSON-able record), each rank a process
+    started the PyTorch way: ``torch.multiprocessing.spawn`` + ``init_process_group`` over a TCP
+    store, Gloo. ``rank_main`` must be a module-level function (the processes import it)."""
+    import torch
+
+    torch.multiprocessing.spawn(_gloo_rank, args=(rank_main, num_ranks, _free_port(), str(out_dir), args),
+                                nprocs=num_ranks, join=True)
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(num_ranks)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, rank_main, num_ranks: int, port: int, out_dir: str, args) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    try:
+        record = rank_main(rank, num_ranks, *args)
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(record, f)
 
 
 def worker_records(output: str, tag: str = "RESULT") -> List[dict]:

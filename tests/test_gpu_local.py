@@ -23,7 +23,7 @@ from _harness import (
     REPO_ROOT,
     WORKERS,
     describe,
-    gpu_count,
+    local_gpu_args,
     mpi_env,
     records_by,
     run_mpi,
@@ -34,7 +34,6 @@ from _harness import (
 from workers.gpu_scenarios import NAMES
 
 RANK_COUNTS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8").split(",")]
-LOCAL_GPUS = int(os.environ["DEEPEP_TEST_LOCAL_GPUS"]) if os.environ.get("DEEPEP_TEST_LOCAL_GPUS") else None
 COMPARE_MPI = os.environ.get("DEEPEP_TEST_COMPARE_MPI", "1").strip() not in ("0", "false", "no")
 WORKER = WORKERS / "local_gpu_worker.py"
 EXAMPLE = REPO_ROOT / "examples" / "in_process_dispatch_combine.py"
@@ -50,10 +49,6 @@ def by_scenario(run):
     return records_by(run.stdout, "scenario")
 
 
-def gpu_args():
-    return ["--gpus", str(min(LOCAL_GPUS, gpu_count()))] if LOCAL_GPUS else []
-
-
 @pytest.fixture(scope="module")
 def local_runs():
     """num_ranks -> CompletedProcess of one in-process worker run (all scenarios), made on first use."""
@@ -61,7 +56,7 @@ def local_runs():
 
     def get(num_ranks):
         if num_ranks not in cache:
-            cache[num_ranks] = run_worker(["--ranks", num_ranks, *gpu_args()])
+            cache[num_ranks] = run_worker(["--ranks", num_ranks, *local_gpu_args()])
         return cache[num_ranks]
 
     return get
@@ -85,7 +80,7 @@ def test_in_process_matches_reference(local_runs, num_ranks, scenario):
 def test_a_fresh_dispatch_in_one_launch_matches_reference():
     # The path of ranks with processes of their own (with rows in place, the count exchange in
     # the transfer kernel), taken here by in-process ranks.
-    run = run_worker(["--ranks", "2", "--exchange-in-transfer", *gpu_args()])
+    run = run_worker(["--ranks", "2", "--exchange-in-transfer", *local_gpu_args()])
     assert run.returncode == 0, describe(run)
     results = by_scenario(run)
     assert set(results) == set(NAMES), describe(run)
@@ -153,7 +148,8 @@ def test_in_process_gives_the_same_results_as_mpi(local_runs, num_ranks):
 @pytest.mark.gpu(1)
 def test_a_failing_rank_ends_the_in_process_job():
     """Rank 1 raises while the others wait for it in their kernels: the job reports rank 1, no hang."""
-    run = run_worker(["--ranks", 3, *gpu_args(), "--inject-failure", 1, "--timeout", 10, "bf16_basic"], timeout=180)
+    run = run_worker(["--ranks", 3, *local_gpu_args(), "--inject-failure", 1, "--timeout", 10, "bf16_basic"],
+                     timeout=180)
     assert run.returncode == 1, describe(run)
     errors = worker_records(run.stdout, "ERROR")
     assert len(errors) == 1, describe(run)

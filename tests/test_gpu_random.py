@@ -9,10 +9,8 @@ hang pytest. The 1000-case soak is ``make soak`` (README, "Set-up and commands")
 Environment: ``DEEPEP_TEST_LOCAL_GPUS`` (as for test_gpu_local.py): use only GPUs ``0..G-1``.
 """
 
-import os
-
 import pytest
-from _harness import WORKERS, describe, gpu_count, run_python, worker_records
+from _harness import WORKERS, describe, local_gpu_args, run_python, worker_records
 from workers.random_cases import GPU_TEST_SEEDS
 
 SOAK = WORKERS / "random_soak.py"
@@ -20,15 +18,10 @@ SOAK = WORKERS / "random_soak.py"
 TIMEOUT_S = 600
 
 
-def gpu_args():
-    wanted = os.environ.get("DEEPEP_TEST_LOCAL_GPUS")
-    return ["--gpus", str(min(int(wanted), gpu_count()))] if wanted else []
-
-
 @pytest.fixture(scope="module")
 def soak_run():
     first, count = GPU_TEST_SEEDS[0], len(GPU_TEST_SEEDS)
-    run = run_python([SOAK, "--seed", first, "--cases", count, "--records", *gpu_args()], timeout=TIMEOUT_S)
+    run = run_python([SOAK, "--seed", first, "--cases", count, "--records", *local_gpu_args()], timeout=TIMEOUT_S)
     return run, {record["seed"]: record for record in worker_records(run.stdout, "CASE")}
 
 

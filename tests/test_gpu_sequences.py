@@ -11,10 +11,8 @@ cannot hang pytest. 200 sequences are ``make soak`` (or ``make soak-sequences``)
 Environment: ``DEEPEP_TEST_LOCAL_GPUS`` (as for test_gpu_local.py): use only GPUs ``0..G-1``.
 """
 
-import os
-
 import pytest
-from _harness import WORKERS, describe, gpu_count, run_python, worker_records
+from _harness import WORKERS, describe, local_gpu_args, run_python, worker_records
 from workers.memory_bounds import peak_limit
 from workers.sequence_cases import GPU_TEST_SEQUENCES, GPU_TEST_STEPS
 
@@ -24,15 +22,10 @@ SEQUENCES, STEPS = GPU_TEST_SEQUENCES, GPU_TEST_STEPS
 TIMEOUT_S = 1200
 
 
-def gpu_args():
-    wanted = os.environ.get("DEEPEP_TEST_LOCAL_GPUS")
-    return ["--gpus", str(min(int(wanted), gpu_count()))] if wanted else []
-
-
 @pytest.fixture(scope="module")
 def soak_run():
     run = run_python([SOAK, "--seed", SEQUENCES[0], "--sequences", len(SEQUENCES), "--steps", STEPS, "--records",
-                      *gpu_args()], timeout=TIMEOUT_S)
+                      *local_gpu_args()], timeout=TIMEOUT_S)
     sequences = {record["seed"]: record for record in worker_records(run.stdout, "SEQUENCE")}
     return run, sequences, worker_records(run.stdout, "STEP")
 

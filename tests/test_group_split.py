@@ -6,12 +6,10 @@ In-process groups run here with pure-Python ranks; MPIGroup under mpiexec
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import pytest
-from _harness import WORKERS, describe, run_mpi, worker_records
+from _harness import WORKERS, describe, gloo_records, run_mpi, worker_records
 from transport_fakes import FakeComm
 
 from deepep_cupy.comm import MPIGroup, check_partition
@@ -200,48 +198,35 @@ def test_mpi_group_splits_into_nodes_and_rails(n):
 # TorchGroup (Gloo, two or four spawned processes)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torch_rank_main(rank: int, size: int, port: int, out_dir: str) -> None:
+def _torch_rank_main(rank: int, size: int) -> dict:
     import torch.distributed as dist
 
     from deepep_cupy.comm import TorchGroup, as_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    world = as_group(dist.group.WORLD)
+    rails = world.split([list(range(local, size, 2)) for local in range(2)])
+    record = {"rail": [rails.rank, rails.size, rails.allgather(rank)],
+              "rail_global": [rails.global_rank(i) for i in range(rails.size)]}
+    # A group that is not the world: split it among its own ranks only.
+    evens = dist.new_group([0, 2])
+    if rank in (0, 2):
+        halves = TorchGroup(evens).split([[0], [1]])
+        record["evens"] = [halves.rank, halves.size, halves.allgather(rank)]
+        halves.free()
     try:
-        world = as_group(dist.group.WORLD)
-        rails = world.split([list(range(local, size, 2)) for local in range(2)])
-        record = {"rail": [rails.rank, rails.size, rails.allgather(rank)],
-                  "rail_global": [rails.global_rank(i) for i in range(rails.size)]}
-        # A group that is not the world: split it among its own ranks only.
-        evens = dist.new_group([0, 2])
-        if rank in (0, 2):
-            halves = TorchGroup(evens).split([[0], [1]])
-            record["evens"] = [halves.rank, halves.size, halves.allgather(rank)]
-            halves.free()
-        try:
-            world.split([[1, 0], [2, 3]])
-        except ValueError as exc:
-            record["descending"] = str(exc)
-        rails.free()
-        world.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(record, f)
+        world.split([[1, 0], [2, 3]])
+    except ValueError as exc:
+        record["descending"] = str(exc)
+    rails.free()
+    world.barrier()
+    return record
 
 
 @pytest.fixture(scope="module")
 def torch_records(tmp_path_factory):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("torch.distributed")
-    out_dir = tmp_path_factory.mktemp("torch_split")
-    torch.multiprocessing.spawn(_torch_rank_main, args=(4, _free_port(), str(out_dir)), nprocs=4, join=True)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
+    return gloo_records(_torch_rank_main, 4, tmp_path_factory.mktemp("torch_split"))
 
 
 def test_a_torch_group_splits_into_rails(torch_records):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from host_fakes import on_device
 from internode_fakes import make_paths, run_ranks, use_host_arrays
+from workers.gpu_worker import draw_rows
 
 from deepep_cupy import internode
 from deepep_cupy import internode_reference as iref
@@ -26,15 +27,7 @@ def make_inputs(seed, R, E, K, dtype, *, counts=None, drop=0.0, only_node=None, 
             topk = only_node * epn + ref.random_routing(rng, n, epn, min(K, epn))
         else:
             topk = ref.random_routing(rng, n, E, K, drop_fraction=drop)
-        scales = None
-        if dtype == "float8_e4m3fn":
-            x, scales = ref.fp8_e4m3_scaled_random(rng, n, 128 * 2)
-        elif dtype == "bfloat16":
-            x = ref.float32_to_bfloat16_bits(rng.standard_normal((n, H), dtype=np.float32))
-        elif dtype == "float16":
-            x = rng.standard_normal((n, H), dtype=np.float32).astype(np.float16)
-        else:
-            x = rng.standard_normal((n, H), dtype=np.float32)
+        x, scales = draw_rows(rng, n, 128 * 2 if dtype == "float8_e4m3fn" else H, dtype)
         inputs.append(dict(x=x, scales=scales, topk=topk, weights=rng.random(topk.shape, dtype=np.float32) + 0.5))
     return inputs
 

@@ -1,11 +1,8 @@
 """A torch.distributed ProcessGroup as a Buffer's group, on the CPU: two processes started the
 PyTorch way (``torch.multiprocessing.spawn`` + ``init_process_group`` over a TCP store, Gloo)."""
 
-import json
-import socket
-
 import pytest
-from _harness import import_or_skip
+from _harness import gloo_records, import_or_skip
 
 torch = import_or_skip("torch", "the PyTorch tests (the torch extra)", allow_module_level=True)
 dist = import_or_skip("torch.distributed", "the PyTorch tests (the torch extra)", allow_module_level=True)
@@ -13,39 +10,26 @@ dist = import_or_skip("torch.distributed", "the PyTorch tests (the torch extra)"
 NUM_RANKS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, num_ranks: int) -> dict:
     from deepep_cupy.comm import TorchGroup, as_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_RANKS)
-    try:
-        world = as_group(dist.group.WORLD)
-        sub = TorchGroup(dist.new_group([0, 1]))
-        record = {
-            "type": type(world).__name__,
-            "rank": world.rank, "size": world.size,
-            "gathered": world.allgather({"rank": rank, "bus": f"gpu-{rank}"}),
-            "sub": [sub.rank, sub.size, sub.allgather(rank * 10)],
-            "is_group": world.process_group is dist.group.WORLD,
-        }
-        world.barrier()
-        sub.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(record, f)
+    world = as_group(dist.group.WORLD)
+    sub = TorchGroup(dist.new_group([0, 1]))
+    record = {
+        "type": type(world).__name__,
+        "rank": world.rank, "size": world.size,
+        "gathered": world.allgather({"rank": rank, "bus": f"gpu-{rank}"}),
+        "sub": [sub.rank, sub.size, sub.allgather(rank * 10)],
+        "is_group": world.process_group is dist.group.WORLD,
+    }
+    world.barrier()
+    sub.barrier()
+    return record
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("torch_group")
-    torch.multiprocessing.spawn(_rank_main, args=(_free_port(), str(out_dir)), nprocs=NUM_RANKS, join=True)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(NUM_RANKS)]
+    return gloo_records(_rank_main, NUM_RANKS, tmp_path_factory.mktemp("torch_group"))
 
 
 def test_a_process_group_becomes_a_torch_group(records):

@@ -152,6 +152,7 @@ def torch_stream_context(device: int):
 def run_rank(group, mode: str, config, nvl_bytes: int, timeout_s: float, shared: SharedReferences):
     """Run every step on this rank; returns the number of steps that failed here."""
     import cupy
+    from local_gpu_worker import RankBuffer
 
     import deepep_cupy as ep
 
@@ -161,42 +162,35 @@ def run_rank(group, mode: str, config, nvl_bytes: int, timeout_s: float, shared:
     sharing = bool(getattr(group, "in_process", False))
     same_device = [r for r, d in enumerate(devices) if d == device] if sharing else [group.rank]
     leader = same_device[0] == group.rank
-    failures = 0
-    buf = ep.Buffer(group, nvl_bytes, timeout_s=timeout_s)
-    largest = 0  # the largest receive count of this Buffer's fresh dispatches so far
-    try:
-        with torch_stream_context(device):
-            for step in STEPS:
-                start = time.time()
-                info = {}
-                try:
-                    info = run_step(buf, group, step, config, nvl_bytes, shared, largest, same_device, leader)
-                    largest = max(largest, info["recv"])
-                    ok, error = info["rows_within_bound"] and info["peak_within_limit"], None
-                    if not ok:
-                        error = (f"allocated {info['rows_allocated']} rows (at most {info['allowed_rows']}), "
-                                 f"device peak {info['device_peak_bytes']} bytes (at most "
-                                 f"{info['peak_limit_bytes']})")
-                except Exception as exc:  # reported; the next step goes on
-                    import gpu_worker
+    def new_buffer():
+        return ep.Buffer(group, nvl_bytes, timeout_s=timeout_s)
 
-                    ok = False
-                    error = f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(buf)}\n{traceback.format_exc()}"
-                failures += not ok
-                all_ok = all(group.allgather(ok))
-                print("RESULT " + json.dumps(step_record(mode, group, step, ok, all_ok, error, time.time() - start,
-                                                         device, info)), flush=True)
-                shared.drop(step)  # every rank has it (the allgather above): no step uses it again
-                if not all_ok:
-                    buf.destroy()  # a kernel may have timed out: such a Buffer is not usable
-                    buf = ep.Buffer(group, nvl_bytes, timeout_s=timeout_s)
-                    largest = 0
-    except BaseException as exc:
-        if hasattr(group, "abort"):
-            group.abort(f"failed: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        buf.destroy()
+    failures = 0
+    largest = 0  # the largest receive count of this Buffer's fresh dispatches so far
+    with RankBuffer(group, new_buffer) as rank_buf, torch_stream_context(device):
+        for step in STEPS:
+            start = time.time()
+            info = {}
+            try:
+                info = run_step(rank_buf.buf, group, step, config, nvl_bytes, shared, largest, same_device, leader)
+                largest = max(largest, info["recv"])
+                ok, error = info["rows_within_bound"] and info["peak_within_limit"], None
+                if not ok:
+                    error = (f"allocated {info['rows_allocated']} rows (at most {info['allowed_rows']}), "
+                             f"device peak {info['device_peak_bytes']} bytes (at most "
+                             f"{info['peak_limit_bytes']})")
+            except Exception as exc:  # reported; the next step goes on
+                import gpu_worker
+
+                ok = False
+                error = f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(rank_buf.buf)}\n{traceback.format_exc()}"
+            failures += not ok
+            all_ok = all(group.allgather(ok))
+            print("RESULT " + json.dumps(step_record(mode, group, step, ok, all_ok, error, time.time() - start,
+                                                     device, info)), flush=True)
+            shared.drop(step)  # every rank has it (the allgather above): no step uses it again
+            if rank_buf.renew_unless(all_ok):
+                largest = 0
     return failures
 
 
@@ -210,7 +204,7 @@ def step_record(mode, group, step, ok, all_ok, error, seconds, device, info):
 def run_step(buf, group, step, config, nvl_bytes, shared, largest, same_device, leader):
     import cupy
     import torch
-    from gpu_worker import Mismatch, expect_equal, to_numpy
+    from gpu_worker import check_fresh_handle, expect_equal, to_numpy
     from memory_bounds import (
         TorchPeak,
         ahead_bound,
@@ -249,12 +243,7 @@ def run_step(buf, group, step, config, nvl_bytes, shared, largest, same_device, 
     expect_equal("recv_x", to_numpy(recv_x), want["recv_x"])
     expect_equal("recv_topk_idx", to_numpy(recv_topk), want["recv_topk_idx"])
     expect_equal("recv_topk_weights", to_numpy(recv_weights), want["recv_topk_weights"])
-    if per_expert_list != want["num_recv_tokens_per_expert_list"]:
-        raise Mismatch(f"num_recv_tokens_per_expert_list: {per_expert_list}, expected "
-                       f"{want['num_recv_tokens_per_expert_list']}")
-    for name, got, expected in zip(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
-                                    "recv_src_idx", "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
-        expect_equal(f"handle.{name}", to_numpy(got), expected)
+    check_fresh_handle(per_expert_list, handle, want)
 
     group.barrier()  # ranks sharing a GPU start each call together (local_gpu_worker.RecordingBuffer)
     combined_x, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_weights, config=config)

@@ -61,9 +61,11 @@ def main() -> dict:
     }
 
 
-if __name__ == "__main__":
+def report_or_abort(run):
+    """Print ``RESULT {json}`` of ``run()``; if it raises, print the traceback and abort the whole
+    job (so that no peer hangs in a collective waiting for this rank). The MPI workers' entry point."""
     try:
-        result = main()
+        result = run()
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -73,3 +75,7 @@ if __name__ == "__main__":
     # One write per line: the launcher interleaves the ranks' output at write boundaries.
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    report_or_abort(main)

@@ -124,6 +124,20 @@ def to_numpy(a):
     return cupy.asnumpy(a)
 
 
+def check_fresh_handle(per_expert_list, handle, want, call=""):
+    """A fresh dispatch's expert counts and handle against the reference's ``want`` (``call``, when
+    given, starts each message)."""
+    from deepep_cupy import reference as ref
+
+    prefix = f"{call}: " if call else ""
+    if per_expert_list != want["num_recv_tokens_per_expert_list"]:
+        raise Mismatch(f"{prefix}num_recv_tokens_per_expert_list: {per_expert_list}, expected "
+                       f"{want['num_recv_tokens_per_expert_list']}")
+    for name, got, expected in zip(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                                    "recv_src_idx", "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
+        expect_equal(f"{prefix}handle.{name}", to_numpy(got), expected)
+
+
 def check_expanded(out, want, num_local_experts, alignment):
     """A dispatch with expand=True against reference.expand of the reference's received rows."""
     from deepep_cupy import reference as ref
@@ -291,13 +305,7 @@ def _run_scenario(buf, sc):
                 assert recv_weights is None
         else:
             assert recv_topk is None and recv_weights is None
-        if per_expert_list != want["num_recv_tokens_per_expert_list"]:
-            raise Mismatch(f"{call}: num_recv_tokens_per_expert_list: {per_expert_list}, expected "
-                           f"{want['num_recv_tokens_per_expert_list']}")
-        for name, got, expected in zip(
-                ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
-                 "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
-            expect_equal(f"{call}: handle.{name}", to_numpy(got), expected)
+        check_fresh_handle(per_expert_list, handle, want, call)
 
     def check_allocation(call, expected):
         if buf.last_dispatch_allocation != expected:

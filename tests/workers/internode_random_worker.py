@@ -184,16 +184,21 @@ def run_case(buf, case):
     n = len(want["recv_x"])
     worst = ic.worst_rows([len(w["recv_x"]) for w in want_all]) if case["worst"] else 0
     rows = worst or n
+
+    def check_received_rows(what, received):
+        """``rows`` rows (and FP8 scales), the first ``n`` the reference's."""
+        got_x = received[0] if fp8 else received
+        if got_x.shape[0] != rows:
+            fail(f"{what}: {got_x.shape[0]} rows, expected {rows}")
+        check(what, to_numpy(got_x)[:n], want["recv_x"])
+        if fp8:
+            check(f"{what}_scales", to_numpy(received[1])[:n], want["recv_x_scales"])
+
     recv_x, recv_topk, recv_w, experts, handle, _ = call(
         buf.dispatch, x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
         expert_alignment=case["expert_alignment"], num_worst_tokens=worst, config=config)
-    got_x = recv_x[0] if fp8 else recv_x
-    if got_x.shape[0] != rows:
-        fail(f"recv_x: {got_x.shape[0]} rows, expected {rows}")
-    check("recv_x", to_numpy(got_x)[:n], want["recv_x"])
-    if fp8:
-        check("recv_x_scales", to_numpy(recv_x[1])[:n], want["recv_x_scales"])
+    check_received_rows("recv_x", recv_x)
     got_topk = to_numpy(recv_topk)
     check("recv_topk_idx", got_topk[:n], want["recv_topk_idx"])
     if not (got_topk[n:] == -1).all():
@@ -214,12 +219,7 @@ def run_case(buf, case):
         cached, none_topk, _, _, _, _ = call(buf.dispatch, x, handle=handle, config=config)
         if none_topk is not None:
             fail("cached dispatch returned top-k")
-        cached_x = cached[0] if fp8 else cached
-        if cached_x.shape[0] != rows:
-            fail(f"cached recv_x: {cached_x.shape[0]} rows, expected {rows}")
-        check("cached recv_x", to_numpy(cached_x)[:n], want["recv_x"])
-        if fp8:
-            check("cached recv_x_scales", to_numpy(cached[1])[:n], want["recv_x_scales"])
+        check_received_rows("cached recv_x", cached)
 
     # Combine
     if case["combine"]:

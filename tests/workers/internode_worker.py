@@ -14,9 +14,11 @@ import time
 import traceback
 
 import numpy as np
-from gpu_worker import Mismatch, device_array, expect_equal, to_numpy  # run as a script: its folder is on sys.path
+from gpu_worker import Mismatch, device_array, draw_rows, expect_equal, to_numpy  # a script: its folder on sys.path
 
 HIDDEN = 128
+#: FP8 rows: two 128-column scale blocks.
+FP8_HIDDEN = 256
 SCENARIOS = [
     dict(name="bf16", dtype="bfloat16"),
     dict(name="fp16", dtype="float16"),
@@ -47,15 +49,7 @@ def make_inputs(sc, R, num_nodes, E, K, seed):
             topk = sc["only_node"] * epn + ref.random_routing(rng, n, epn, min(K, epn))
         else:
             topk = ref.random_routing(rng, n, E, K, drop_fraction=sc.get("drop", 0.0))
-        scales = None
-        if sc["dtype"] == "float8_e4m3fn":
-            x, scales = ref.fp8_e4m3_scaled_random(rng, n, 256)
-        elif sc["dtype"] == "bfloat16":
-            x = ref.float32_to_bfloat16_bits(rng.standard_normal((n, HIDDEN), dtype=np.float32))
-        elif sc["dtype"] == "float16":
-            x = rng.standard_normal((n, HIDDEN), dtype=np.float32).astype(np.float16)
-        else:
-            x = rng.standard_normal((n, HIDDEN), dtype=np.float32)
+        x, scales = draw_rows(rng, n, FP8_HIDDEN if sc["dtype"] == "float8_e4m3fn" else HIDDEN, sc["dtype"])
         inputs.append(dict(x=x, scales=scales, topk=topk, weights=rng.random(topk.shape, dtype=np.float32) + 0.5))
     return inputs
 

@@ -202,6 +202,37 @@ class SharedReference(Memo):
 # The per-rank loop (any Group: ThreadGroup in-process, MPIGroup under mpiexec)
 
 
+class RankBuffer:
+    """This rank's Buffer (``.buf``, made by ``make()``) through a run of cases: replaced after a
+    case that failed on any rank, destroyed at the end. As a context manager it releases the other
+    ranks (``group.abort``) before destroying the Buffer when the run raises: destroy ends with a
+    barrier they would wait in."""
+
+    def __init__(self, group, make):
+        self.group, self._make = group, make
+        self.buf = make()
+
+    def renew_unless(self, all_ok):
+        """A new Buffer unless ``all_ok`` (a kernel may have timed out: such a Buffer is not
+        usable); returns whether it made one."""
+        if all_ok:
+            return False
+        self.buf.destroy()
+        self.buf = self._make()
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        try:
+            if exc is not None and hasattr(self.group, "abort"):
+                self.group.abort(f"failed: {kind.__name__}: {exc}")
+        finally:
+            self.buf.destroy()
+        return False
+
+
 def rank_main(group, scenarios, args, shared=None):
     """Run ``scenarios`` on this rank; return the number of failed scenarios."""
     import cupy
@@ -221,9 +252,8 @@ def rank_main(group, scenarios, args, shared=None):
             buf._ctx.exchange_in_transfer = True
         return buf
 
-    buf = new_buffer()
     failures = 0
-    try:
+    with RankBuffer(group, new_buffer) as rank_buf:
         for index, sc in enumerate(scenarios):
             if shared is not None:
                 group.barrier()      # nobody uses the previous scenario's reference any more
@@ -238,13 +268,13 @@ def rank_main(group, scenarios, args, shared=None):
             if os.environ.get("DEEPEP_TEST_DUMP_AFTER") and rank == 0:
                 import faulthandler
                 faulthandler.dump_traceback_later(float(os.environ["DEEPEP_TEST_DUMP_AFTER"]), exit=False)
-            recorder = RecordingBuffer(buf, sharing_gpu=on_device > 1)
+            recorder = RecordingBuffer(rank_buf.buf, sharing_gpu=on_device > 1)
             try:
                 info = gpu_worker.run_scenario(recorder, sc)
                 info["call_hashes"] = recorder.call_hashes()
                 ok, error = True, None
             except Exception as exc:  # report and go on with the next scenario
-                error = f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(buf)}\n{traceback.format_exc()}"
+                error = f"{type(exc).__name__}: {exc}{gpu_worker.kernel_error(rank_buf.buf)}\n{traceback.format_exc()}"
                 ok, info = False, {}
                 failures += 1
             recorder = None
@@ -253,16 +283,7 @@ def rank_main(group, scenarios, args, shared=None):
                             "error": error, "seconds": round(time.time() - start, 3), "device": device,
                             "ranks_on_device": on_device, "num_sms": sc["num_sms"], "num_experts": sc["num_experts"],
                             "in_process": bool(group.in_process), **info})
-            if not all_ok:
-                buf.destroy()
-                buf = new_buffer()
-    except BaseException as exc:
-        # Release the other ranks before this one's clean-up (destroy ends with a barrier).
-        if hasattr(group, "abort"):
-            group.abort(f"failed: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        buf.destroy()
+            rank_buf.renew_unless(all_ok)
     return failures
 
 

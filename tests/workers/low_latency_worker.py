@@ -30,6 +30,7 @@ import traceback
 
 import numpy as np
 from gpu_worker import Mismatch, expect_equal, to_numpy
+from local_gpu_worker import RankBuffer
 
 M, H, K = 128, 1024, 4
 EXPERTS_PER_RANK = 4
@@ -208,10 +209,29 @@ def check_combine(combined, inputs, results, rank, what, ys=None):
 # Cases
 
 
+def rank_arrays(ctx, inputs):
+    """This rank's x, topk, weights and y of ``inputs``, on its device."""
+    return tuple(to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights", "y"))
+
+
+def checked_round_trip(ctx, inputs, arrays, mode, what):
+    """A plain dispatch and combine of this rank's device ``arrays`` (x, topk, weights, y) of
+    ``inputs`` in ``mode``, each output checked against the reference (``what`` names the checks)."""
+    x, topk, weights, y = arrays
+    results = reference(inputs, ctx.E, mode)
+    ctx.together()
+    out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, **FP8_MODES[mode])
+    ctx.synchronize()
+    check_dispatch(out, results[ctx.rank], mode, what)
+    ctx.together()
+    combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
+    ctx.synchronize()
+    check_combine(combined, inputs, results, ctx.rank, what)
+
+
 def dispatch_and_combine(ctx, mode, hook, seed):
     inputs = draw(seed, ctx.R, ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    x, topk, weights, y = rank_arrays(ctx, inputs)
     results = reference(inputs, ctx.E, mode)
     ctx.together()
     out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, return_recv_hook=hook, **FP8_MODES[mode])
@@ -232,17 +252,7 @@ def case_token_counts(ctx):
         counts = [max(1, n - 3 * r) for r in range(ctx.R)]
         for mode in ("bf16", "fp8"):
             inputs = draw(100 + seed, ctx.R, ctx.E, counts)
-            mine = inputs[ctx.rank]
-            x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
-            results = reference(inputs, ctx.E, mode)
-            ctx.together()
-            out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, **FP8_MODES[mode])
-            ctx.synchronize()
-            check_dispatch(out, results[ctx.rank], mode, f"{n} tokens {mode}")
-            ctx.together()
-            combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
-            ctx.synchronize()
-            check_combine(combined, inputs, results, ctx.rank, f"{n} tokens {mode}")
+            checked_round_trip(ctx, inputs, rank_arrays(ctx, inputs), mode, f"{n} tokens {mode}")
 
 
 def case_two_in_flight(ctx):
@@ -272,15 +282,14 @@ def case_two_in_flight(ctx):
 
 def case_zero_copy(ctx):
     inputs = draw(300, ctx.R, ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    x, topk, weights, y = rank_arrays(ctx, inputs)
     results = reference(inputs, ctx.E, "bf16")
     ctx.together()
     out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, use_fp8=False)
     ctx.synchronize()
     area = ctx.buf.get_next_low_latency_combine_buffer(out[2])
     area[...] = y
-    decoy = to_device(np.zeros(mine["y"].shape, np.uint16))  # x of a zero-copy combine: only its shape counts
+    decoy = to_device(np.zeros(y.shape, np.uint16))  # x of a zero-copy combine: only its shape counts
     ctx.synchronize()
     ctx.together()
     combined = ctx.buf.low_latency_combine(decoy, topk, weights, out[2], zero_copy=True)[0]
@@ -308,24 +317,14 @@ def case_stats(ctx):
 
 def case_hidden_7168(ctx):
     inputs = draw(500, ctx.R, ctx.E, hidden=BIG_HIDDEN, num_topk=8 if ctx.E >= 8 else ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    arrays = rank_arrays(ctx, inputs)
     for mode in ("fp8", "fp8_ue8m0"):
-        results = reference(inputs, ctx.E, mode)
-        ctx.together()
-        out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, **FP8_MODES[mode])
-        ctx.synchronize()
-        check_dispatch(out, results[ctx.rank], mode, f"hidden 7168 {mode}")
-        ctx.together()
-        combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
-        ctx.synchronize()
-        check_combine(combined, inputs, results, ctx.rank, f"hidden 7168 {mode}")
+        checked_round_trip(ctx, inputs, arrays, mode, f"hidden 7168 {mode}")
 
 
 def case_async_finish(ctx):
     inputs = draw(600, ctx.R, ctx.E)
-    mine = inputs[ctx.rank]
-    x, topk, weights, y = (to_device(mine[k]) for k in ("x", "topk", "weights", "y"))
+    x, topk, weights, y = rank_arrays(ctx, inputs)
     results = reference(inputs, ctx.E, "fp8_round_scale")
     ctx.together()
     out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, async_finish=True, **FP8_MODES["fp8_round_scale"])
@@ -371,16 +370,7 @@ def case_bad_expert_id(ctx):
                                           f"{ctx.E})" not in raised[0]):
         raise Mismatch(f"rank {ctx.rank}: expected {int(ctx.rank == 0)} ValueError naming id {ctx.E}, got {raised}")
     ctx.synchronize()
-    results = reference(fixed, ctx.E, "bf16")
-    topk = to_device(mine["topk"])
-    ctx.together()
-    out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, use_fp8=False)
-    ctx.synchronize()
-    check_dispatch(out, results[ctx.rank], "bf16", "after the refused id")
-    ctx.together()
-    combined = ctx.buf.low_latency_combine(y, topk, weights, out[2])[0]
-    ctx.synchronize()
-    check_combine(combined, fixed, results, ctx.rank, "after the refused id")
+    checked_round_trip(ctx, fixed, (x, to_device(mine["topk"]), weights, y), "bf16", "after the refused id")
 
 
 def case_lone_call_times_out(ctx):
@@ -539,34 +529,24 @@ def rank_main(group, names):
                          allow_nvlink_for_low_latency_mode=True, timeout_s=TIMEOUT_S)
 
     failures = 0
-    buf = new_buffer()
-    try:
-        with torch_stream_context():
-            for name in names:
-                group.barrier()
-                start = time.time()
-                skipped = None
-                try:
-                    run_case(Ctx(group, buf, sharing), name)
-                    ok, error = True, None
-                except Skip as exc:
-                    ok, error, skipped = True, None, str(exc)
-                except Exception as exc:  # report, then go on with the next case
-                    ok, error = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-                    failures += 1
-                all_ok = all(group.allgather(ok))
-                emit("RESULT", {"case": name, "rank": group.rank, "size": R, "ok": ok, "all_ok": all_ok,
-                                "error": error, "skipped": skipped, "seconds": round(time.time() - start, 3),
-                                "in_process": bool(group.in_process)})
-                if not all_ok:
-                    buf.destroy()
-                    buf = new_buffer()
-    except BaseException as exc:
-        if hasattr(group, "abort"):
-            group.abort(f"failed: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        buf.destroy()
+    with RankBuffer(group, new_buffer) as rank_buf, torch_stream_context():
+        for name in names:
+            group.barrier()
+            start = time.time()
+            skipped = None
+            try:
+                run_case(Ctx(group, rank_buf.buf, sharing), name)
+                ok, error = True, None
+            except Skip as exc:
+                ok, error, skipped = True, None, str(exc)
+            except Exception as exc:  # report, then go on with the next case
+                ok, error = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                failures += 1
+            all_ok = all(group.allgather(ok))
+            emit("RESULT", {"case": name, "rank": group.rank, "size": R, "ok": ok, "all_ok": all_ok,
+                            "error": error, "skipped": skipped, "seconds": round(time.time() - start, 3),
+                            "in_process": bool(group.in_process)})
+            rank_buf.renew_unless(all_ok)
     return failures
 
 

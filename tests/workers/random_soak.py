@@ -42,12 +42,12 @@ import time
 import traceback
 
 import gpu_worker  # run as a script: its folder is on sys.path
-from local_gpu_worker import SharedReference, emit
+from local_gpu_worker import RankBuffer, SharedReference, emit
 from random_cases import DEFAULT_GPUS, DEFAULT_SM_COUNT, describe_case, nvl_bytes_needed, random_cases, ranks_per_gpu
 
 from deepep_cupy.gpu_check import exit_unless_gpu
 
-#: Seconds the kernels of a case may wait for a peer (the Buffer's timeout_s).
+#: Seconds the kernels may wait for a peer (the Buffer's timeout_s), here and in sequence_soak.py.
 DEFAULT_TIMEOUT_S = 20.0
 
 
@@ -55,13 +55,29 @@ DEFAULT_TIMEOUT_S = 20.0
 # Arguments
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=1000, help="how many cases (default 1000)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first case (default 0)")
+def add_run_options(parser, item):
+    """The options both in-process soaks take (this one and sequence_soak.py): ``--seed`` of the
+    first ``item`` ("case", "sequence"), ``--gpus``, ``--timeout``."""
+    parser.add_argument("--seed", type=int, default=0, help=f"seed of the first {item} (default 0)")
     parser.add_argument("--gpus", type=int, default=None, help="use GPUs 0..G-1 (default: all visible)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"Buffer timeout_s: kernel and host waits, seconds (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def check_run_options(parser, args):
+    """Refuse (``parser.error``) values of :func:`add_run_options`' options that no run can use."""
+    if args.seed < 0:
+        parser.error(f"--seed: expected a non-negative seed, got {args.seed}")
+    if args.gpus is not None and args.gpus < 1:
+        parser.error(f"--gpus: expected at least 1, got {args.gpus}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=1000, help="how many cases (default 1000)")
+    add_run_options(parser, "case")
     parser.add_argument("--case-deadline", type=float, default=None,
                         help="seconds after which a case counts as hung (default 3 x timeout + 30)")
     parser.add_argument("--records", action="store_true", help="print a CASE record for every case")
@@ -73,12 +89,7 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.cases < 1:
         parser.error(f"--cases: expected at least 1, got {args.cases}")
-    if args.seed < 0:
-        parser.error(f"--seed: expected a non-negative seed, got {args.seed}")
-    if args.gpus is not None and args.gpus < 1:
-        parser.error(f"--gpus: expected at least 1, got {args.gpus}")
-    if not args.timeout > 0:
-        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+    check_run_options(parser, args)
     if args.case_deadline is None:
         args.case_deadline = 3 * args.timeout + 30
     return args
@@ -204,8 +215,7 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
             buf._ctx.exchange_in_transfer = True
         return buf
 
-    buf = new_buffer()
-    try:
+    with RankBuffer(group, new_buffer) as rank_buf:
         warm_combine_kernels(group.size)
         for case in cases:
             group.barrier()  # nobody uses the previous case's reference any more
@@ -214,22 +224,14 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
                 watchdog.start({"seed": case["seed"], "case": describe_case(case)})
             group.barrier()  # start together: see local_gpu_worker.rank_main
             start = time.monotonic()
-            outcome = run_case(buf, case)
+            outcome = run_case(rank_buf.buf, case)
             outcomes = group.allgather(outcome)
             if rank == 0:
                 watchdog.end()
                 record = case_record(case, outcomes, time.monotonic() - start, args)
                 reported.append(record)
                 report(record, args)
-            if not all(ok for ok, _ in outcomes):
-                buf.destroy()  # a kernel may have timed out: such a Buffer is not usable
-                buf = new_buffer()
-    except BaseException as exc:
-        # Release the other ranks before this one's clean-up (destroy ends with a barrier).
-        group.abort(f"failed: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        buf.destroy()
+            rank_buf.renew_unless(all(ok for ok, _ in outcomes))
 
 
 def run_rank_count(num_ranks, cases, num_gpus, args, shared, watchdog):
@@ -297,6 +299,11 @@ def visible_gpus(args):
     """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence and
     exit status 2."""
     exit_unless_gpu("the random-case soak (tests/workers/random_soak.py)")
+    return gpus_to_use(args)
+
+
+def gpus_to_use(args):
+    """``(GPUs to use: --gpus or every visible one, the smallest SM count among them)``."""
     import cupy
 
     from deepep_cupy.sm_budget import sm_count_of

@@ -58,7 +58,15 @@ from memory_bounds import (
     output_row_bytes,
     peak_limit,
 )
-from random_soak import Watchdog, by_rank_count, run_local_batch, warm_combine_kernels
+from random_soak import (
+    Watchdog,
+    add_run_options,
+    by_rank_count,
+    check_run_options,
+    gpus_to_use,
+    run_local_batch,
+    warm_combine_kernels,
+)
 from sequence_cases import (
     DEFAULT_GPUS,
     DEFAULT_SM_COUNT,
@@ -71,8 +79,6 @@ from sequence_cases import (
     step_inputs,
 )
 
-#: Seconds the kernels may wait for a peer (the Buffer's timeout_s).
-DEFAULT_TIMEOUT_S = 20.0
 #: Seconds a step may take before its sequence counts as hung (on top of 3 timeouts + 30 s).
 STEP_ALLOWANCE_S = 4.0
 #: Exact outputs smaller than this are left out of the worst peak ratio (allocator rounding).
@@ -88,10 +94,7 @@ def parse_args(argv):
     parser.add_argument("--sequences", type=int, default=200, help="how many sequences (default 200)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help=f"steps per sequence (default {DEFAULT_STEPS})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first sequence (default 0)")
-    parser.add_argument("--gpus", type=int, default=None, help="use GPUs 0..G-1 (default: all visible)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help=f"Buffer timeout_s: kernel and host waits, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    add_run_options(parser, "sequence")
     parser.add_argument("--sequence-deadline", type=float, default=None,
                         help=f"seconds after which a sequence counts as hung (default 3 x timeout + 30 + "
                              f"{STEP_ALLOWANCE_S:g} per step)")
@@ -103,12 +106,7 @@ def parse_args(argv):
         parser.error(f"--sequences: expected at least 1, got {args.sequences}")
     if args.steps < 1:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
-    if args.seed < 0:
-        parser.error(f"--seed: expected a non-negative seed, got {args.seed}")
-    if args.gpus is not None and args.gpus < 1:
-        parser.error(f"--gpus: expected at least 1, got {args.gpus}")
-    if not args.timeout > 0:
-        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+    check_run_options(parser, args)
     if args.sequence_deadline is None:
         args.sequence_deadline = 3 * args.timeout + 30 + STEP_ALLOWANCE_S * args.steps
     return args
@@ -270,8 +268,6 @@ def run_step(ctx, state, seq, step, memo):
 
 def check_dispatch(step, seq, work, state):
     """The dispatch's outputs against the reference (and, fresh, the handle and expert counts)."""
-    from deepep_cupy import reference as ref
-
     expect_equal, to_numpy, Mismatch = gpu_worker.expect_equal, gpu_worker.to_numpy, gpu_worker.Mismatch
     want, kind = work["want"], step["kind"]
     recv_x, recv_topk, recv_weights, per_expert_list, handle, _ = work["out"]
@@ -301,12 +297,7 @@ def check_dispatch(step, seq, work, state):
         raise Mismatch(f"{kind}: weights returned without topk_weights")
     if kind == "worst":
         return
-    if per_expert_list != want["num_recv_tokens_per_expert_list"]:
-        raise Mismatch(f"num_recv_tokens_per_expert_list: {per_expert_list}, expected "
-                       f"{want['num_recv_tokens_per_expert_list']}")
-    for name, got, expected in zip(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
-                                    "recv_src_idx", "is_token_in_rank", "send_head"), handle, ref.handle_of(want)):
-        expect_equal(f"handle.{name}", to_numpy(got), expected)
+    gpu_worker.check_fresh_handle(per_expert_list, handle, want)
     state.handle = handle
 
 
@@ -560,15 +551,7 @@ def list_sequences(args):
 
 def visible_gpus(args):
     """``(GPUs to use, the smallest SM count among them)``."""
-    import cupy
-
-    from deepep_cupy.sm_budget import sm_count_of
-
-    count = cupy.cuda.runtime.getDeviceCount()
-    gpus = args.gpus or count
-    if gpus > count:
-        raise SystemExit(f"--gpus {gpus}: {count} GPUs are visible")
-    return gpus, min(sm_count_of(d) for d in range(gpus))
+    return gpus_to_use(args)
 
 
 def make_meters(num_gpus):

@@ -1,9 +1,7 @@
 """MPI worker for tests/test_group_split.py: splits MPI.COMM_WORLD into nodes of two ranks, into
 rails (even and odd ranks) and into one part in reverse order, and prints ``RESULT {json}``."""
 
-import json
-import sys
-import traceback
+from comm_worker import report_or_abort  # run as a script: its folder is on sys.path
 
 
 def main() -> dict:
@@ -35,13 +33,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    report_or_abort(main)

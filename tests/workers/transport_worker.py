@@ -11,13 +11,12 @@ Modes (first argument):
 Every rank prints one ``RESULT {json}`` line; on an unexpected error it aborts the job.
 """
 
-import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
+from comm_worker import report_or_abort  # run as a script: its folder is on sys.path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -142,13 +141,4 @@ def run_timeout():
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "host"
-    try:
-        result = run_timeout() if mode == "timeout" else run_cases(mode)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    report_or_abort(lambda: run_timeout() if mode == "timeout" else run_cases(mode))
