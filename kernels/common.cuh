@@ -79,6 +79,12 @@ __device__ __forceinline__ int ld_acquire_sys(const int* p) {
     return v;
 }
 
+__device__ __forceinline__ int64_t_ ld_acquire_sys(const int64_t_* p) {
+    int64_t_ v;
+    asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ int ld_volatile(const int* p) {
     int v;
     asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -87,6 +93,10 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
 
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys(int64_t_* p, int64_t_ v) {
+    asm volatile("st.release.sys.global.s64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
@@ -221,6 +231,10 @@ __device__ __forceinline__ float ld_stream(const float* p) {
 __device__ __forceinline__ void st_stream(int4* p, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+__device__ __forceinline__ void st_stream(uint2* p, const uint2& v) {
+    asm volatile("st.global.L1::no_allocate.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y));
 }
 
 // One warp copies `n` 16-byte words. Each lane keeps kUnroll loads in flight before storing;
