@@ -30,7 +30,7 @@ every handle of the same sizes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 from . import tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK
@@ -164,24 +164,13 @@ class LowLatencyHandle(NamedTuple):
     num_experts: int
 
 
-@dataclasses.dataclass
-class _DispatchPlan:
-    layout: LowLatencyLayout
-    num_tokens_checked: Tuple[int, int]  # (x rows, topk rows) of the call that made the plan
-    num_topk: int
-    fp8_mode: int
-    send: Optional[KernelCall]     # the send half (return_recv_hook=True)
-    receive: Optional[KernelCall]  # the receive half (the hook)
-    both: Optional[KernelCall]
+class _Plan(NamedTuple):
+    """A checked kind of dispatch or combine: its layout and its kernel bound once per phase."""
 
-
-@dataclasses.dataclass
-class _CombinePlan:
     layout: LowLatencyLayout
-    num_topk: int
-    send: Optional[KernelCall]
-    receive: Optional[KernelCall]
-    both: Optional[KernelCall]
+    send: KernelCall     # the send half (return_recv_hook=True)
+    receive: KernelCall  # the receive half (the hook)
+    both: KernelCall
 
 
 class LowLatencyPath:
@@ -212,8 +201,8 @@ class LowLatencyPath:
         self._owner = owner
         self._shared = dict(buffer_ptrs=peer_table_ptr, num_ranks=num_ranks, rank=rank,
                             timeout_ns=int(timeout_s * 1e9), error_record=slots.device_ptr(0))
-        self._dispatch_plans: Dict[tuple, _DispatchPlan] = {}
-        self._combine_plans: Dict[tuple, _CombinePlan] = {}
+        self._dispatch_plans: Dict[tuple, _Plan] = {}
+        self._combine_plans: Dict[tuple, _Plan] = {}
         self._zero_copy_views: Dict[tuple, Any] = {}
 
     # -----------------------------------------------------------------------------------------
@@ -254,10 +243,23 @@ class LowLatencyPath:
         self._combine_plans.clear()
         self._zero_copy_views.clear()
 
-    def _bind(self, kernel: str, per_call: Tuple[str, ...], **fixed) -> KernelCall:
+    def _plan(self, kernel: str, layout: LowLatencyLayout, per_call: Tuple[str, ...], **fixed) -> _Plan:
+        """``kernel`` bound for each of its phases (send, receive, both) with the shared arguments
+        it names and ``fixed``."""
         names = {name for name, _ in parameter_struct(kernel)._fields_}
         shared = {name: value for name, value in self._shared.items() if name in names}
-        return KernelCall(kernel, grid=self.num_sms, per_call=per_call, **shared, **fixed)
+        return _Plan(layout, *(KernelCall(kernel, grid=self.num_sms, per_call=per_call, phases=phases, **shared,
+                                          **fixed) for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)))
+
+    def _keep(self, plans: Dict[tuple, _Plan], key: tuple, build: Callable[..., _Plan], *args) -> _Plan:
+        """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan
+        in ``plans`` (forgotten all at once past :data:`MAX_PLANS`)."""
+        with self._on_device:
+            plan = build(*args)
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+        return plan
 
     def _layout(self, num_max: Any, hidden: int, num_experts: Any) -> LowLatencyLayout:
         _check_positive_int(num_max, "num_max_dispatch_tokens_per_rank")
@@ -292,13 +294,9 @@ class LowLatencyPath:
                bool(round_scale), bool(use_ue8m0))
         plan = self._dispatch_plans.get(key)
         if plan is None:
-            with self._on_device:
-                plan = self._dispatch_plan(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                           use_fp8, round_scale, use_ue8m0)
-            if len(self._dispatch_plans) >= MAX_PLANS:
-                self._dispatch_plans.clear()
-            self._dispatch_plans[key] = plan
+            plan = self._keep(self._dispatch_plans, key, self._dispatch_plan, x, topk_idx,
+                              num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                              dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
         if num_tokens != topk_rows:
             raise ValueError(f"topk_idx: expected one row per token of x ({num_tokens}), got {topk_rows}")
         if num_tokens > num_max_dispatch_tokens_per_rank:
@@ -340,7 +338,7 @@ class LowLatencyPath:
         return ((recv_x, scales) if use_fp8 else recv_x), recv_count, handle, event, hook
 
     def _dispatch_plan(self, x, topk_idx, num_max, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
-                       use_ue8m0) -> _DispatchPlan:
+                       use_ue8m0) -> _Plan:
         info = describe(x, "x", self.device_id)
         check_array(info, "x", ("bfloat16",), 2)
         hidden = info.shape[1]
@@ -373,10 +371,7 @@ class LowLatencyPath:
         fixed = dict(num_topk=num_topk, hidden=hidden, num_max=num_max, num_experts=num_experts, fp8_mode=fp8_mode,
                      record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
                      half_bytes=layout.dispatch_half_bytes)
-        calls = {phases: self._bind("ll_dispatch_kernel", per_call, phases=phases, **fixed)
-                 for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)}
-        return _DispatchPlan(layout, (info.shape[0], topk.shape[0]), num_topk, fp8_mode, calls[_PHASE_SEND],
-                             calls[_PHASE_RECV], calls[_PHASE_BOTH])
+        return self._plan("ll_dispatch_kernel", layout, per_call, **fixed)
 
     def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays) -> Callable[[], None]:
         """The receive half of a call: launched on the caller's current stream when called (once)."""
@@ -419,11 +414,7 @@ class LowLatencyPath:
                handle.num_experts)
         plan = self._combine_plans.get(key)
         if plan is None:
-            with self._on_device:
-                plan = self._combine_plan(x, topk_idx, topk_weights, handle, out)
-            if len(self._combine_plans) >= MAX_PLANS:
-                self._combine_plans.clear()
-            self._combine_plans[key] = plan
+            plan = self._keep(self._combine_plans, key, self._combine_plan, x, topk_idx, topk_weights, handle, out)
         if weight_rows != num_tokens or (out is not None and out_rows != num_tokens):
             raise ValueError(f"topk_weights/out: expected {num_tokens} rows (those of topk_idx), got {weight_rows}"
                              + ("" if out is None else f" and {out_rows}"))
@@ -453,7 +444,7 @@ class LowLatencyPath:
         hook = self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None
         return out, event, hook
 
-    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _CombinePlan:
+    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _Plan:
         layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         info = describe(x, "x", self.device_id)
         check_array(info, "x", ("bfloat16",), 3, (layout.num_local_experts, layout.rows_per_expert, layout.hidden))
@@ -474,9 +465,7 @@ class LowLatencyPath:
         fixed = dict(num_topk=num_topk, hidden=layout.hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
                      num_experts=layout.num_experts, combine_off=layout.combine_offset,
                      half_bytes=layout.combine_half_bytes)
-        calls = {phases: self._bind("ll_combine_kernel", per_call, phases=phases, **fixed)
-                 for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)}
-        return _CombinePlan(layout, num_topk, calls[_PHASE_SEND], calls[_PHASE_RECV], calls[_PHASE_BOTH])
+        return self._plan("ll_combine_kernel", layout, per_call, **fixed)
 
     def next_combine_buffer(self, handle: LowLatencyHandle):
         """The zero-copy area as ``[L, R * M, hidden]`` BF16 of the handle's library: rows written there
