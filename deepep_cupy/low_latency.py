@@ -29,12 +29,14 @@ every handle of the same sizes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 from . import tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK
 from .launch import KernelCall, parameter_struct
+from .slots import ERROR_RECORD
 from .tensors import check_array, describe, read
 
 __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_latency_rdma_size_hint"]
@@ -46,6 +48,7 @@ MAX_PLANS = 256
 #: UE8M0 exponent bytes per int32 of the packed scales.
 UE8M0_PER_INT = 4
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 #: Equal data areas of the buffer: dispatch half 0 and 1, combine half 0 and 1, zero-copy rows.
@@ -200,7 +203,7 @@ class LowLatencyPath:
         self._on_device = on_device
         self._owner = owner
         self._shared = dict(buffer_ptrs=peer_table_ptr, num_ranks=num_ranks, rank=rank,
-                            timeout_ns=int(timeout_s * 1e9), error_record=slots.device_ptr(0))
+                            timeout_ns=int(timeout_s * 1e9), error_record=slots.device_ptr(ERROR_RECORD))
         self._dispatch_plans: Dict[tuple, _Plan] = {}
         self._combine_plans: Dict[tuple, _Plan] = {}
         self._zero_copy_views: Dict[tuple, Any] = {}
@@ -250,6 +253,11 @@ class LowLatencyPath:
         shared = {name: value for name, value in self._shared.items() if name in names}
         return _Plan(layout, *(KernelCall(kernel, grid=self.num_sms, per_call=per_call, phases=phases, **shared,
                                           **fixed) for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)))
+
+    def _allocating(self, lib, async_finish: bool):
+        """Where the call's outputs are allocated: for the communication stream when the call runs
+        there (``async_finish``), else for the caller's."""
+        return lib.allocating_on(self._order.stream, self.device_id) if async_finish else _NO_CONTEXT
 
     def _keep(self, plans: Dict[tuple, _Plan], key: tuple, build: Callable[..., _Plan], *args) -> _Plan:
         """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan
@@ -308,7 +316,7 @@ class LowLatencyPath:
             caller = lib.current_stream(dev)
             run_on = self._order.begin(caller, None, async_finish, self.rank)
             try:
-                with lib.allocating_on(self._order.stream, dev) if async_finish else _nothing():
+                with self._allocating(lib, async_finish):
                     recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
                     scales = None
                     if use_fp8 and use_ue8m0:
@@ -431,7 +439,7 @@ class LowLatencyPath:
             run_on = self._order.begin(caller, None, async_finish, self.rank)
             try:
                 if out is None:
-                    with lib.allocating_on(self._order.stream, dev) if async_finish else _nothing():
+                    with self._allocating(lib, async_finish):
                         out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
                 values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
                 (plan.send if return_recv_hook else plan.both).run(run_on, *values)
@@ -510,21 +518,6 @@ def clean_arguments(num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_expe
     _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
     _check_positive_int(hidden, "hidden")
     _check_positive_int(num_experts, "num_experts")
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NOTHING = _Nothing()
-
-
-def _nothing():
-    return _NOTHING
 
 
 def _capturing(stream_ptr: int) -> bool:
