@@ -418,8 +418,10 @@ class LowLatencyPath:
         _, topk_ptr, num_tokens, topk_key = read(topk_idx)
         _, weights_ptr, weight_rows, weights_key = read(topk_weights)
         _, out_ptr, out_rows, out_key = read(out)
-        key = (x_key, topk_key, weights_key, out_key, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-               handle.num_experts)
+        _, src_ptr, src_rows, src_key = read(handle.src_info)
+        _, range_ptr, range_rows, range_key = read(handle.layout_range)
+        key = (x_key, topk_key, weights_key, out_key, src_key, range_key, handle.num_max_dispatch_tokens_per_rank,
+               handle.hidden, handle.num_experts)
         plan = self._combine_plans.get(key)
         if plan is None:
             plan = self._keep(self._combine_plans, key, self._combine_plan, x, topk_idx, topk_weights, handle, out)
@@ -430,10 +432,11 @@ class LowLatencyPath:
             raise ValueError(f"topk_idx: {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{handle.num_max_dispatch_tokens_per_rank}")
         layout, dev = plan.layout, self.device_id
+        if src_rows != layout.num_local_experts or range_rows != layout.num_local_experts:
+            raise ValueError(f"handle: expected src_info and layout_range of {layout.num_local_experts} rows (one per "
+                             f"local expert), got {src_rows} and {range_rows}")
         if zero_copy:
             x_ptr = self.local_ptr + layout.zero_copy_offset
-        _, src_ptr, _, _ = read(handle.src_info)
-        _, range_ptr, _, _ = read(handle.layout_range)
         with self._on_device:
             caller = lib.current_stream(dev)
             run_on = self._order.begin(caller, None, async_finish, self.rank)

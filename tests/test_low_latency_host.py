@@ -267,6 +267,25 @@ def test_bad_combine_arguments_are_refused_before_any_launch(path, change, error
     assert len(path.log) == launches
 
 
+def test_a_handle_whose_arrays_differ_from_those_a_kept_plan_checked_is_refused(path):
+    # The handle's arrays are part of the kind of a combine: a handle of other shapes (another
+    # Buffer's, or a made-up one) with the same sizes is checked anew, not launched on a kept plan.
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    path.path.combine(recv_x, topk, weights, handle)
+    launches = len(path.log)
+    other = handle._replace(src_info=on_device(np.zeros((L, R * M + 1), np.int32)))
+    with pytest.raises(ValueError, match="handle.src_info: expected shape"):
+        path.path.combine(recv_x, topk, weights, other)
+    other = handle._replace(layout_range=on_device(np.zeros((L, R), np.int32)))
+    with pytest.raises(TypeError, match="handle.layout_range: expected dtype int64"):
+        path.path.combine(recv_x, topk, weights, other)
+    other = handle._replace(src_info=on_device(np.zeros((L + 1, R * M), np.int32)))
+    with pytest.raises(ValueError, match=f"handle: expected src_info and layout_range of {L} rows"):
+        path.path.combine(recv_x, topk, weights, other)
+    assert len(path.log) == launches
+
+
 # --- the Buffer's surface -----------------------------------------------------------------------
 
 def test_a_buffer_without_low_latency_mode_refuses_the_low_latency_calls(monkeypatch):
