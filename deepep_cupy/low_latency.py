@@ -482,11 +482,11 @@ class LowLatencyPath:
         """The zero-copy area as ``[L, R * M, hidden]`` BF16 of the handle's library: rows written there
         are what ``combine(..., zero_copy=True)`` sends (its ``x`` is then only checked for shape)."""
         _check_handle(handle)
-        layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         lib = tensors.lib_of(handle.src_info)
-        key = (lib, layout)
+        key = (lib, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         view = self._zero_copy_views.get(key)
         if view is None:
+            layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
             window = lib.window(self.local_ptr + layout.zero_copy_offset, layout.zero_copy_bytes, self.device_id,
                                 self._owner)
             view = lib.rows_in(window, layout.num_local_experts, (layout.rows_per_expert, layout.hidden), "bfloat16")

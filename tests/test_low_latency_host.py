@@ -246,6 +246,15 @@ def test_a_zero_copy_combine_sends_the_rows_written_into_the_next_combine_buffer
     assert path.log[-1][2]["x"] == area.ctypes.data
 
 
+def test_the_next_combine_buffer_is_one_view_for_every_handle_of_the_same_sizes(path):
+    x, topk, _ = inputs()
+    first = path.path.dispatch(x, topk, M, E, use_fp8=False)[2]
+    second = path.path.dispatch(x[:3], topk[:3], M, E, use_fp8=False)[2]
+    assert path.path.next_combine_buffer(first) is path.path.next_combine_buffer(second)
+    with pytest.raises(ValueError, match="num_experts: expected a multiple of the rank count"):
+        path.path.next_combine_buffer(first._replace(num_experts=E + 1))
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(use_logfmt=True), ValueError, "use_logfmt=True: LogFMT-compressed combine is not implemented"),
     (dict(handle=(1, 2, 3)), TypeError, "handle: expected the handle returned by low_latency_dispatch"),
