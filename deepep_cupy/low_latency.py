@@ -383,13 +383,13 @@ class LowLatencyPath:
 
     def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays) -> Callable[[], None]:
         """The receive half of a call: launched on the caller's current stream when called (once)."""
-        state = {"done": False}
         order, slots, dev = self._order, self._slots, self.device_id
+        pending = [arrays]  # the call's arrays, kept alive until the receive is issued; empty once the hook ran
 
         def hook() -> None:
-            if state["done"]:
+            if not pending:
                 raise RuntimeError("deepep_cupy: this receive hook was called already (each hook runs once)")
-            state["done"] = True
+            kept = pending.pop()
             with self._on_device:
                 stream = lib.current_stream(dev)
                 call.run(stream, *values)
@@ -398,9 +398,8 @@ class LowLatencyPath:
                     # kernels are over (see there).
                     _synchronize(stream)
                     slots.raise_if_failed()
-            del arrays_alive[:]
+            del kept
 
-        arrays_alive = list(arrays)  # kept until the receive is issued
         return hook
 
     # -----------------------------------------------------------------------------------------
