@@ -323,6 +323,25 @@ __device__ __forceinline__ void channel_task_range(int num_tokens, int num_chann
     end = min(begin + per_channel, num_tokens);
 }
 
+// Stream compaction in a block, on all its threads: the place of this thread's `hit` among the
+// block's hits in thread order (meaningful where `hit` holds), and their number in `total`.
+// `warp_counts`: kWarps shared ints, which the block may reuse after its next __syncthreads.
+template <int kWarps>
+__device__ __forceinline__ int block_hit_place(bool hit, int* warp_counts, int& total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned hits = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0)
+        warp_counts[warp] = __popc(hits);
+    __syncthreads();
+    int before = 0;
+    total = 0;
+    for (int w = 0; w < kWarps; ++w) {
+        before += w < warp ? warp_counts[w] : 0;
+        total += warp_counts[w];
+    }
+    return before + __popc(hits & ((1u << lane) - 1u));
+}
+
 __device__ __forceinline__ int warp_sum(int v) {
     #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)

@@ -196,17 +196,10 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
                 if (t < num_tokens)
                     for (int k = 0; k < num_topk; ++k)
                         routed |= topk_idx[(int64_t_)t * num_topk + k] == expert;
-                const unsigned ballot = __ballot_sync(0xffffffffu, routed);
-                if (lane == 0)
-                    warp_totals[warp] = __popc(ballot);
-                __syncthreads();
-                int before = 0, total = 0;
-                for (int w = 0; w < kLLWarps; ++w) {
-                    before += w < warp ? warp_totals[w] : 0;
-                    total += warp_totals[w];
-                }
+                int total;
+                const int place = block_hit_place<kLLWarps>(routed, warp_totals, total);
                 if (routed)
-                    tokens[before + __popc(ballot & ((1u << lane) - 1))] = t;
+                    tokens[place] = t;
                 __syncthreads();
                 for (int i = warp; i < total; i += kLLWarps)
                     write_record(region + (int64_t_)(sent + i) * record_bytes,
