@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from . import tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK
@@ -313,33 +313,23 @@ class LowLatencyPath:
         layout = plan.layout
         L, rows, hidden, dev = layout.num_local_experts, layout.rows_per_expert, layout.hidden, self.device_id
         with self._on_device:
-            caller = lib.current_stream(dev)
-            run_on = self._order.begin(caller, None, async_finish, self.rank)
-            try:
-                with self._allocating(lib, async_finish):
-                    recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
-                    scales = None
-                    if use_fp8 and use_ue8m0:
-                        scales = lib.empty((L, hidden // FP8_SCALE_BLOCK // UE8M0_PER_INT, rows), "int32", dev)
-                    elif use_fp8:
-                        scales = lib.empty((L, hidden // FP8_SCALE_BLOCK, rows), "float32", dev)
-                    recv_count = lib.empty((L,), "int32", dev)
-                    src_info = lib.empty((L, rows), "int32", dev)
-                    layout_range = lib.empty((L, self.num_ranks), "int64", dev)
-                values = (lib.pointer(recv_x), 0 if scales is None else lib.pointer(scales), lib.pointer(recv_count),
-                          lib.pointer(src_info), lib.pointer(layout_range), cum_ptr, wait_ptr, x_ptr, topk_ptr,
-                          num_tokens)
-                (plan.send if return_recv_hook else plan.both).run(run_on, *values)
-            except BaseException:
-                self._order.abandon(run_on)
-                raise
+            with self._allocating(lib, async_finish):
+                recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
+                scales = None
+                if use_fp8 and use_ue8m0:
+                    scales = lib.empty((L, hidden // FP8_SCALE_BLOCK // UE8M0_PER_INT, rows), "int32", dev)
+                elif use_fp8:
+                    scales = lib.empty((L, hidden // FP8_SCALE_BLOCK, rows), "float32", dev)
+                recv_count = lib.empty((L,), "int32", dev)
+                src_info = lib.empty((L, rows), "int32", dev)
+                layout_range = lib.empty((L, self.num_ranks), "int64", dev)
+            values = (lib.pointer(recv_x), 0 if scales is None else lib.pointer(scales), lib.pointer(recv_count),
+                      lib.pointer(src_info), lib.pointer(layout_range), cum_ptr, wait_ptr, x_ptr, topk_ptr, num_tokens)
             arrays = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, recv_x, scales,
                       recv_count, src_info, layout_range)
             arrays = tuple(a for a in arrays if a is not None)
             outputs = tuple(a for a in (recv_x, scales, recv_count, src_info, layout_range) if a is not None)
-            event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
-                                       self._slots.raise_if_failed)
-        hook = self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None
+            event, hook = self._launch(plan, lib, values, arrays, outputs, async_finish, return_recv_hook)
         if scales is not None:
             scales = scales.swapaxes(1, 2)  # [L, R * M, groups], column-major as DeepEP returns them
         handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -380,6 +370,21 @@ class LowLatencyPath:
                      record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
                      half_bytes=layout.dispatch_half_bytes)
         return self._plan("ll_dispatch_kernel", layout, per_call, **fixed)
+
+    def _launch(self, plan: _Plan, lib, values: Tuple[int, ...], arrays, outputs, async_finish: bool,
+                return_recv_hook: bool) -> Tuple[Any, Optional[Callable[[], None]]]:
+        """Launch the call (both phases, or with ``return_recv_hook`` the send), ordered as every call
+        of the Buffer (deepep_cupy/streams.py); its event and its hook (the receive) or None."""
+        caller = lib.current_stream(self.device_id)
+        run_on = self._order.begin(caller, None, async_finish, self.rank)
+        try:
+            (plan.send if return_recv_hook else plan.both).run(run_on, *values)
+        except BaseException:
+            self._order.abandon(run_on)
+            raise
+        event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
+                                   self._slots.raise_if_failed)
+        return event, (self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None)
 
     def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays) -> Callable[[], None]:
         """The receive half of a call: launched on the caller's current stream when called (once)."""
@@ -437,21 +442,12 @@ class LowLatencyPath:
         if zero_copy:
             x_ptr = self.local_ptr + layout.zero_copy_offset
         with self._on_device:
-            caller = lib.current_stream(dev)
-            run_on = self._order.begin(caller, None, async_finish, self.rank)
-            try:
-                if out is None:
-                    with self._allocating(lib, async_finish):
-                        out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
-                values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
-                (plan.send if return_recv_hook else plan.both).run(run_on, *values)
-            except BaseException:
-                self._order.abandon(run_on)
-                raise
+            if out is None:
+                with self._allocating(lib, async_finish):
+                    out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
+            values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
             arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
-            event = self._order.finish(caller, run_on, lib, async_finish, arrays, (out,), async_finish,
-                                       self._slots.raise_if_failed)
-        hook = self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None
+            event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook)
         return out, event, hook
 
     def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _Plan:
