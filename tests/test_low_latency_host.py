@@ -204,6 +204,29 @@ def test_a_bad_expert_id_the_kernel_reported_is_raised_by_the_next_call_which_th
     assert len(path.log) == 1
 
 
+def test_async_calls_run_on_the_communication_stream_and_their_events_keep_their_arrays(path):
+    x, topk, weights = inputs()
+    recv_x, _, handle, event, _ = path.path.dispatch(x, topk, M, E, use_fp8=False, async_finish=True)
+    combined, combine_event, _ = path.path.combine(recv_x, topk, weights, handle, async_finish=True)
+    assert [stream for _, stream, _ in path.log] == [path.path._order.ptr] * 2
+    assert event.event is not None and any(a is recv_x for a in event.extra_tensors)
+    assert combine_event.event is not None and any(a is combined for a in combine_event.extra_tensors)
+
+
+def test_a_call_whose_launch_fails_is_abandoned_on_its_stream_and_returns_no_hook(path, monkeypatch):
+    x, topk, _ = inputs()
+    abandoned = []
+    monkeypatch.setattr(path.path._order, "abandon", abandoned.append)
+
+    def fail(call, stream):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(launch, "launch", fail)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
+    assert abandoned == [path.lib.current_stream(0)] and path.lib.current_stream(0) != path.path._order.ptr
+
+
 def test_the_low_latency_stages_have_names():
     assert [KERNEL_STAGES[i] for i in (9, 10, 11, 12)] == [
         "low-latency dispatch send", "low-latency dispatch receive", "low-latency combine send",
