@@ -29,12 +29,14 @@ every handle of the same sizes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from . import tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK
 from .launch import KernelCall, parameter_struct
+from .slots import ERROR_RECORD
 from .tensors import check_array, describe, read
 
 __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_latency_rdma_size_hint"]
@@ -46,6 +48,7 @@ MAX_PLANS = 256
 #: UE8M0 exponent bytes per int32 of the packed scales.
 UE8M0_PER_INT = 4
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 #: Equal data areas of the buffer: dispatch half 0 and 1, combine half 0 and 1, zero-copy rows.
@@ -164,24 +167,13 @@ class LowLatencyHandle(NamedTuple):
     num_experts: int
 
 
-@dataclasses.dataclass
-class _DispatchPlan:
-    layout: LowLatencyLayout
-    num_tokens_checked: Tuple[int, int]  # (x rows, topk rows) of the call that made the plan
-    num_topk: int
-    fp8_mode: int
-    send: Optional[KernelCall]     # the send half (return_recv_hook=True)
-    receive: Optional[KernelCall]  # the receive half (the hook)
-    both: Optional[KernelCall]
+class _Plan(NamedTuple):
+    """A checked kind of dispatch or combine: its layout and its kernel bound once per phase."""
 
-
-@dataclasses.dataclass
-class _CombinePlan:
     layout: LowLatencyLayout
-    num_topk: int
-    send: Optional[KernelCall]
-    receive: Optional[KernelCall]
-    both: Optional[KernelCall]
+    send: KernelCall     # the send half (return_recv_hook=True)
+    receive: KernelCall  # the receive half (the hook)
+    both: KernelCall
 
 
 class LowLatencyPath:
@@ -211,9 +203,9 @@ class LowLatencyPath:
         self._on_device = on_device
         self._owner = owner
         self._shared = dict(buffer_ptrs=peer_table_ptr, num_ranks=num_ranks, rank=rank,
-                            timeout_ns=int(timeout_s * 1e9), error_record=slots.device_ptr(0))
-        self._dispatch_plans: Dict[tuple, _DispatchPlan] = {}
-        self._combine_plans: Dict[tuple, _CombinePlan] = {}
+                            timeout_ns=int(timeout_s * 1e9), error_record=slots.device_ptr(ERROR_RECORD))
+        self._dispatch_plans: Dict[tuple, _Plan] = {}
+        self._combine_plans: Dict[tuple, _Plan] = {}
         self._zero_copy_views: Dict[tuple, Any] = {}
 
     # -----------------------------------------------------------------------------------------
@@ -254,10 +246,28 @@ class LowLatencyPath:
         self._combine_plans.clear()
         self._zero_copy_views.clear()
 
-    def _bind(self, kernel: str, per_call: Tuple[str, ...], **fixed) -> KernelCall:
+    def _plan(self, kernel: str, layout: LowLatencyLayout, per_call: Tuple[str, ...], **fixed) -> _Plan:
+        """``kernel`` bound for each of its phases (send, receive, both) with the shared arguments
+        it names and ``fixed``."""
         names = {name for name, _ in parameter_struct(kernel)._fields_}
         shared = {name: value for name, value in self._shared.items() if name in names}
-        return KernelCall(kernel, grid=self.num_sms, per_call=per_call, **shared, **fixed)
+        return _Plan(layout, *(KernelCall(kernel, grid=self.num_sms, per_call=per_call, phases=phases, **shared,
+                                          **fixed) for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)))
+
+    def _allocating(self, lib, async_finish: bool):
+        """Where the call's outputs are allocated: for the communication stream when the call runs
+        there (``async_finish``), else for the caller's."""
+        return lib.allocating_on(self._order.stream, self.device_id) if async_finish else _NO_CONTEXT
+
+    def _keep(self, plans: Dict[tuple, _Plan], key: tuple, build: Callable[..., _Plan], *args) -> _Plan:
+        """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan
+        in ``plans`` (forgotten all at once past :data:`MAX_PLANS`)."""
+        with self._on_device:
+            plan = build(*args)
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+        return plan
 
     def _layout(self, num_max: Any, hidden: int, num_experts: Any) -> LowLatencyLayout:
         _check_positive_int(num_max, "num_max_dispatch_tokens_per_rank")
@@ -292,13 +302,9 @@ class LowLatencyPath:
                bool(round_scale), bool(use_ue8m0))
         plan = self._dispatch_plans.get(key)
         if plan is None:
-            with self._on_device:
-                plan = self._dispatch_plan(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                           use_fp8, round_scale, use_ue8m0)
-            if len(self._dispatch_plans) >= MAX_PLANS:
-                self._dispatch_plans.clear()
-            self._dispatch_plans[key] = plan
+            plan = self._keep(self._dispatch_plans, key, self._dispatch_plan, x, topk_idx,
+                              num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                              dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
         if num_tokens != topk_rows:
             raise ValueError(f"topk_idx: expected one row per token of x ({num_tokens}), got {topk_rows}")
         if num_tokens > num_max_dispatch_tokens_per_rank:
@@ -307,40 +313,30 @@ class LowLatencyPath:
         layout = plan.layout
         L, rows, hidden, dev = layout.num_local_experts, layout.rows_per_expert, layout.hidden, self.device_id
         with self._on_device:
-            caller = lib.current_stream(dev)
-            run_on = self._order.begin(caller, None, async_finish, self.rank)
-            try:
-                with lib.allocating_on(self._order.stream, dev) if async_finish else _nothing():
-                    recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
-                    scales = None
-                    if use_fp8 and use_ue8m0:
-                        scales = lib.empty((L, hidden // FP8_SCALE_BLOCK // UE8M0_PER_INT, rows), "int32", dev)
-                    elif use_fp8:
-                        scales = lib.empty((L, hidden // FP8_SCALE_BLOCK, rows), "float32", dev)
-                    recv_count = lib.empty((L,), "int32", dev)
-                    src_info = lib.empty((L, rows), "int32", dev)
-                    layout_range = lib.empty((L, self.num_ranks), "int64", dev)
-                values = (lib.pointer(recv_x), 0 if scales is None else lib.pointer(scales), lib.pointer(recv_count),
-                          lib.pointer(src_info), lib.pointer(layout_range), cum_ptr, wait_ptr, x_ptr, topk_ptr,
-                          num_tokens)
-                (plan.send if return_recv_hook else plan.both).run(run_on, *values)
-            except BaseException:
-                self._order.abandon(run_on)
-                raise
+            with self._allocating(lib, async_finish):
+                recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
+                scales = None
+                if use_fp8 and use_ue8m0:
+                    scales = lib.empty((L, hidden // FP8_SCALE_BLOCK // UE8M0_PER_INT, rows), "int32", dev)
+                elif use_fp8:
+                    scales = lib.empty((L, hidden // FP8_SCALE_BLOCK, rows), "float32", dev)
+                recv_count = lib.empty((L,), "int32", dev)
+                src_info = lib.empty((L, rows), "int32", dev)
+                layout_range = lib.empty((L, self.num_ranks), "int64", dev)
+            values = (lib.pointer(recv_x), 0 if scales is None else lib.pointer(scales), lib.pointer(recv_count),
+                      lib.pointer(src_info), lib.pointer(layout_range), cum_ptr, wait_ptr, x_ptr, topk_ptr, num_tokens)
             arrays = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, recv_x, scales,
                       recv_count, src_info, layout_range)
             arrays = tuple(a for a in arrays if a is not None)
             outputs = tuple(a for a in (recv_x, scales, recv_count, src_info, layout_range) if a is not None)
-            event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
-                                       self._slots.raise_if_failed)
-        hook = self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None
+            event, hook = self._launch(plan, lib, values, arrays, outputs, async_finish, return_recv_hook)
         if scales is not None:
             scales = scales.swapaxes(1, 2)  # [L, R * M, groups], column-major as DeepEP returns them
         handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         return ((recv_x, scales) if use_fp8 else recv_x), recv_count, handle, event, hook
 
     def _dispatch_plan(self, x, topk_idx, num_max, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
-                       use_ue8m0) -> _DispatchPlan:
+                       use_ue8m0) -> _Plan:
         info = describe(x, "x", self.device_id)
         check_array(info, "x", ("bfloat16",), 2)
         hidden = info.shape[1]
@@ -373,20 +369,32 @@ class LowLatencyPath:
         fixed = dict(num_topk=num_topk, hidden=hidden, num_max=num_max, num_experts=num_experts, fp8_mode=fp8_mode,
                      record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
                      half_bytes=layout.dispatch_half_bytes)
-        calls = {phases: self._bind("ll_dispatch_kernel", per_call, phases=phases, **fixed)
-                 for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)}
-        return _DispatchPlan(layout, (info.shape[0], topk.shape[0]), num_topk, fp8_mode, calls[_PHASE_SEND],
-                             calls[_PHASE_RECV], calls[_PHASE_BOTH])
+        return self._plan("ll_dispatch_kernel", layout, per_call, **fixed)
+
+    def _launch(self, plan: _Plan, lib, values: Tuple[int, ...], arrays, outputs, async_finish: bool,
+                return_recv_hook: bool) -> Tuple[Any, Optional[Callable[[], None]]]:
+        """Launch the call (both phases, or with ``return_recv_hook`` the send), ordered as every call
+        of the Buffer (deepep_cupy/streams.py); its event and its hook (the receive) or None."""
+        caller = lib.current_stream(self.device_id)
+        run_on = self._order.begin(caller, None, async_finish, self.rank)
+        try:
+            (plan.send if return_recv_hook else plan.both).run(run_on, *values)
+        except BaseException:
+            self._order.abandon(run_on)
+            raise
+        event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
+                                   self._slots.raise_if_failed)
+        return event, (self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None)
 
     def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays) -> Callable[[], None]:
         """The receive half of a call: launched on the caller's current stream when called (once)."""
-        state = {"done": False}
         order, slots, dev = self._order, self._slots, self.device_id
+        pending = [arrays]  # the call's arrays, kept alive until the receive is issued; empty once the hook ran
 
         def hook() -> None:
-            if state["done"]:
+            if not pending:
                 raise RuntimeError("deepep_cupy: this receive hook was called already (each hook runs once)")
-            state["done"] = True
+            kept = pending.pop()
             with self._on_device:
                 stream = lib.current_stream(dev)
                 call.run(stream, *values)
@@ -395,9 +403,8 @@ class LowLatencyPath:
                     # kernels are over (see there).
                     _synchronize(stream)
                     slots.raise_if_failed()
-            del arrays_alive[:]
+            del kept
 
-        arrays_alive = list(arrays)  # kept until the receive is issued
         return hook
 
     # -----------------------------------------------------------------------------------------
@@ -415,15 +422,13 @@ class LowLatencyPath:
         _, topk_ptr, num_tokens, topk_key = read(topk_idx)
         _, weights_ptr, weight_rows, weights_key = read(topk_weights)
         _, out_ptr, out_rows, out_key = read(out)
-        key = (x_key, topk_key, weights_key, out_key, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-               handle.num_experts)
+        _, src_ptr, src_rows, src_key = read(handle.src_info)
+        _, range_ptr, range_rows, range_key = read(handle.layout_range)
+        key = (x_key, topk_key, weights_key, out_key, src_key, range_key, handle.num_max_dispatch_tokens_per_rank,
+               handle.hidden, handle.num_experts)
         plan = self._combine_plans.get(key)
         if plan is None:
-            with self._on_device:
-                plan = self._combine_plan(x, topk_idx, topk_weights, handle, out)
-            if len(self._combine_plans) >= MAX_PLANS:
-                self._combine_plans.clear()
-            self._combine_plans[key] = plan
+            plan = self._keep(self._combine_plans, key, self._combine_plan, x, topk_idx, topk_weights, handle, out)
         if weight_rows != num_tokens or (out is not None and out_rows != num_tokens):
             raise ValueError(f"topk_weights/out: expected {num_tokens} rows (those of topk_idx), got {weight_rows}"
                              + ("" if out is None else f" and {out_rows}"))
@@ -431,29 +436,21 @@ class LowLatencyPath:
             raise ValueError(f"topk_idx: {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{handle.num_max_dispatch_tokens_per_rank}")
         layout, dev = plan.layout, self.device_id
+        if src_rows != layout.num_local_experts or range_rows != layout.num_local_experts:
+            raise ValueError(f"handle: expected src_info and layout_range of {layout.num_local_experts} rows (one per "
+                             f"local expert), got {src_rows} and {range_rows}")
         if zero_copy:
             x_ptr = self.local_ptr + layout.zero_copy_offset
-        _, src_ptr, _, _ = read(handle.src_info)
-        _, range_ptr, _, _ = read(handle.layout_range)
         with self._on_device:
-            caller = lib.current_stream(dev)
-            run_on = self._order.begin(caller, None, async_finish, self.rank)
-            try:
-                if out is None:
-                    with lib.allocating_on(self._order.stream, dev) if async_finish else _nothing():
-                        out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
-                values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
-                (plan.send if return_recv_hook else plan.both).run(run_on, *values)
-            except BaseException:
-                self._order.abandon(run_on)
-                raise
+            if out is None:
+                with self._allocating(lib, async_finish):
+                    out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
+            values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
             arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
-            event = self._order.finish(caller, run_on, lib, async_finish, arrays, (out,), async_finish,
-                                       self._slots.raise_if_failed)
-        hook = self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None
+            event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook)
         return out, event, hook
 
-    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _CombinePlan:
+    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _Plan:
         layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         info = describe(x, "x", self.device_id)
         check_array(info, "x", ("bfloat16",), 3, (layout.num_local_experts, layout.rows_per_expert, layout.hidden))
@@ -474,19 +471,17 @@ class LowLatencyPath:
         fixed = dict(num_topk=num_topk, hidden=layout.hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
                      num_experts=layout.num_experts, combine_off=layout.combine_offset,
                      half_bytes=layout.combine_half_bytes)
-        calls = {phases: self._bind("ll_combine_kernel", per_call, phases=phases, **fixed)
-                 for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)}
-        return _CombinePlan(layout, num_topk, calls[_PHASE_SEND], calls[_PHASE_RECV], calls[_PHASE_BOTH])
+        return self._plan("ll_combine_kernel", layout, per_call, **fixed)
 
     def next_combine_buffer(self, handle: LowLatencyHandle):
         """The zero-copy area as ``[L, R * M, hidden]`` BF16 of the handle's library: rows written there
         are what ``combine(..., zero_copy=True)`` sends (its ``x`` is then only checked for shape)."""
         _check_handle(handle)
-        layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         lib = tensors.lib_of(handle.src_info)
-        key = (lib, layout)
+        key = (lib, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         view = self._zero_copy_views.get(key)
         if view is None:
+            layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
             window = lib.window(self.local_ptr + layout.zero_copy_offset, layout.zero_copy_bytes, self.device_id,
                                 self._owner)
             view = lib.rows_in(window, layout.num_local_experts, (layout.rows_per_expert, layout.hidden), "bfloat16")
@@ -521,21 +516,6 @@ def clean_arguments(num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_expe
     _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
     _check_positive_int(hidden, "hidden")
     _check_positive_int(num_experts, "num_experts")
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NOTHING = _Nothing()
-
-
-def _nothing():
-    return _NOTHING
 
 
 def _capturing(stream_ptr: int) -> bool:

@@ -182,9 +182,9 @@ def dispatch(xs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray], num_max_
     L = num_experts // num_ranks
     hidden = xs[0].shape[1]
     round_scale = round_scale or use_ue8m0
+    topks = [np.asarray(topk) for topk in topk_idxs]
     casts = []
-    for x, topk in zip(xs, topk_idxs):
-        topk = np.asarray(topk)
+    for x, topk in zip(xs, topks):
         _check_routing(topk, num_experts)
         if x.shape[0] != topk.shape[0] or x.shape[0] > M:
             raise ValueError(f"x: expected as many rows as topk_idx, at most {M}; got {x.shape[0]}, {topk.shape[0]}")
@@ -200,7 +200,7 @@ def dispatch(xs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray], num_max_
             expert = rank * L + local
             row = 0
             for source in range(num_ranks):
-                tokens = np.nonzero((np.asarray(topk_idxs[source]) == expert).any(axis=1))[0]
+                tokens = np.nonzero((topks[source] == expert).any(axis=1))[0]
                 data, source_scales = casts[source]
                 recv_x[local, row:row + len(tokens)] = data[tokens]
                 if use_fp8:

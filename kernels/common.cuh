@@ -79,6 +79,12 @@ __device__ __forceinline__ int ld_acquire_sys(const int* p) {
     return v;
 }
 
+__device__ __forceinline__ int64_t_ ld_acquire_sys(const int64_t_* p) {
+    int64_t_ v;
+    asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ int ld_volatile(const int* p) {
     int v;
     asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -87,6 +93,10 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
 
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys(int64_t_* p, int64_t_ v) {
+    asm volatile("st.release.sys.global.s64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
@@ -223,6 +233,10 @@ __device__ __forceinline__ void st_stream(int4* p, const int4& v) {
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+__device__ __forceinline__ void st_stream(uint2* p, const uint2& v) {
+    asm volatile("st.global.L1::no_allocate.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y));
+}
+
 // One warp copies `n` 16-byte words. Each lane keeps kUnroll loads in flight before storing;
 // the last, partial round is predicated rather than done word by word, which would cost a full
 // memory latency per word.
@@ -307,6 +321,25 @@ __device__ __forceinline__ void channel_task_range(int num_tokens, int num_chann
     int per_channel = (num_tokens + num_channels - 1) / num_channels;
     begin = min(per_channel * channel, num_tokens);
     end = min(begin + per_channel, num_tokens);
+}
+
+// Stream compaction in a block, on all its threads: the place of this thread's `hit` among the
+// block's hits in thread order (meaningful where `hit` holds), and their number in `total`.
+// `warp_counts`: kWarps shared ints, which the block may reuse after its next __syncthreads.
+template <int kWarps>
+__device__ __forceinline__ int block_hit_place(bool hit, int* warp_counts, int& total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned hits = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0)
+        warp_counts[warp] = __popc(hits);
+    __syncthreads();
+    int before = 0;
+    total = 0;
+    for (int w = 0; w < kWarps; ++w) {
+        before += w < warp ? warp_counts[w] : 0;
+        total += warp_counts[w];
+    }
+    return before + __popc(hits & ((1u << lane) - 1u));
 }
 
 __device__ __forceinline__ int warp_sum(int v) {

@@ -36,20 +36,6 @@
 static_assert(LL_DISPATCH_THREADS == LL_COMBINE_THREADS, "one block size for both kernels");
 constexpr int kLLWarps = LL_THREADS / 32;
 
-__device__ __forceinline__ int64_t_ ld_acquire_sys_64(const int64_t_* p) {
-    int64_t_ v;
-    asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_release_sys_64(int64_t_* p, int64_t_ v) {
-    asm volatile("st.release.sys.global.s64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_stream(uint2* p, const uint2& v) {
-    asm volatile("st.global.L1::no_allocate.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y));
-}
-
 // Two float32 -> two e4m3 bytes (`lo` in the low byte): round to nearest even, saturating to +-448.
 __device__ __forceinline__ unsigned e4m3x2(float lo, float hi) {
     unsigned short r;
@@ -210,17 +196,10 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
                 if (t < num_tokens)
                     for (int k = 0; k < num_topk; ++k)
                         routed |= topk_idx[(int64_t_)t * num_topk + k] == expert;
-                const unsigned ballot = __ballot_sync(0xffffffffu, routed);
-                if (lane == 0)
-                    warp_totals[warp] = __popc(ballot);
-                __syncthreads();
-                int before = 0, total = 0;
-                for (int w = 0; w < kLLWarps; ++w) {
-                    before += w < warp ? warp_totals[w] : 0;
-                    total += warp_totals[w];
-                }
+                int total;
+                const int place = block_hit_place<kLLWarps>(routed, warp_totals, total);
                 if (routed)
-                    tokens[before + __popc(ballot & ((1u << lane) - 1))] = t;
+                    tokens[place] = t;
                 __syncthreads();
                 for (int i = warp; i < total; i += kLLWarps)
                     write_record(region + (int64_t_)(sent + i) * record_bytes,
@@ -235,7 +214,7 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
                 int64_t_* count_word = reinterpret_cast<int64_t_*>(reinterpret_cast<char*>(buffer_ptrs[dst])
                                                                   + LL_DISPATCH_COUNTS_OFFSET)
                                        + half * MAX_EXPERTS + local * num_ranks + rank;
-                st_release_sys_64(count_word, (epoch << 32) | (int64_t_)sent);
+                st_release_sys(count_word, (epoch << 32) | (int64_t_)sent);
             }
         }
     }
@@ -255,7 +234,7 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
                 PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local);
                 const int64_t_* word = my_counts + local * num_ranks + source;
                 int64_t_ value;
-                while (((value = ld_acquire_sys_64(word)) >> 32) != epoch) {
+                while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
                     if (wait.failed(source, (int)epoch)) {
                         ok = false;
                         break;

@@ -204,6 +204,29 @@ def test_a_bad_expert_id_the_kernel_reported_is_raised_by_the_next_call_which_th
     assert len(path.log) == 1
 
 
+def test_async_calls_run_on_the_communication_stream_and_their_events_keep_their_arrays(path):
+    x, topk, weights = inputs()
+    recv_x, _, handle, event, _ = path.path.dispatch(x, topk, M, E, use_fp8=False, async_finish=True)
+    combined, combine_event, _ = path.path.combine(recv_x, topk, weights, handle, async_finish=True)
+    assert [stream for _, stream, _ in path.log] == [path.path._order.ptr] * 2
+    assert event.event is not None and any(a is recv_x for a in event.extra_tensors)
+    assert combine_event.event is not None and any(a is combined for a in combine_event.extra_tensors)
+
+
+def test_a_call_whose_launch_fails_is_abandoned_on_its_stream_and_returns_no_hook(path, monkeypatch):
+    x, topk, _ = inputs()
+    abandoned = []
+    monkeypatch.setattr(path.path._order, "abandon", abandoned.append)
+
+    def fail(call, stream):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(launch, "launch", fail)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
+    assert abandoned == [path.lib.current_stream(0)] and path.lib.current_stream(0) != path.path._order.ptr
+
+
 def test_the_low_latency_stages_have_names():
     assert [KERNEL_STAGES[i] for i in (9, 10, 11, 12)] == [
         "low-latency dispatch send", "low-latency dispatch receive", "low-latency combine send",
@@ -246,6 +269,15 @@ def test_a_zero_copy_combine_sends_the_rows_written_into_the_next_combine_buffer
     assert path.log[-1][2]["x"] == area.ctypes.data
 
 
+def test_the_next_combine_buffer_is_one_view_for_every_handle_of_the_same_sizes(path):
+    x, topk, _ = inputs()
+    first = path.path.dispatch(x, topk, M, E, use_fp8=False)[2]
+    second = path.path.dispatch(x[:3], topk[:3], M, E, use_fp8=False)[2]
+    assert path.path.next_combine_buffer(first) is path.path.next_combine_buffer(second)
+    with pytest.raises(ValueError, match="num_experts: expected a multiple of the rank count"):
+        path.path.next_combine_buffer(first._replace(num_experts=E + 1))
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(use_logfmt=True), ValueError, "use_logfmt=True: LogFMT-compressed combine is not implemented"),
     (dict(handle=(1, 2, 3)), TypeError, "handle: expected the handle returned by low_latency_dispatch"),
@@ -264,6 +296,25 @@ def test_bad_combine_arguments_are_refused_before_any_launch(path, change, error
     with pytest.raises(error, match=message):
         path.path.combine(args["x"], args["topk"], args["weights"], args["handle"], use_logfmt=args["use_logfmt"],
                           out=args["out"])
+    assert len(path.log) == launches
+
+
+def test_a_handle_whose_arrays_differ_from_those_a_kept_plan_checked_is_refused(path):
+    # The handle's arrays are part of the kind of a combine: a handle of other shapes (another
+    # Buffer's, or a made-up one) with the same sizes is checked anew, not launched on a kept plan.
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    path.path.combine(recv_x, topk, weights, handle)
+    launches = len(path.log)
+    other = handle._replace(src_info=on_device(np.zeros((L, R * M + 1), np.int32)))
+    with pytest.raises(ValueError, match="handle.src_info: expected shape"):
+        path.path.combine(recv_x, topk, weights, other)
+    other = handle._replace(layout_range=on_device(np.zeros((L, R), np.int32)))
+    with pytest.raises(TypeError, match="handle.layout_range: expected dtype int64"):
+        path.path.combine(recv_x, topk, weights, other)
+    other = handle._replace(src_info=on_device(np.zeros((L + 1, R * M), np.int32)))
+    with pytest.raises(ValueError, match=f"handle: expected src_info and layout_range of {L} rows"):
+        path.path.combine(recv_x, topk, weights, other)
     assert len(path.log) == launches
 
 

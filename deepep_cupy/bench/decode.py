@@ -15,7 +15,6 @@ The ranks run in this process (one per visible GPU, or ``--num-ranks`` sharing t
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -29,7 +28,11 @@ def decode_bytes(recv_rows: int, hidden: int) -> Dict[str, int]:
 
 
 def _rank(group, args, token_counts: Sequence[int]) -> List[Dict[str, Any]]:
+    import cupy
+
     import deepep_cupy as ep
+
+    from .calls import _lib_stream
 
     R, hidden, E = group.size, args.hidden, args.num_experts
     largest = max(token_counts)
@@ -37,7 +40,7 @@ def _rank(group, args, token_counts: Sequence[int]) -> List[Dict[str, Any]]:
                     low_latency_mode=True, timeout_s=args.timeout)
     lib = _graph_library()
     try:
-        with _on_rank_stream(lib):
+        with _lib_stream(lib, cupy.cuda.Device().id):
             return [_measure(group, buf, args, n, largest, lib) for n in token_counts]
     finally:
         group.barrier()
@@ -54,47 +57,25 @@ def _graph_library() -> str:
     return "torch"
 
 
-def _on_rank_stream(lib: str):
-    """PyTorch's work on this rank's CuPy stream (in-process ranks each have their own)."""
-    import contextlib
-
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    if lib != "torch" or stream.ptr == 0:
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{cupy.cuda.Device().id}"))
-
-
-def _device(a: np.ndarray, lib: str):
-    import cupy
-
-    d = cupy.asarray(a)
-    if lib == "cupy":
-        return d
-    import torch
-
-    t = torch.as_tensor(d, device=f"cuda:{d.device.id}").clone()
-    return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
-
-
 def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]:
     """One row of the table on this rank: ``n`` tokens, calls sized for ``largest``."""
     import cupy
 
     from deepep_cupy import reference as ref
 
+    from .calls import device_arrays, time_loop
     from .graphs import Replay
 
     R, rank, hidden, E, K = group.size, group.rank, args.hidden, args.num_experts, args.num_topk
     stream = cupy.cuda.get_current_stream()
+    device = cupy.cuda.Device().id
     rng = np.random.default_rng(args.seed * 1000 + rank * 17 + n)
-    x = _device(ref.float32_to_bfloat16_bits(rng.standard_normal((n, hidden), dtype=np.float32)), lib)
-    topk = _device(ref.random_routing(rng, n, E, K), lib)
-    weights = _device(rng.random((n, K), dtype=np.float32), lib)
-    y = _device(np.zeros((E // R, R * largest, hidden), np.uint16), lib)
+    a = device_arrays(lib, {"x": ref.float32_to_bfloat16_bits(rng.standard_normal((n, hidden), dtype=np.float32)),
+                            "topk_idx": ref.random_routing(rng, n, E, K),
+                            "topk_weights": rng.random((n, K), dtype=np.float32)}, device)
+    x, topk, weights = a["x"], a["topk_idx"], a["topk_weights"]
+    # The experts' output rows (BF16, as device_arrays makes "x").
+    y = device_arrays(lib, {"x": np.zeros((E // R, R * largest, hidden), np.uint16)}, device)["x"]
     state = {}
 
     def dispatch():
@@ -111,7 +92,7 @@ def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]
     graphs = {}
     for name, fn in (("dispatch", dispatch), ("combine", combine), ("step", step)):
         group.barrier()
-        graphs[name] = Replay(lib, fn, cupy.cuda.Device().id, thread_local=group.in_process)
+        graphs[name] = Replay(lib, fn, device, thread_local=group.in_process)
         if name == "dispatch":
             # The captured dispatch's handle, which the combine graph reads, is written by a replay.
             group.barrier()
@@ -120,24 +101,8 @@ def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]
     recv_rows = int(cupy.asnumpy(cupy.asarray(graphs["dispatch"].outputs[1])).sum())
     figures = {"tokens": n, **{f"{k}_bytes": v for k, v in decode_bytes(recv_rows, hidden).items()}}
     for name in ("dispatch", "combine"):
-        group.barrier()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        for _ in range(args.warmup):
-            graphs[name]()
-        start.record(stream)
-        for _ in range(args.iters):
-            graphs[name]()
-        end.record(stream)
-        end.synchronize()
-        figures[f"{name}_us"] = cupy.cuda.get_elapsed_time(start, end) * 1e3 / args.iters
-    group.barrier()
-    host = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        graphs["step"]()
-        host.append(time.perf_counter() - t0)
-    stream.synchronize()
-    figures["step_host_us"] = statistics.median(host) * 1e6
+        figures[f"{name}_us"] = time_loop(graphs[name], stream.ptr, args.warmup, args.iters, group.barrier)["loop_us"]
+    figures["step_host_us"] = time_loop(graphs["step"], stream.ptr, args.warmup, args.iters, group.barrier)["host_us"]
     group.barrier()
     return figures
 
