@@ -398,6 +398,7 @@ class LowLatencyPath:
             with self._on_device:
                 stream = lib.current_stream(dev)
                 call.run(stream, *values)
+                order.note_side_work(stream)  # destroy() and clean() wait for the receive too
                 if order.shares_gpu and not _capturing(stream):
                     # As StreamOrder.finish: ranks sharing a GPU in one process return once their
                     # kernels are over (see there).

@@ -59,6 +59,7 @@ class StreamOrder:
         self._last_stream: Optional[int] = None
         self._last_event = self._last_done
         self._done: dict = {}  # per array library: the (immutable) EventOverlap of a finished call
+        self._side_work: dict = {}  # stream -> event after the Buffer's work queued there outside a call
         #: Whether the running call's stream is being captured into a CUDA graph (set by :meth:`begin`).
         self.capturing = False
 
@@ -178,13 +179,28 @@ class StreamOrder:
         self._runtime.eventRecord(self._last_done.ptr, run_on)
         self._last_stream, self._last_event = run_on, self._last_done
 
+    def note_side_work(self, stream_ptr: int) -> None:
+        """The Buffer queued work on ``stream_ptr`` outside a call (a low-latency receive hook, on
+        the stream current when it is called): :meth:`synchronize` waits for it too. The order of
+        the next call is not changed (the hook's stream is the caller's to order)."""
+        runtime = self._runtime
+        if runtime.streamIsCapturing(stream_ptr):
+            return  # recorded into a graph, not run now: there is nothing to wait for
+        event = self._side_work.get(stream_ptr)
+        if event is None:
+            event = self._side_work[stream_ptr] = self._new_event()
+        runtime.eventRecord(event.ptr, stream_ptr)
+
     def synchronize(self) -> None:
         """Wait for every call of the Buffer, on whatever streams they ran (destroy uses it).
 
         The last call's event is enough for the caller's streams: each call waits for the one
         before it when it runs on another stream, and a call that stops early records it too
-        (:meth:`abandon`). Nothing else is waited for, not the device: a co-located rank's kernels
-        may be waiting for this rank.
+        (:meth:`abandon`); work queued outside a call is waited for through
+        :meth:`note_side_work`'s events. Nothing else is waited for, not the device: a co-located
+        rank's kernels may be waiting for this rank.
         """
         self.stream.synchronize()
         self._last_event.synchronize()
+        for event in self._side_work.values():
+            event.synchronize()

@@ -195,6 +195,7 @@ class FakeOrder:
         self.capturing = False
         self.begun = []
         self.finished = []
+        self.side_work = []
 
     def begin(self, caller_ptr, previous_event, on_comm_stream, rank):
         self.begun.append(caller_ptr)
@@ -205,6 +206,9 @@ class FakeOrder:
 
     def abandon(self, run_on):
         pass
+
+    def note_side_work(self, stream_ptr):
+        self.side_work.append(stream_ptr)
 
     def finish(self, caller_ptr, run_on, lib, async_finish, arrays, outputs=(), allocated_on_comm=False,
                check_errors=None):

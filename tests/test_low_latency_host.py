@@ -38,7 +38,7 @@ def path(monkeypatch):
     p = LowLatencyPath(peer_table_ptr=0xB0F, local_ptr=nvl.local_ptr, num_bytes=num_bytes, rank=0, num_ranks=R,
                        device_id=0, order=order, slots=host_slots, timeout_s=5.0, num_sms=4,
                        on_device=contextlib.nullcontext(), owner=nvl)
-    return SimpleNamespace(path=p, log=log, lib=lib, slots=host_slots, nvl=nvl)
+    return SimpleNamespace(path=p, log=log, lib=lib, slots=host_slots, nvl=nvl, order=order)
 
 
 def inputs(num_tokens=5, hidden=H):
@@ -148,6 +148,15 @@ def test_with_a_hook_the_call_sends_and_the_hook_receives_into_the_same_arrays(p
     assert all(send[k] == receive[k] for k in per_call) and receive["recv_x"] == recv_x.ctypes.data
     with pytest.raises(RuntimeError, match="called already"):
         hook()
+
+
+def test_the_hooks_receive_is_noted_so_that_destroy_and_clean_wait_for_it(path):
+    x, topk, _ = inputs()
+    *_, hook = path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True, async_finish=True)
+    assert path.order.side_work == []
+    hook()
+    receive_stream = path.log[-1][1]
+    assert path.order.side_work == [receive_stream]
 
 
 def test_repeated_calls_launch_identical_parameters_so_a_captured_call_replays_alike(path):

@@ -151,3 +151,24 @@ def test_a_captured_call_that_stops_records_nothing():
     run_on = order.begin(CALLER, None, False, rank=0)
     order.abandon(run_on)
     assert log == [] and order._last_stream is None
+
+
+def test_synchronize_also_waits_for_work_queued_outside_a_call_without_reordering_the_next_call():
+    # A low-latency receive hook runs on the stream current when it is called.
+    order, log = make_order()
+    call(order, async_finish=True)
+    order.note_side_work(OTHER)
+    side = [e for e in log if e[0] == "record" and e[2] == OTHER]
+    assert len(side) == 1
+    before = len(log)
+    order.synchronize()
+    assert ("event sync", side[0][1]) in log[before:]
+    run_on, _ = call(order, async_finish=True)
+    assert run_on == COMM and not any(e[0] == "wait" and e[2] == side[0][1] for e in log)
+
+
+def test_work_queued_outside_a_call_during_a_capture_is_not_waited_for():
+    order, log = make_order()
+    order._runtime.capturing.add(OTHER)
+    order.note_side_work(OTHER)
+    assert not any(e[2:] == (OTHER,) for e in log if e[0] == "record")
