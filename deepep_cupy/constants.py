@@ -21,6 +21,12 @@ MAX_EXPERTS = 8192
 MAX_TOPK = 32
 #: FP8 values per float32 scale in the ``[num_tokens, hidden // FP8_SCALE_BLOCK]`` scale layout.
 FP8_SCALE_BLOCK = 128
+#: UE8M0 scales (one exponent byte per block) packed per int32, as DeepEP packs them.
+UE8M0_PER_INT = 4
+#: The largest finite e4m3 magnitude: FP8 casts saturate to it, and a block's scale is amax / it.
+FP8_E4M3_MAX = 448.0
+#: The smallest amax a decode cast computes a scale from (a block of zeros gets 1e-4 / 448).
+FP8_AMAX_FLOOR = 1e-4
 #: Ints per rank in the settings table that ranks compare before moving tokens (the last one
 #: flags the rank's own input as invalid).
 SIGNATURE_INTS = 8
@@ -161,6 +167,11 @@ def cuda_defines() -> Dict[str, int]:
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,
         "VERDICT_BUFFER_TOO_SMALL": VERDICT_BUFFER_TOO_SMALL,
         "MAX_EXPERTS": MAX_EXPERTS,
+        "FP8_SCALE_BLOCK": FP8_SCALE_BLOCK,
+        "UE8M0_PER_INT": UE8M0_PER_INT,
+        # float32 literals, as the kernels compute in float32
+        "FP8_E4M3_MAX": f"{FP8_E4M3_MAX!r}f",
+        "FP8_AMAX_FLOOR": f"{FP8_AMAX_FLOOR!r}f",
         "ERROR_BAD_EXPERT_ID": ERROR_BAD_EXPERT_ID,
         "LL_CALLS_INT": LL_CALLS_INT,
         "LL_EXITS_INT": LL_EXITS_INT,

@@ -34,7 +34,7 @@ import dataclasses
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from . import tensors
-from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK
+from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, UE8M0_PER_INT
 from .launch import KernelCall, parameter_struct
 from .slots import ERROR_RECORD
 from .tensors import check_array, describe, read
@@ -45,8 +45,6 @@ __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_la
 DEFAULT_NUM_SMS = 32
 #: Plans a path keeps per op before it forgets them all (a decode loop uses a handful).
 MAX_PLANS = 256
-#: UE8M0 exponent bytes per int32 of the packed scales.
-UE8M0_PER_INT = 4
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
 _NO_CONTEXT = contextlib.nullcontext()
 

@@ -40,18 +40,16 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .constants import FP8_SCALE_BLOCK
+from .constants import FP8_AMAX_FLOOR, FP8_E4M3_MAX, FP8_SCALE_BLOCK, UE8M0_PER_INT
 from .reference import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 __all__ = ["FP8_MAX", "AMAX_FLOOR", "float32_to_e4m3_bits", "e4m3_bits_to_float32", "fp8_scales", "cast_to_fp8",
            "pack_ue8m0", "unpack_ue8m0", "dispatch", "combine", "expert_row_of"]
 
 #: The largest finite e4m3 value; scales map a group's amax onto it.
-FP8_MAX = np.float32(448.0)
+FP8_MAX = np.float32(FP8_E4M3_MAX)
 #: The smallest amax a scale is computed from (a group of zeros gets scale 1e-4 / 448).
-AMAX_FLOOR = np.float32(1e-4)
-#: UE8M0 exponent bytes per int32.
-UE8M0_PER_INT = 4
+AMAX_FLOOR = np.float32(FP8_AMAX_FLOOR)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,14 +61,14 @@ def float32_to_e4m3_bits(values) -> np.ndarray:
     v = np.asarray(values, dtype=np.float32)
     flat = v.reshape(-1).astype(np.float64)  # exact; every step below is exact in float64
     sign = np.signbit(flat)
-    mag = np.minimum(np.abs(flat), 448.0)
+    mag = np.minimum(np.abs(flat), FP8_E4M3_MAX)
     nan = np.isnan(flat)
     mag[nan] = 0.0
     _, exponent = np.frexp(mag)  # mag = m * 2**exponent, m in [0.5, 1): floor(log2 mag) = exponent - 1
     quantum_exp = np.maximum(exponent - 1, -6) - 3  # 3 mantissa bits; subnormals share 2**-9
     quantum = np.ldexp(1.0, quantum_exp)
     rounded = np.round(mag / quantum) * quantum  # numpy rounds half to even
-    rounded = np.minimum(rounded, 448.0)
+    rounded = np.minimum(rounded, FP8_E4M3_MAX)
     _, r_exp = np.frexp(rounded)
     r_floor = r_exp - 1
     normal = rounded >= 2.0 ** -6

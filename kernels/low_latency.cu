@@ -54,9 +54,9 @@ __device__ __forceinline__ int* released_word(void* const* buffer_ptrs, int owne
 // The scale of a group whose largest magnitude is `amax`, and the factor its values are multiplied
 // by (deepep_cupy/low_latency_reference.py states the same rules).
 __device__ __forceinline__ void fp8_scale(float amax, bool round_scale, float& scale, float& inv) {
-    amax = fmaxf(amax, 1e-4f);
-    scale = __fdiv_rn(amax, 448.0f);
-    inv = __fdiv_rn(448.0f, amax);
+    amax = fmaxf(amax, FP8_AMAX_FLOOR);
+    scale = __fdiv_rn(amax, FP8_E4M3_MAX);
+    inv = __fdiv_rn(FP8_E4M3_MAX, amax);
     if (round_scale) {
         const int bits = __float_as_int(scale);
         const int exponent = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0 ? 1 : 0);
@@ -111,6 +111,7 @@ __device__ __forceinline__ void leave(void* const* buffer_ptrs, int num_ranks, i
 
 // One warp writes token `t` (BF16 row `x_row`) into `record`: as it is, or cast to FP8 with
 // one scale per 128 channels (16 lanes per group, 8 channels per lane).
+static_assert(FP8_SCALE_BLOCK == 16 * 8, "a scale group is 16 lanes of 8 channels");
 __device__ __forceinline__ void write_record(char* record, const int4* x_row, int hidden, int fp8_mode,
                                              int64_t_ record_bytes, int token, int lane) {
     const int row_int4 = hidden / 8;
@@ -223,7 +224,7 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
         const int half = recv_call & 1;
         const int64_t_ epoch = recv_call + 1;
         const int rows_per_expert = num_ranks * num_max;
-        const int num_groups = hidden / 128;
+        const int num_groups = hidden / FP8_SCALE_BLOCK;
         const int64_t_ row_bytes = fp8_mode == 0 ? (int64_t_)hidden * 2 : hidden;
         const int64_t_* my_counts = reinterpret_cast<const int64_t_*>(reinterpret_cast<const char*>(buffer_ptrs[rank])
                                                                       + LL_DISPATCH_COUNTS_OFFSET) + half * MAX_EXPERTS;
@@ -281,12 +282,13 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
                 } else if (fp8_mode == 3) {
                     const int* scale_bits = reinterpret_cast<const int*>(record + hidden);
                     int* out = reinterpret_cast<int*>(recv_scales);
-                    const int num_words = num_groups / 4;
+                    const int num_words = num_groups / UE8M0_PER_INT;
                     for (int w = lane; w < num_words; w += 32) {
                         unsigned packed = 0;
                         #pragma unroll
-                        for (int j = 0; j < 4; ++j)
-                            packed |= (((unsigned)ld_stream(scale_bits + 4 * w + j) >> 23) & 0xffu) << (8 * j);
+                        for (int j = 0; j < UE8M0_PER_INT; ++j)
+                            packed |= (((unsigned)ld_stream(scale_bits + UE8M0_PER_INT * w + j) >> 23) & 0xffu)
+                                      << (8 * j);
                         out[((int64_t_)local * num_words + w) * rows_per_expert + row] = (int)packed;
                     }
                 }
