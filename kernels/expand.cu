@@ -44,17 +44,10 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS) expand_kernel(
     for (int64_t_ chunk = 0; chunk < num_entries && written < size; chunk += EXPAND_THREADS) {
         const int64_t_ i = chunk + thread;
         const bool hit = i < num_entries && recv_topk_idx[i] == expert;
-        const unsigned hits = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0)
-            warp_hits[warp] = __popc(hits);
-        __syncthreads();
-        int before = 0, total = 0;
-        for (int w = 0; w < kWarps; ++w) {
-            before += w < warp ? warp_hits[w] : 0;
-            total += warp_hits[w];
-        }
+        int total;
+        const int place = block_hit_place<kWarps>(hit, warp_hits, total);
         if (hit)
-            hit_rows[before + __popc(hits & ((1u << lane) - 1u))] = (int)(i / num_topk);
+            hit_rows[place] = (int)(i / num_topk);
         __syncthreads();
         for (int h = warp; h < total; h += kWarps) {
             const int row = hit_rows[h];
