@@ -141,6 +141,21 @@ class KernelCall:
         launch(self, stream_ptr)
 
 
+def shared_arguments(peer_table_ptr: int, num_ranks: int, rank: int, timeout_s: float,
+                     error_record_ptr: int) -> Dict[str, int]:
+    """The arguments a Buffer's kernels share, by their parameter names: the table of the ranks'
+    buffers, the group, the deadline of every wait, the error record."""
+    return dict(buffer_ptrs=peer_table_ptr, num_ranks=num_ranks, rank=rank, timeout_ns=int(timeout_s * 1e9),
+                error_record=error_record_ptr)
+
+
+def bind(kernel: str, shared: Dict[str, int], template_args: Tuple[object, ...] = (), **call) -> KernelCall:
+    """``KernelCall(kernel, template_args, **call)`` with the entries of ``shared``
+    (:func:`shared_arguments`) that ``kernel`` names bound too."""
+    names = {name for name, _ in parameter_struct(kernel)._fields_}
+    return KernelCall(kernel, template_args, **{name: v for name, v in shared.items() if name in names}, **call)
+
+
 class _Profile:
     """Opt-in per-kernel GPU times (``DEEPEP_CUPY_PROFILE=1``): events around every launch."""
 

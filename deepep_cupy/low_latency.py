@@ -33,9 +33,9 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
-from . import tensors
+from . import launch, tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, UE8M0_PER_INT
-from .launch import KernelCall, parameter_struct
+from .launch import KernelCall
 from .slots import ERROR_RECORD
 from .tensors import check_array, describe, read
 
@@ -200,8 +200,8 @@ class LowLatencyPath:
         self.num_sms = num_sms
         self._on_device = on_device
         self._owner = owner
-        self._shared = dict(buffer_ptrs=peer_table_ptr, num_ranks=num_ranks, rank=rank,
-                            timeout_ns=int(timeout_s * 1e9), error_record=slots.device_ptr(ERROR_RECORD))
+        self._shared = launch.shared_arguments(peer_table_ptr, num_ranks, rank, timeout_s,
+                                               slots.device_ptr(ERROR_RECORD))
         self._dispatch_plans: Dict[tuple, _Plan] = {}
         self._combine_plans: Dict[tuple, _Plan] = {}
         self._zero_copy_views: Dict[tuple, Any] = {}
@@ -247,10 +247,9 @@ class LowLatencyPath:
     def _plan(self, kernel: str, layout: LowLatencyLayout, per_call: Tuple[str, ...], **fixed) -> _Plan:
         """``kernel`` bound for each of its phases (send, receive, both) with the shared arguments
         it names and ``fixed``."""
-        names = {name for name, _ in parameter_struct(kernel)._fields_}
-        shared = {name: value for name, value in self._shared.items() if name in names}
-        return _Plan(layout, *(KernelCall(kernel, grid=self.num_sms, per_call=per_call, phases=phases, **shared,
-                                          **fixed) for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)))
+        return _Plan(layout, *(launch.bind(kernel, self._shared, grid=self.num_sms, per_call=per_call,
+                                           phases=phases, **fixed)
+                               for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)))
 
     def _allocating(self, lib, async_finish: bool):
         """Where the call's outputs are allocated: for the communication stream when the call runs

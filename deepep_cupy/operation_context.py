@@ -15,13 +15,13 @@ import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import plans, slots
+from . import launch, plans, slots
 from .comm import Group
 from .config import Config
 from .errors import DeepEPError
 from .events import EventOverlap
 from .handle import DispatchHandle
-from .launch import KernelCall, parameter_struct
+from .launch import KernelCall
 from .slots import ERROR_RECORD, HostSlots
 from .streams import StreamOrder
 
@@ -137,8 +137,8 @@ class OperationContext:
         (:class:`OrderedCall`)."""
         self.nvl, self.slots, self.order = nvl, host_slots, order
         self._call = OrderedCall(order, give_up)
-        self.shared_args = dict(buffer_ptrs=peer_table_ptr, num_ranks=self.num_ranks, rank=self.rank,
-                                timeout_ns=int(self.timeout_s * 1e9), error_record=host_slots.device_ptr(ERROR_RECORD))
+        self.shared_args = launch.shared_arguments(peer_table_ptr, self.num_ranks, self.rank, self.timeout_s,
+                                                   host_slots.device_ptr(ERROR_RECORD))
         # Where a count exchange publishes the counts and verdict of a dispatch whose host waits for them.
         self.host_counts = dict(recv_counter=host_slots.device_ptr(slots.RECV_COUNT),
                                 mismatch_flag=host_slots.device_ptr(slots.VERDICT),
@@ -148,10 +148,8 @@ class OperationContext:
              per_call: Tuple[str, ...] = (), **fixed) -> KernelCall:
         """A kernel call with the shared arguments (those the kernel names) and ``fixed`` bound,
         launched by ``run`` with ``per_call``'s values (launch.KernelCall)."""
-        names = {name for name, _ in parameter_struct(kernel)._fields_}
-        shared = {name: value for name, value in self.shared_args.items() if name in names}
-        return KernelCall(kernel, template_args, grid=grid, shared_mem=shared_mem, per_call=per_call, **shared,
-                          **fixed)
+        return launch.bind(kernel, self.shared_args, template_args, grid=grid, shared_mem=shared_mem,
+                           per_call=per_call, **fixed)
 
     def plan(self, key: tuple, build, *args) -> plans.Plan:
         """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan."""
