@@ -44,23 +44,29 @@ class ReceiveCapacityGuess:
         self._last: Optional[Tuple[int, int]] = None  # (tokens sent, tokens received) of the last call
         #: The largest receive count seen (the bound grows with it).
         self.largest_received = 0
+        self._most_ahead = with_headroom(0)  # with_headroom(largest_received), kept with it
 
     def bound(self, most_rows: int) -> int:
         """The most rows a call may allocate ahead (see the module docstring)."""
-        return min(with_headroom(self.largest_received), most_rows)
+        return min(self._most_ahead, most_rows)
 
     def rows(self, num_tokens: int, most_rows: int) -> Optional[int]:
         """Rows for a dispatch of ``num_tokens`` tokens that receives at most ``most_rows`` rows, or
         None when the call is to allocate exactly: before any dispatch was seen, or when the guess
         is above the largest count seen with headroom (the module docstring)."""
-        if self._last is None:
+        last = self._last
+        if last is None:
             return None
-        last_tokens, last_received = self._last
-        expected = last_received if last_tokens in (0, num_tokens) else last_received * num_tokens / last_tokens
-        guess = with_headroom(expected)
-        return min(guess, most_rows) if guess <= with_headroom(self.largest_received) else None
+        last_tokens, last_received = last
+        guess = with_headroom(last_received if last_tokens == num_tokens or not last_tokens
+                              else last_received * num_tokens / last_tokens)
+        if guess > self._most_ahead:
+            return None
+        return guess if guess < most_rows else most_rows
 
     def observe(self, num_tokens: int, num_received: int) -> None:
-        """Remember what a dispatch of ``num_tokens`` tokens received."""
-        self._last = (int(num_tokens), int(num_received))
-        self.largest_received = max(self.largest_received, int(num_received))
+        """Remember what a dispatch of ``num_tokens`` tokens (an int) received (an int)."""
+        self._last = (num_tokens, num_received)
+        if num_received > self.largest_received:
+            self.largest_received = num_received
+            self._most_ahead = with_headroom(num_received)

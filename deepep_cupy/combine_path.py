@@ -44,11 +44,13 @@ class CombinePath:
         biases = plans.split_bias(bias)
         _, b0_ptr, n_b0, b0_key = read(biases[0])
         _, b1_ptr, n_b1, b1_key = read(biases[1])
-        in_place = self._rows_in_place(handle, x_ptr, w_ptr) if ctx.rows_in_buffer_used else None
-        if in_place is None:
-            ctx.refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
-        else:
-            ctx.refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
+        in_place = None
+        if ctx.rows_in_buffer_used:
+            in_place = self._rows_in_place(handle, x_ptr, w_ptr)
+            if in_place is None:
+                ctx.refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
+            else:
+                ctx.refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
         key = ("combine", x_key, w_key, b0_key, b1_key, config, in_place)
         plan = ctx.plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
@@ -61,10 +63,11 @@ class CombinePath:
             raise ValueError(f"x: {n} rows of {plan.spec.row_bytes} bytes in place overrun the area of this Buffer "
                              "that holds them (rows wider than the dispatch's); pass a copy. No tokens were moved")
         spec, num_tokens, dev = plan.spec, handle.num_tokens, ctx.device_id
-        for i, rows in enumerate((n_b0, n_b1)):
-            if rows != num_tokens and rows != ABSENT_ROWS:
-                raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
-                                 f"got {rows}")
+        if n_b0 != ABSENT_ROWS or n_b1 != ABSENT_ROWS:
+            for i, rows in enumerate((n_b0, n_b1)):
+                if rows != num_tokens and rows != ABSENT_ROWS:
+                    raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
+                                     f"got {rows}")
         with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
             try:

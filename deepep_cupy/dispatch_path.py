@@ -204,9 +204,7 @@ class DispatchPath:
         # or, without one, for nothing, so that the round's count exchange tells the host its
         # count. A round some rank lacks rows for moves nothing on any rank, and every rank redoes
         # the call with the count it was given.
-        most_rows = ctx.num_ranks * call.plan.spec.layout.region_tokens
-        guess = self._capacity_guess.rows(call.num_tokens, most_rows) if self.allocate_ahead else None
-        self.last_dispatch_rows_allocated = None
+        guess = self._capacity_guess.rows(call.num_tokens, call.plan.most_recv_rows) if self.allocate_ahead else None
         rows = 0 if guess is None else guess
         with ctx.on_device:
             out = self._exchange_and_transfer(call, rows, guess, previous_event, async_finish,
@@ -216,8 +214,10 @@ class DispatchPath:
                 # Again, with exactly the rows this rank's count exchange said it receives (all
                 # ranks come here together, and the second round fits on every one).
                 self.last_dispatch_allocation = "exact" if guess is None else "retried"
+                first_rows = self.last_dispatch_rows_allocated
                 out = self._exchange_and_transfer(call, out, None, previous_event, async_finish,
                                                   allocate_on_comm_stream, expand)
+                self.last_dispatch_rows_allocated = max(first_rows, self.last_dispatch_rows_allocated)
                 if isinstance(out, int):  # pragma: no cover - the same inputs give the same counts
                     raise DeepEPError(f"rank {ctx.rank}: a dispatch redone with its exact receive count was "
                                       "refused for want of rows again")
@@ -294,12 +294,14 @@ class DispatchPath:
         _, e_ptr, n_e, e_key = read(per_expert)
         _, t_ptr, n_t, t_key = read(topk_idx)
         _, w_ptr, n_w, w_key = read(topk_weights)
-        self._ctx.refuse_buffer_rows(FRESH_INPUTS, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr)
+        ctx = self._ctx
+        if ctx.rows_in_buffer_used:
+            ctx.refuse_buffer_rows(FRESH_INPUTS, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr)
         key = ("dispatch", type(x) is tuple, x_key, s_key, r_key, n_r, i_key, e_key, n_e, t_key, w_key,
                expert_alignment, config, recv_x_in_buffer)
-        plan = self._ctx.plans.get(key)
+        plan = ctx.plans.get(key)
         if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
-            plan = self._ctx.plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
+            plan = ctx.plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                                   expert_alignment, config, recv_x_in_buffer)
         return DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
                              self._scale_strides(plan.spec.rows, lib, scales),
@@ -344,7 +346,8 @@ class DispatchPath:
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
                     self._output_windows(lib, spec, outputs), main_for_host,
                     ahead_row_bytes(outputs, kept, spec.rows_in_buffer), refuse,
-                    refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels))
+                    refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels),
+                    ctx.num_ranks * lay.region_tokens)
 
     def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
         """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
@@ -446,7 +449,7 @@ class DispatchPath:
             except BaseException as failure:
                 self._refuse(call, run_on, failure)
                 raise
-            self.last_dispatch_rows_allocated = max(rows, self.last_dispatch_rows_allocated or 0)
+            self.last_dispatch_rows_allocated = rows
             ctx.slots.start_dispatch()
             kernel_done = event = None
             ordered.launched = True
@@ -635,7 +638,8 @@ class DispatchPath:
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
         _, s_ptr, n_s, s_key = read(scales)
-        ctx.refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
+        if ctx.rows_in_buffer_used:
+            ctx.refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
         key = ("cached dispatch", type(x) is tuple, x_key, s_key, config, recv_x_in_buffer)
         plan = ctx.plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:

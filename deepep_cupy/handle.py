@@ -144,13 +144,28 @@ class DispatchHandle:
         verdict_ptr: device address of that dispatch's verdict (0 when its host checked it).
     """
 
+    # What a handle holds until a call sets it: class attributes, since a fresh dispatch makes a
+    # handle on every call and sets few of them.
+    num_worst_tokens = 0
+    verdict_ptr = recv_count_ptr = recv_expert_counts_ptr = 0
+    #: The buffer layout of the dispatch when it wrote its rows in place (``recv_x_in_buffer``),
+    #: else None: a combine of x written where it put recv_x reads the ranks' rows there.
+    rows_in_buffer = None
+    _num_local_experts = 0
+    _device_counts = None
+    #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for
+    #: padding) and where each local expert's group starts (local experts + 1 ints).
+    expanded_rows = expert_offsets = None
+    _src_idx = None
+    _items = None
+    _ints = None
+
     def __init__(self, lib, block, layout: HandleLayout, num_recv_tokens: int, is_token_in_rank: Any,
                  in_rank_ptr: int, owner: int):
         self.lib = lib
         self.block = block
         self.layout = layout
         self.num_recv_tokens = num_recv_tokens
-        self.num_worst_tokens = 0
         self.is_token_in_rank = is_token_in_rank
         self.owner = owner
         self.base_ptr = base = lib.pointer(block)
@@ -160,18 +175,6 @@ class DispatchHandle:
         self.send_head_ptr = base + INT_BYTES * layout.send_head
         self.recv_src_idx_ptr = base + INT_BYTES * layout.recv_src_idx
         self.in_rank_ptr = in_rank_ptr
-        self.verdict_ptr = self.recv_count_ptr = self.recv_expert_counts_ptr = 0
-        #: The buffer layout of the dispatch when it wrote its rows in place (``recv_x_in_buffer``),
-        #: else None: a combine of x written where it put recv_x reads the ranks' rows there.
-        self.rows_in_buffer = None
-        self._num_local_experts = 0
-        self._device_counts = None
-        #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for
-        #: padding) and where each local expert's group starts (local experts + 1 ints).
-        self.expanded_rows = self.expert_offsets = None
-        self._src_idx = None
-        self._items = None
-        self._ints = None
 
     def route(self, is_token_in_rank: Any, in_rank_ptr: int) -> None:
         """Give a fresh dispatch's handle, made before its kernels were launched (by the call, or

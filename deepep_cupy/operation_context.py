@@ -82,14 +82,16 @@ class OrderedCall:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
+        if exc_type is None:
+            self.launched = self.settled = False
+            return False
         launched, settled = self.launched, self.settled
         self.launched = self.settled = False
-        if exc_type is not None:
-            self._order.abandon(self.run_on)
-            give_up = self._give_up()
-            if give_up is not None and launched and not issubclass(exc_type, DeepEPError) \
-                    and (not settled or not issubclass(exc_type, Exception)):
-                give_up(exc)
+        self._order.abandon(self.run_on)
+        give_up = self._give_up()
+        if give_up is not None and launched and not issubclass(exc_type, DeepEPError) \
+                and (not settled or not issubclass(exc_type, Exception)):
+            give_up(exc)
         return False
 
 
@@ -179,10 +181,8 @@ class OperationContext:
     def refuse_buffer_rows(self, args: Tuple[str, ...], *pointers: int) -> None:
         """Refuse an input (``args``: the arguments' names, ``pointers``: their device addresses, 0
         for none) that lies in this rank's NVLink buffer (an output of a ``recv_x_in_buffer``
-        dispatch): the call would overwrite it while it reads it. Nothing to check before a plan of
-        such a dispatch was made."""
-        if not self.rows_in_buffer_used:
-            return
+        dispatch): the call would overwrite it while it reads it. Nothing can lie there before a
+        plan of such a dispatch was made: callers check :attr:`rows_in_buffer_used` first."""
         begin = self.nvl.local_ptr
         end = begin + self.nvl.num_bytes
         for ptr in pointers:

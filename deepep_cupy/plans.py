@@ -44,7 +44,8 @@ class Context(NamedTuple):
 
 @dataclass(frozen=True)
 class Rows:
-    """``x`` as a dispatch sees it: the rows, and the FP8 scales if any."""
+    """``x`` as a dispatch sees it: the rows, and the FP8 scales if any. (What every call reads is
+    computed once: ``cached_property``, which a frozen dataclass allows.)"""
     info: ArrayInfo
     scales: Optional[ArrayInfo]
 
@@ -64,19 +65,19 @@ class Rows:
     def row_bytes(self) -> int:
         return self.info.shape[1] * ITEMSIZE[self.dtype_name]
 
-    @property
+    @functools.cached_property
     def num_scales(self) -> int:
         """FP8 scales per token: 0 without scales, 1 for ``[N]``, S for ``[N, S]``."""
         if self.scales is None:
             return 0
         return 1 if len(self.scales.shape) == 1 else self.scales.shape[1]
 
-    @property
+    @functools.cached_property
     def scales_strided(self) -> bool:
         """The scales are not row-major contiguous: their strides are read on every call."""
         return self.scales is not None and not self.scales.contiguous
 
-    @property
+    @functools.cached_property
     def scale_strides(self) -> Tuple[int, int]:
         """``(token stride, scale stride)`` in elements of contiguous scales."""
         return (self.num_scales, 1)
@@ -331,7 +332,9 @@ class Plan(NamedTuple):
     two); ``ahead_row_bytes``: bytes per received row a fresh dispatch allocating ahead
     allocates (``dispatch_path.ahead_row_bytes``); ``refuse``: a fresh dispatch's count exchange
     for a host that takes part only to refuse the call, writing its prefix matrices into
-    ``refusal_scratch`` (``dispatch_path.DispatchPath._refuse``)."""
+    ``refusal_scratch`` (``dispatch_path.DispatchPath._refuse``); ``most_recv_rows``: the most rows a
+    rank can receive in a fresh dispatch (every rank sends it at most a transfer region's tokens:
+    ranks x region tokens), the cap of what it allocates ahead (``capacity.py``)."""
     spec: Any
     notify: Optional[Any]  # a launch.KernelCall
     main: Any  # a launch.KernelCall
@@ -344,3 +347,4 @@ class Plan(NamedTuple):
     ahead_row_bytes: int = 0
     refuse: Optional[Any] = None  # a launch.KernelCall
     refusal_scratch: Optional[Tuple[Any, int]] = None  # a device array and its address
+    most_recv_rows: int = 0

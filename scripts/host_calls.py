@@ -1,6 +1,6 @@
 """How many Python calls of the library does each op make? On the CPU, without noise.
 
-    python3 scripts/host_calls.py [--tree DIR] [--tokens 128] [--ops fresh,cached,combine] [--detail]
+    python3 scripts/host_calls.py [--tree DIR] [--tokens 128] [--ops fresh,cached,combine] [--detail] [--opcodes]
 
 Runs a Buffer's host path on fake hardware (tests/host_fakes.py: fake device arrays, recorded
 launches, counts played by a script), a steady loop of each op (fresh dispatch allocated ahead,
@@ -8,7 +8,9 @@ cached dispatch, combine; BF16, hidden 7168, top-8 of 64 experts, 2 ranks), unde
 prints per op the calls into ``deepep_cupy`` per call (``--detail``: by function). Host time on a
 GPU machine moves with the host's speed from one process to the next (docs/PERFORMANCE.md); a call
 count does not, so it compares two trees exactly: ``--tree`` points at another checkout (its own
-package and fakes are imported).
+package and fakes are imported). ``--opcodes`` also counts the Python bytecodes the library runs
+per call (traced; as exact, and closer to the time than the calls: a call's own cost is counted
+once whatever it does).
 """
 
 import argparse
@@ -66,12 +68,36 @@ def library_calls(fn, calls: int = 200):
     return per_function
 
 
+def library_opcodes(fn, calls: int = 20) -> float:
+    """Bytecodes run per call of ``fn`` in the functions of ``deepep_cupy``."""
+    for _ in range(20):
+        fn()
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        if f"{os.sep}deepep_cupy{os.sep}" not in frame.f_code.co_filename:
+            return None
+        frame.f_trace_opcodes = True
+        count += event == "opcode"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.settrace(None)
+    return count / calls
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", default=REPO, help="the checkout whose package is measured (default: this one)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--detail", action="store_true", help="the calls by function")
+    parser.add_argument("--opcodes", action="store_true", help="also the bytecodes run in the library per call")
     args = parser.parse_args(argv)
     tree = os.path.abspath(args.tree)
     sys.path[:0] = [tree, os.path.join(tree, "tests")]
@@ -82,7 +108,8 @@ def main(argv=None) -> int:
     ops = steady_ops(args.tokens)
     for op in args.ops.split(","):
         per_function = library_calls(ops[op])
-        print(f"{op:<8} {sum(per_function.values()):5.1f} library calls per call ({tree})")
+        opcodes = f", {library_opcodes(ops[op]):.0f} bytecodes" if args.opcodes else ""
+        print(f"{op:<8} {sum(per_function.values()):5.1f} library calls per call{opcodes} ({tree})")
         if args.detail:
             for name, count in sorted(per_function.items()):
                 print(f"    {count:4.1f}  {name}")
