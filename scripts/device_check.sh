@@ -37,17 +37,11 @@ for stage in $STAGES; do
       done 2>&1 | tee -a "$OUT/ab.log";;
     loop-ab)
       # Issue 36's loop model, an old tree (LOOP_AB_OLD: a checkout, say `git archive f89c4ff | tar -x
-      # -C old`) against this one, ABBA over LOOP_AB_ROUNDS rounds, each run pinned to one CPU core;
-      # the summary pairs the runs whose host speed agreed (scripts/loop_ab_summary.py).
-      for round in $(seq ${LOOP_AB_ROUNDS:-8}); do
-        if [ $((round % 2)) = 1 ]; then trees="$LOOP_AB_OLD ."; else trees=". $LOOP_AB_OLD"; fi
-        for tree in $trees; do for tokens in ${LOOP_AB_TOKENS:-128 4096}; do
-          (cd "$tree" && PYTHONPATH=$PWD timeout 60 taskset -c ${LOOP_AB_CORE:-2} python3 scripts/host_path_alone.py \
-            --exchange-us 12 --transfer-us 15 --ops fresh,cached --libs cupy,torch --rounds 1 --calls 1000 \
-            --tokens $tokens 2>&1 | sed "s|^|$tree r$round $tokens: |")
-        done; done
-      done > "$OUT/loop_ab.log" 2>&1
-      python3 scripts/loop_ab_summary.py --new . < "$OUT/loop_ab.log";;
+      # -C old`) against this one, both in one process (scripts/loop_ab_in_process.py), pinned to one core.
+      for tokens in ${LOOP_AB_TOKENS:-128 4096}; do
+        timeout 120 taskset -c ${LOOP_AB_CORE:-2} python3 scripts/loop_ab_in_process.py --old "$LOOP_AB_OLD" \
+          --tokens $tokens --rounds ${LOOP_AB_ROUNDS:-24} --ops fresh,cached,combine 2>&1
+      done | tee "$OUT/loop_ab.log";;
     test)
       timeout ${TEST_TIMEOUT:-500} make test 2>&1 | tee "$OUT/test.log" | tail -40;;
     suite1|suite2)
