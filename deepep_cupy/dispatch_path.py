@@ -302,7 +302,7 @@ class DispatchPath:
         plan = ctx.plans.get(key)
         if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
             plan = ctx.plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
-                                  expert_alignment, config, recv_x_in_buffer)
+                            expert_alignment, config, recv_x_in_buffer)
         return DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
                              self._scale_strides(plan.spec.rows, lib, scales),
                              (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights))
