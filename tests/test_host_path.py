@@ -406,6 +406,7 @@ def test_a_dispatch_that_outgrows_its_guess_is_redone_with_exact_sizes(monkeypat
     assert buf.last_dispatch_allocation == "retried" and recv_x.shape == (400, H)
     guess = int(10 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
     assert [p["recv_capacity"] for _, p in launches.log[2:]] == [guess, 400]
+    assert buf.last_dispatch_rows_allocated == 400  # the most of its rounds
     dispatch(buf, workload())  # the retried call's count is the next guess
     rows = int(400 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
     assert launches.last("dispatch_kernel<2>")["recv_capacity"] == rows
