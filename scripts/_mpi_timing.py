@@ -2,6 +2,8 @@
 GPU and Buffer, the reference workload of a rank as CuPy arrays, with its layout, and the loop time
 of a call (imported as ``_mpi_timing``: a script's folder is on its path)."""
 import argparse
+import os
+import sys
 from typing import List, Tuple
 
 import cupy
@@ -9,6 +11,7 @@ import numpy as np
 
 import deepep_cupy as ep
 from deepep_cupy import reference as ref
+from deepep_cupy.gpu_check import exit_unless_gpu
 
 HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
 
@@ -28,7 +31,8 @@ def sweep_arguments(description: str, sms: str, **extra: dict) -> Tuple[argparse
 
 def rank_buffer(comm, num_sms: int, num_tokens: int, recv_x_in_buffer: bool = False, timeout_s: float = 30):
     """This rank's GPU (one per rank) made current, and a Buffer sized for ``num_tokens`` tokens of the
-    reference workload per rank at up to ``num_sms`` SMs."""
+    reference workload per rank at up to ``num_sms`` SMs. Without a usable GPU: one sentence, exit 2."""
+    exit_unless_gpu(f"scripts/{os.path.basename(sys.argv[0])}")
     cupy.cuda.Device(comm.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
     hint = ep.get_nvl_buffer_size_hint(HIDDEN * 2, comm.Get_size(), ep.Config(num_sms, 4, 256), num_topk=NUM_TOPK,
                                        num_max_tokens_per_rank=num_tokens, recv_x_in_buffer=recv_x_in_buffer)

@@ -19,12 +19,14 @@ from mpi4py import MPI
 import deepep_cupy as ep
 from deepep_cupy import reference as ref
 from deepep_cupy.bench.calls import device_arrays
+from deepep_cupy.gpu_check import exit_unless_gpu
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lib", default="cupy", choices=("cupy", "torch"))
 parser.add_argument("--tokens", default="128,1024")
 parser.add_argument("--calls", type=int, default=200)
 args = parser.parse_args()
+exit_unless_gpu("scripts/fresh_host_timeline.py")
 
 comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()

@@ -12,6 +12,8 @@ import cupy
 import numpy as np
 from cupy.cuda import driver, runtime
 
+from deepep_cupy.gpu_check import exit_unless_gpu
+
 N = 2000
 
 
@@ -27,6 +29,7 @@ def cost(fn, n=N):
 
 
 def main():
+    exit_unless_gpu("scripts/host_costs.py")
     cupy.cuda.Device(0).use()
     stream = cupy.cuda.Stream(non_blocking=True)
     event = cupy.cuda.Event(disable_timing=True)

@@ -41,6 +41,7 @@ import deepep_cupy as ep
 from deepep_cupy import kernels, launch, slots, streams, tensors
 from deepep_cupy.comm import Group
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
+from deepep_cupy.gpu_check import exit_unless_gpu
 
 CONFIG = ep.Config(24, 4, 256)
 WARMUP = 20
@@ -236,6 +237,7 @@ def main() -> None:
     parser.add_argument("--caller-stream", default="default", choices=("default", "own"),
                         help="the caller's current stream: the legacy default stream, or a non-blocking one")
     args = parser.parse_args()
+    exit_unless_gpu("scripts/host_path_alone.py")
     cupy.cuda.Device(0).use()
     if args.caller_stream == "own":
         import torch

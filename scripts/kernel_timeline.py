@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List
 
+from deepep_cupy.gpu_check import exit_unless_gpu
+
 STAMP_TABLE = """
 extern "C" __device__ unsigned long long timeline_first[64][4];
 extern "C" __device__ unsigned long long timeline_last[64][4];
@@ -98,6 +100,7 @@ def main() -> None:  # pragma: no cover - needs GPUs and mpirun
     parser.add_argument("--config", default="24:4:256")
     parser.add_argument("--calls", type=int, default=40)
     args = parser.parse_args()
+    exit_unless_gpu("scripts/kernel_timeline.py")
 
     plain_source = kernels.read_source
     kernels.read_source = lambda name: patch_source(name, plain_source(name))

@@ -25,6 +25,8 @@ from typing import Dict, List
 
 import cupy
 
+from deepep_cupy.gpu_check import exit_unless_gpu
+
 #: The modules a tree brings: its library and the script helpers it is measured with.
 SCRIPT_MODULES = ("host_path_alone", "_host_timing", "_mpi_timing")
 
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--transfer-us", type=float, default=15.0)
     args = parser.parse_args()
     args.libs = args.libs.split(",")
+    exit_unless_gpu("scripts/loop_ab_in_process.py")
     cupy.cuda.Device(0).use()
     old, new = TreeUnderTest(args.old, args), TreeUnderTest(args.new, args)
     ops = args.ops.split(",")

@@ -18,6 +18,7 @@ from mpi4py import MPI
 import deepep_cupy as ep
 from deepep_cupy import launch
 from deepep_cupy import reference as ref
+from deepep_cupy.gpu_check import exit_unless_gpu
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", default="128,4096")
@@ -25,6 +26,7 @@ parser.add_argument("--libs", default="cupy,torch")
 parser.add_argument("--iters", type=int, default=40)
 parser.add_argument("--config", default="24:4:256")
 args = parser.parse_args()
+exit_unless_gpu("scripts/quick_perf.py")
 
 comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()

@@ -18,6 +18,8 @@ import pathlib
 import cupy
 import numpy as np
 
+from deepep_cupy.gpu_check import exit_unless_gpu
+
 TOKENS = 4096
 SHARED_BYTES = 200 * 1024  # of the 227 KiB an H100/H200 block may use
 SOURCE = pathlib.Path(__file__).resolve().parent.parent / "kernels" / "probe_sm_rates.cu"
@@ -82,6 +84,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
+    exit_unless_gpu("scripts/sm_rates_probe.py")
     if args.peer:
         cupy.cuda.runtime.deviceEnablePeerAccess(1)
     far = 1 if args.peer else 0

@@ -10,13 +10,21 @@ from _harness import REPO_ROOT, WORKERS, describe, import_or_skip, probe_gpus, r
 from deepep_cupy import gpu_check
 from deepep_cupy.gpu_check import NO_GPU_EXIT_STATUS, GpuProbe
 
-#: ``(what, arguments of python)``: the commands of ``make bench``, ``make soak`` and the examples.
+#: ``(what, arguments of python)``: the commands of ``make bench``, ``make soak`` (its three soaks)
+#: and the examples.
 COMMANDS = [
     ("bench", ["-m", "deepep_cupy.bench"]),
     ("soak", [WORKERS / "random_soak.py", "--cases", "1"]),
+    ("sequence soak", [WORKERS / "sequence_soak.py", "--sequences", "1", "--steps", "2"]),
+    ("internode soak", [WORKERS / "internode_soak.py", "--cases", "1"]),
     ("in-process example", [REPO_ROOT / "examples" / "in_process_dispatch_combine.py"]),
     ("DeepEP example", [REPO_ROOT / "examples" / "deepep_intranode.py"]),
-]
+] + [(f"scripts/{name}", [REPO_ROOT / "scripts" / name, *args]) for name, args in (
+    # The measuring tools that need a GPU (scripts/README.md), with the arguments they require.
+    ("combine_in_place.py", []), ("combine_senders.py", []), ("fresh_host_timeline.py", []),
+    ("host_breakdown.py", []), ("host_costs.py", []), ("host_path_alone.py", []), ("host_profile.py", []),
+    ("in_place_split.py", []), ("kernel_timeline.py", []), ("quick_perf.py", []), ("sm_rates_probe.py", []),
+    ("loop_ab_in_process.py", ["--old", str(REPO_ROOT)]))]
 
 
 @pytest.mark.parametrize("what, args", COMMANDS, ids=[c[0] for c in COMMANDS])

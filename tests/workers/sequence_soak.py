@@ -79,6 +79,8 @@ from sequence_cases import (
     step_inputs,
 )
 
+from deepep_cupy.gpu_check import exit_unless_gpu
+
 #: Seconds a step may take before its sequence counts as hung (on top of 3 timeouts + 30 s).
 STEP_ALLOWANCE_S = 4.0
 #: Exact outputs smaller than this are left out of the worst peak ratio (allocator rounding).
@@ -550,7 +552,9 @@ def list_sequences(args):
 
 
 def visible_gpus(args):
-    """``(GPUs to use, the smallest SM count among them)``."""
+    """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence and
+    exit status 2."""
+    exit_unless_gpu("the sequence soak (tests/workers/sequence_soak.py)")
     return gpus_to_use(args)
 
 
