@@ -44,12 +44,16 @@ for stage in $STAGES; do
       done | tee "$OUT/loop_ab.log";;
     test)
       timeout ${TEST_TIMEOUT:-500} make test 2>&1 | tee "$OUT/test.log" | tail -40;;
-    suite1|suite2)
-      # The GPU test files in two halves that each fit one call, on one GPU (ranks share it):
-      # DEEPEP_TEST_ONE_GPU_MPI=1, and too few GPUs is a failure, not a skip.
+    suite1|suite2|files)
+      # The GPU test files in two halves that each fit one call (or, stage files, GPU_TEST_FILES), on
+      # one GPU (ranks share it): DEEPEP_TEST_ONE_GPU_MPI=1, and too few GPUs is a failure, not a skip.
       files=$(ls tests/test_gpu_*.py | sort)
       half=$(( ($(echo "$files" | wc -l) + 1) / 2 ))
-      if [ "$stage" = suite1 ]; then files=$(echo "$files" | head -n $half); else files=$(echo "$files" | tail -n +$((half + 1))); fi
+      case $stage in
+        suite1) files=$(echo "$files" | head -n $half);;
+        suite2) files=$(echo "$files" | tail -n +$((half + 1)));;
+        files) files=${GPU_TEST_FILES:?stage files: set GPU_TEST_FILES};;
+      esac
       DEEPEP_TEST_ONE_GPU_MPI=1 DEEPEP_TEST_REQUIRE_GPUS=1 DEEPEP_TEST_LOG_DIR="$OUT/runs_$stage" \
         timeout ${SUITE_TIMEOUT:-560} python3 -m pytest -q -ra \
         --durations=15 $files > "$OUT/$stage.log" 2>&1
