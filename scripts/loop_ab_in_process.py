@@ -12,7 +12,9 @@ old, ...), and every round times each op and library of both trees with ``--call
 Running the trees in separate processes compared the host more than the code: on the one-GPU
 machine the interpreter's speed changed by up to 2x from one process to the next (2026-12-01).
 In one process both trees meet the same host, so the per-round ratio new / old is the figure;
-the median over the rounds and its spread (min, max) are printed per op and library.
+the median over the rounds and its spread (min, max) are printed per op, library and measure:
+the loop time, and as ``host_path_alone.py`` gives them, the host work besides the count wait and
+the host work on the loop's path.
 One token count per process: ``host_path_alone.alone_buffer`` patches its tree's kernel look-up
 for one count of received rows.
 """
@@ -21,7 +23,7 @@ import importlib
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import cupy
 
@@ -76,10 +78,31 @@ class TreeUnderTest:
         self.buf = alone.alone_buffer(num_recv, counts, args.exchange_us, args.transfer_us)
         self.ops = {lib: timing.host_ops(self.buf, lib, args.tokens, alone.CONFIG, seed=0) for lib in args.libs}
 
-    def loop_us(self, op: str, lib: str, calls: int) -> float:
+    def measure(self, op: str, lib: str, calls: int) -> Tuple[float, float, float]:
+        """``host_path_alone.loop_and_work_us`` of one op: median us per call of the loop, of the
+        host work besides the count wait, and of the host work on the loop's path."""
         activate(self.modules)
-        loop, _work, _path = self.modules["host_path_alone"].loop_and_work_us(self.ops[lib][op], calls, self.buf)
-        return loop
+        return self.modules["host_path_alone"].loop_and_work_us(self.ops[lib][op], calls, self.buf)
+
+
+#: What each of :meth:`TreeUnderTest.measure`'s figures is called in the summary.
+MEASURES = ("loop", "host work", "on the path")
+
+
+def summary_lines(times: Dict[Tuple[str, str], Dict[str, List[Tuple[float, float, float]]]]) -> List[str]:
+    """Per op, library and measure: the median of each tree's rounds and the median (min, max) of
+    the rounds' new / old (a round times both trees back to back)."""
+    lines = [f"  {'op':8s} {'lib':6s} {'measure':12s} {'old us':>8s} {'new us':>8s}  "
+             "new/old median [min, max] of the rounds"]
+    for (op, lib), by_tree in times.items():
+        for index, measure in enumerate(MEASURES):
+            old = [figures[index] for figures in by_tree["old"]]
+            new = [figures[index] for figures in by_tree["new"]]
+            ratios = [n / o for o, n in zip(old, new)]
+            lines.append(f"  {op:8s} {lib:6s} {measure:12s} {statistics.median(old):8.1f} "
+                         f"{statistics.median(new):8.1f}  {statistics.median(ratios):.3f} "
+                         f"[{min(ratios):.3f}, {max(ratios):.3f}]")
+    return lines
 
 
 def main() -> None:
@@ -99,20 +122,16 @@ def main() -> None:
     cupy.cuda.Device(0).use()
     old, new = TreeUnderTest(args.old, args), TreeUnderTest(args.new, args)
     ops = args.ops.split(",")
-    times: Dict[tuple, Dict[str, List[float]]] = {(op, lib): {"old": [], "new": []} for op in ops for lib in args.libs}
+    times = {(op, lib): {"old": [], "new": []} for op in ops for lib in args.libs}
     for round_index in range(args.rounds):
         order = [("old", old), ("new", new)] if round_index % 2 == 0 else [("new", new), ("old", old)]
         for op in ops:
             for lib in args.libs:
                 for label, tree in order:
-                    times[op, lib][label].append(tree.loop_us(op, lib, args.calls))
+                    times[op, lib][label].append(tree.measure(op, lib, args.calls))
     print(f"loop model in one process (exchange {args.exchange_us:g} us, transfer {args.transfer_us:g} us), "
           f"{args.tokens} tokens, {args.rounds} rounds x {args.calls} calls, old={old.name} new={new.name}:")
-    print(f"  {'op':8s} {'lib':6s} {'old us':>8s} {'new us':>8s}  new/old median [min, max] of the rounds")
-    for (op, lib), by_tree in times.items():
-        ratios = [n / o for o, n in zip(by_tree["old"], by_tree["new"])]
-        print(f"  {op:8s} {lib:6s} {statistics.median(by_tree['old']):8.1f} {statistics.median(by_tree['new']):8.1f}  "
-              f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+    print("\n".join(summary_lines(times)))
 
 
 if __name__ == "__main__":

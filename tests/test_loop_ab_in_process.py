@@ -2,6 +2,7 @@
 library, whichever was imported last (in a subprocess: it swaps ``sys.modules``)."""
 
 import shutil
+import sys
 import textwrap
 
 from _harness import REPO_ROOT, describe, run_python
@@ -38,3 +39,21 @@ def test_each_tree_runs_its_own_library_in_one_process(tmp_path):
     script.write_text(CHECK.format(scripts=str(REPO_ROOT / "scripts"), old=str(old), new=str(REPO_ROOT)))
     result = run_python([script], timeout=120)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), describe(result)
+
+
+def test_the_summary_gives_the_median_of_the_rounds_ratios_per_measure():
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        from loop_ab_in_process import summary_lines
+    finally:
+        sys.path.remove(str(REPO_ROOT / "scripts"))
+    # Three rounds; the host slowed down in the second, for both trees alike: new is 10 % slower
+    # in the loop every round, and equal in host work.
+    times = {("fresh", "cupy"): {"old": [(50.0, 40.0, 30.0), (100.0, 80.0, 60.0), (50.0, 40.0, 30.0)],
+                                 "new": [(55.0, 40.0, 30.0), (110.0, 80.0, 60.0), (55.0, 40.0, 30.0)]}}
+    lines = summary_lines(times)
+    loop = next(line for line in lines if " loop " in line).split()
+    work = next(line for line in lines if "host work" in line).split()
+    assert loop[3:6] == ["50.0", "55.0", "1.100"], lines
+    assert work[4:7] == ["40.0", "40.0", "1.000"], lines
+    assert len(lines) == 1 + 3
