@@ -182,6 +182,15 @@ def test_format_settings_line():
     for part in ("ranks=2", "tokens/rank=4096", "hidden=7168", "topk=8", "experts=256", "routing=uniform",
                  "num_sms=24", "6/256", "4/256", "allocate_ahead=False", "NVIDIA H200"):
         assert part in line
+    assert "sum(range(200))" not in line  # a document from before the figure was recorded
+    assert "host: sum(range(200)) 1.23 us" in bench.format_settings(dict(s, interpreter_us=1.234))
+
+
+def test_the_interpreter_figure_is_a_plausible_median():
+    from deepep_cupy.bench.timing import interpreter_us
+
+    figure = interpreter_us(repeats=200)
+    assert 0.01 < figure < 1000, figure
 
 
 # ---------------------------------------------------------------------------------------------- JSON

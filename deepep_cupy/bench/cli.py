@@ -19,6 +19,7 @@ from .ceiling import run_copy_ceiling
 from .library import bench_library_rank
 from .nccl import run_nccl_baseline
 from .report import aggregate, plot_calls, plot_sm_sweep, plot_sweep, render_report, results_to_json
+from .timing import interpreter_us
 
 DEFAULT_TOKENS_SWEEP = (512, 1024, 2048, 4096, 8192)
 DEFAULT_TUNE_SMS = (8, 16, 24, 32, 48)
@@ -205,7 +206,8 @@ def _settings(args: argparse.Namespace, mode: str, num_ranks: int, devices: Sequ
              combine_config=first["combine_config"], nvl_bytes=first["nvl_bytes"],
              recv_tokens_rank0=first.get("recv_tokens"), dispatch_allocation_rank0=first.get("dispatch_allocation"),
              cupy_version=cupy.__version__,
-             python=sys.version.split()[0], nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+             python=sys.version.split()[0], interpreter_us=round(interpreter_us(), 2),
+             nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
              time=time.strftime("%Y-%m-%d %H:%M:%S"))
     with contextlib.suppress(Exception):
         import deepep_cupy

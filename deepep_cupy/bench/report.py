@@ -95,7 +95,9 @@ def format_settings(s: Dict[str, Any]) -> str:
             f"num_sms={d.get('num_sms')} dispatch chunks={d.get('num_max_nvl_chunked_send_tokens')}/"
             f"{d.get('num_max_nvl_chunked_recv_tokens')} combine chunks={c.get('num_max_nvl_chunked_send_tokens')}/"
             f"{c.get('num_max_nvl_chunked_recv_tokens')} "
-            f"allocate_ahead={s.get('allocate_ahead', True)} device={s.get('device_name')}")
+            f"allocate_ahead={s.get('allocate_ahead', True)} device={s.get('device_name')}"
+            + ("" if s.get("interpreter_us") is None
+               else f" host: sum(range(200)) {s['interpreter_us']:.2f} us (host times follow it)"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 #: Bytes zeroed before every timed call so that no call finds its inputs in L2.
 L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def interpreter_us(repeats: int = 2000) -> float:
+    """Median microseconds of ``sum(range(200))`` in this process: how fast its host runs Python.
+
+    Host times follow it: on one GPU machine it went from 1.1 to 2.5 us between processes, and the
+    host times with it (docs/PERFORMANCE.md, issue 36), so two runs' host times compare only beside it.
+    """
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sum(range(200))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 def make_l2_flush(enabled: bool) -> Optional[Callable[[], None]]:
