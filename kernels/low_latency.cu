@@ -84,6 +84,17 @@ __device__ __forceinline__ bool wait_released(void* const* buffer_ptrs, int num_
     return __syncthreads_and(ok) != 0;
 }
 
+// The start of a grid of `op`: this rank's call numbers of `op` (sends, receives), and whether to
+// stop at once because a rank gave up (thread 0 of block 0 records it).
+__device__ __forceinline__ bool enter(void* const* buffer_ptrs, int rank, int op, int kernel, int* error_record,
+                                      int& send_call, int& recv_call) {
+    const int* words = ll_words(buffer_ptrs, rank);
+    send_call = ld_volatile(words + LL_CALLS_INT + op * 2);
+    recv_call = ld_volatile(words + LL_CALLS_INT + op * 2 + 1);
+    return stop_if_a_rank_gave_up(buffer_ptrs, blockIdx.x == 0 && threadIdx.x == 0 ? error_record : nullptr,
+                                  kernel, rank, -1, send_call);
+}
+
 // The end of a grid: the last block to leave advances this rank's call counters of `op` for the
 // phases it ran and, after a receive, tells every sender that our area `half` is free again.
 __device__ __forceinline__ void leave(void* const* buffer_ptrs, int num_ranks, int rank, int op, int phases,
@@ -164,11 +175,8 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
     __shared__ int counts[DEEPEP_MAX_RANKS + 1];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int num_local = num_experts / num_ranks;
-    int* words = ll_words(buffer_ptrs, rank);
-    const int send_call = ld_volatile(words + LL_CALLS_INT);
-    const int recv_call = ld_volatile(words + LL_CALLS_INT + 1);
-    if (stop_if_a_rank_gave_up(buffer_ptrs, blockIdx.x == 0 && threadIdx.x == 0 ? error_record : nullptr,
-                               KERNEL_LOW_LATENCY_DISPATCH_SEND, rank, -1, send_call))
+    int send_call, recv_call;
+    if (enter(buffer_ptrs, rank, 0, KERNEL_LOW_LATENCY_DISPATCH_SEND, error_record, send_call, recv_call))
         return;
 
     if (phases & 1) {
@@ -316,11 +324,8 @@ __global__ void __launch_bounds__(LL_THREADS) ll_combine_kernel(
     const int num_local = num_experts / num_ranks;
     const int row_int4 = hidden / 8;
     const int64_t_ row_bytes = (int64_t_)hidden * 2;
-    int* words = ll_words(buffer_ptrs, rank);
-    const int send_call = ld_volatile(words + LL_CALLS_INT + 2);
-    const int recv_call = ld_volatile(words + LL_CALLS_INT + 3);
-    if (stop_if_a_rank_gave_up(buffer_ptrs, blockIdx.x == 0 && threadIdx.x == 0 ? error_record : nullptr,
-                               KERNEL_LOW_LATENCY_COMBINE_SEND, rank, -1, send_call))
+    int send_call, recv_call;
+    if (enter(buffer_ptrs, rank, 1, KERNEL_LOW_LATENCY_COMBINE_SEND, error_record, send_call, recv_call))
         return;
 
     if (phases & 1) {
