@@ -295,10 +295,10 @@ def list_cases(args):
     return 0
 
 
-def visible_gpus(args):
-    """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence and
-    exit status 2."""
-    exit_unless_gpu("the random-case soak (tests/workers/random_soak.py)")
+def visible_gpus(args, program: str = "the random-case soak (tests/workers/random_soak.py)"):
+    """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence
+    naming ``program`` and exit status 2."""
+    exit_unless_gpu(program)
     return gpus_to_use(args)
 
 

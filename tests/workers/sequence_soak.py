@@ -41,12 +41,14 @@ then one plain line with the same summary. Exit status 1 if any sequence failed.
 """
 
 import argparse
+import functools
 import sys
 import time
 import traceback
 
 import gpu_worker  # run as a script: its folder is on sys.path
 import numpy as np
+import random_soak
 from local_gpu_worker import Memo, emit
 from memory_bounds import (
     CupyMemoryCounter,
@@ -63,7 +65,6 @@ from random_soak import (
     add_run_options,
     by_rank_count,
     check_run_options,
-    gpus_to_use,
     run_local_batch,
     warm_combine_kernels,
 )
@@ -78,8 +79,6 @@ from sequence_cases import (
     random_sequences,
     step_inputs,
 )
-
-from deepep_cupy.gpu_check import exit_unless_gpu
 
 #: Seconds a step may take before its sequence counts as hung (on top of 3 timeouts + 30 s).
 STEP_ALLOWANCE_S = 4.0
@@ -551,11 +550,8 @@ def list_sequences(args):
     return 0
 
 
-def visible_gpus(args):
-    """``(GPUs to use, the smallest SM count among them)``; without a usable GPU, one sentence and
-    exit status 2."""
-    exit_unless_gpu("the sequence soak (tests/workers/sequence_soak.py)")
-    return gpus_to_use(args)
+visible_gpus = functools.partial(random_soak.visible_gpus,
+                                 program="the sequence soak (tests/workers/sequence_soak.py)")
 
 
 def make_meters(num_gpus):
