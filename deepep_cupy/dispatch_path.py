@@ -58,9 +58,6 @@ NOTIFY_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_
                    "channel_prefix_matrix", "recv_capacity", "topk_idx", "num_tokens")
 
 
-#: notify_dispatch_kernel's, when it only refuses the call (``DispatchPath._refuse``).
-REFUSE_PER_CALL = NOTIFY_PER_CALL[:6] + ("report_refusal",) + NOTIFY_PER_CALL[6:]
-
 
 def refusal_scratch(lib, device_id: int, num_ranks: int, num_channels: int) -> Tuple[Any, int]:
     """``(array, its address)``: device memory for the prefix matrices a count exchange writes when
@@ -248,7 +245,7 @@ class DispatchPath:
                 # The peers learn of it at their next call, as of any refusal of this dispatch (a
                 # capture runs nothing: there is no call to refuse).
                 if not self._ctx.order.capturing:
-                    self._refuse(call, run_on, failure, report=True)
+                    self._refuse(call, run_on, failure, peers_raise_later=True)
                 raise
             ordered.launched = True
             handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, self._ctx.owner)
@@ -328,10 +325,7 @@ class DispatchPath:
                                  expert_alignment=spec.expert_alignment, zero_off=lay.meta_off,
                                  zero_count=lay.zero_count, region_tokens=lay.region_tokens, **ctx.host_counts)
         notify = ctx.bind("notify_dispatch_kernel", grid=1 + ctx.num_ranks, per_call=NOTIFY_PER_CALL,
-                                **exchange_settings)
-        del exchange_settings["report_refusal"]
-        refuse = ctx.bind("notify_dispatch_kernel", grid=1 + ctx.num_ranks, per_call=REFUSE_PER_CALL,
-                                **exchange_settings)
+                          **exchange_settings)
         main = self._bind_transfer(spec, TRANSFER_PER_CALL)
         exchange = dict(exchange=1, row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms, recv_chunk=recv_chunk,
                         expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
@@ -345,7 +339,7 @@ class DispatchPath:
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
                     self._output_windows(lib, spec, outputs), main_for_host,
-                    ahead_row_bytes(outputs, kept, spec.rows_in_buffer), refuse,
+                    ahead_row_bytes(outputs, kept, spec.rows_in_buffer), None,
                     refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels),
                     ctx.num_ranks * lay.region_tokens)
 
@@ -500,31 +494,33 @@ class DispatchPath:
                                    allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
 
-    def _refuse(self, call: DispatchCall, run_on: int, failure: BaseException, report: bool = False) -> None:
+    def _refuse(self, call: DispatchCall, run_on: int, failure: BaseException, peers_raise_later: bool = False) -> None:
         """Take part in a fresh dispatch's count exchange only to refuse it, after this rank's host
         failed to get ready for it (``failure``: its outputs could not be allocated, or it was
-        interrupted): every rank's verdict names this rank, nothing moves, and the Buffer stays
-        usable. Waits for the exchange, so that the call ends on every rank alike; ``report``: the
-        refusal is also left in the error record (a dispatch with ``num_worst_tokens``, whose
-        peers learn of it from theirs at their next call)."""
+        interrupted): notify_dispatch with a negative capacity, minus what failed, so that every
+        rank's verdict names this rank, nothing moves, and the Buffer stays usable. Waits for the
+        exchange, so that the call ends on every rank alike. This rank raises ``failure`` itself;
+        its peers raise from the verdict (a dispatch with ``num_worst_tokens``: from their error
+        record, at their next call), so none is left in this rank's record, which the count wait
+        would raise instead of ``failure``. The call span (``OrderedCall``) abandons ``run_on`` as
+        the exception leaves it."""
         code = host_failure_code(failure)
         plan = call.plan
         scratch = plan.refusal_scratch[1]
         self._ctx.slots.start_dispatch()
-        plan.refuse.run(run_on, call.per_rank, call.per_expert, call.in_rank, scratch,
-                        scratch + INT_BYTES * self._ctx.num_ranks * self._ctx.num_ranks, -code, int(report), call.topk,
+        plan.notify.run(run_on, call.per_rank, call.per_expert, call.in_rank, scratch,
+                        scratch + INT_BYTES * self._ctx.num_ranks * self._ctx.num_ranks, -code, call.topk,
                         call.num_tokens)
         kernel_done = None
-        if self._ctx.group.in_process:
+        if not self._ctx.exchange_in_transfer:  # in-process ranks: as _exchange_and_transfer's
             self._ctx.order.record_notify_done(run_on)
             kernel_done = self._ctx.order.notify_done
-        self._ctx.order.abandon(run_on)
         try:
             self._ctx.slots.wait_for_count(kernel_done)
         finally:
             refused_before_launch(failure, self._ctx.rank,
-                                  "every other rank raises PeerFailedError from it" if not report
-                                  else "every rank raises PeerFailedError at its next call, this one too")
+                                  "every other rank raises PeerFailedError at its next call" if peers_raise_later
+                                  else "every other rank raises PeerFailedError from it")
 
     def _outputs_ahead(self, lib, plan: Plan, kept_ptr: int, rows: int,
                        on_comm_stream: bool) -> Tuple[Optional[list], list]:

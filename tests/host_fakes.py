@@ -24,7 +24,13 @@ from deepep_cupy import buffer as buffer_module
 from deepep_cupy import launch, slots, tensors
 from deepep_cupy.buffer import Buffer
 from deepep_cupy.comm import Group
-from deepep_cupy.constants import HOST_FAILURE_FLAG, VERDICT_HOST_FAILED, VERDICT_OVER_CAPACITY
+from deepep_cupy.constants import (
+    ERROR_DISPATCH_REFUSED,
+    HOST_FAILURE_FLAG,
+    KERNEL_STAGES,
+    VERDICT_HOST_FAILED,
+    VERDICT_OVER_CAPACITY,
+)
 from deepep_cupy.events import EventOverlap
 from deepep_cupy.slots import ERROR_RECORD, HostSlots
 from deepep_cupy.streams import StreamOrder
@@ -125,6 +131,9 @@ class FakeNvlBuffer:
         pass
 
 
+NOTIFY_STAGE = next(i for i, name in KERNEL_STAGES.items() if name == "notify_dispatch")
+
+
 class Launches:
     """Records every launch (kernel name, its parameters as a dict) and answers count exchanges.
 
@@ -171,6 +180,10 @@ class Launches:
                 self._redo = count
             values[slots.VERDICT] = verdict
             values[slots.RECV_COUNT] = count
+            if verdict and params.get("report_refusal") and not values[ERROR_RECORD]:
+                # As count_exchange.cuh: a refused call is left in this rank's error record too.
+                values[ERROR_RECORD:ERROR_RECORD + 6] = [ERROR_DISPATCH_REFUSED, NOTIFY_STAGE, params["rank"],
+                                                         -1, -1, verdict]
             if self.error is not None:
                 values[ERROR_RECORD:ERROR_RECORD + len(self.error)] = self.error
 

@@ -86,13 +86,17 @@ def test_a_dispatch_whose_peer_refused_it_raises_peer_failed_naming_the_peer_and
     dispatch(buf, workload())  # nothing moved; the Buffer goes on
 
 
-def test_a_dispatch_with_num_worst_tokens_that_cannot_allocate_refuses_and_reports_the_refusal(monkeypatch):
+def test_a_dispatch_with_num_worst_tokens_that_cannot_allocate_refuses_and_raises_its_own_failure(monkeypatch):
+    # Its peers learn of the refusal from their own error records, at their next call; this rank
+    # raises what failed, and leaves nothing in its record that its count wait would raise instead.
     buf, launches, lib = fake_buffer(monkeypatch, received=(100,))
     heal = failing_allocations(lib)
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(OutOfMemory) as info:
         dispatch(buf, workload(), num_worst_tokens=300)
+    assert "every other rank raises PeerFailedError at its next call" in str(getattr(info.value, "__notes__", ""))
     p = launches.last("notify_dispatch_kernel")
-    assert p["recv_capacity"] == -HOST_FAILED_ALLOCATION and p["report_refusal"] == 1
+    assert p["recv_capacity"] == -HOST_FAILED_ALLOCATION and p["report_refusal"] == 0
+    assert not buf._slots.values[slots.ERROR_RECORD]
     heal()
     dispatch(buf, workload(), num_worst_tokens=300)
 
