@@ -20,8 +20,8 @@ the Buffer's size and the call's rows). A guess above the first is not used: the
 exactly, after its count exchange tells it its count. So the rows a call allocates ahead never
 exceed ``min(that bound, most_rows)``, for any history of calls; the steady loop, whose guess
 follows the last count, is never above it. The outputs prepared for the next call
-(``next_outputs.py``) hold at most an eighth more rows than that, and at most
-``next_outputs.MAX_BYTES``.
+(``next_outputs.py``) hold at most an eighth more rows than that, never more than
+``most_rows``, and at most ``next_outputs.MAX_BYTES``.
 """
 
 from __future__ import annotations

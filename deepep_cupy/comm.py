@@ -214,12 +214,13 @@ class TorchGroup(Group):
         # the number of groups this process has: the ranks of a part must have made as many.)
         local_sync = self._size < dist.get_world_size()
         backend = dist.get_backend(self._group)
-        mine = None
-        for i, part in enumerate(parts):
-            members = [self.global_rank(r) for r in part]
+        every_members = [[self.global_rank(r) for r in part] for part in parts]
+        for part, members in zip(parts, every_members):  # all checked before any group is made
             if members != sorted(members):
                 raise ValueError(f"partition: a torch.distributed group numbers its ranks in ascending order, "
                                  f"so every part must be ascending, got {part}")
+        mine = None
+        for i, members in enumerate(every_members):
             if local_sync and i != index:
                 continue
             made = dist.new_group(members, backend=backend, use_local_synchronization=local_sync)

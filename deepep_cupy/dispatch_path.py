@@ -541,8 +541,8 @@ class DispatchPath:
 
     def _allocate_handle(self, lib, plan: Plan, layout, rows: int, on_comm_stream: bool) -> Tuple[DispatchHandle, int]:
         """``(handle, byte offset of the outputs it keeps)`` of a fresh dispatch, on a new allocation
-        with room for ``rows`` received rows (0 for a dispatch whose host waits for the counts: its
-        source indices get an allocation of their own) and the outputs ``plan.kept_outputs`` names;
+        with room for ``rows`` received rows (0 for a round sized by its count exchange) and the
+        outputs ``plan.kept_outputs`` names;
         its routing is given once its transfer is launched (``DispatchHandle.route``)."""
         kept = plan.kept_outputs
         words, kept_offset = layout.with_kept_outputs(rows, 0 if kept is None else kept.row_bytes)
@@ -555,7 +555,7 @@ class DispatchPath:
         one, whose receive count was guessed at ``rows_guessed`` rows, unless they would take more
         than ``next_outputs.MAX_BYTES``. Allocations that fail are not made: the next call makes
         its own (and refuses itself on every rank if it cannot)."""
-        rows = prepared_rows(rows_guessed)
+        rows = min(prepared_rows(rows_guessed), plan.most_recv_rows)  # no call receives more
         if not self._next_outputs.fits(INT_BYTES * layout.recv_src_idx + rows * plan.ahead_row_bytes):
             return
         try:

@@ -156,7 +156,6 @@ class DispatchHandle:
     #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for
     #: padding) and where each local expert's group starts (local experts + 1 ints).
     expanded_rows = expert_offsets = None
-    _src_idx = None
     _items = None
     _ints = None
 
@@ -216,11 +215,6 @@ class DispatchHandle:
         """Rows of the dispatch's outputs (what a cached dispatch returns and a combine takes)."""
         return self.num_worst_tokens or self.num_recv_tokens
 
-    def use_separate_src_idx(self, src_idx) -> None:
-        """Keep ``recv_src_idx`` in its own allocation (made once the receive count was known)."""
-        self._src_idx = src_idx
-        self.recv_src_idx_ptr = self.lib.pointer(src_idx)
-
     @property
     def num_channels(self) -> int:
         return self.layout.num_channels
@@ -243,10 +237,9 @@ class DispatchHandle:
         """DeepEP's handle tuple (made on first use)."""
         if self._items is None:
             L, R, C, N = self.layout, self.layout.num_ranks, self.layout.num_channels, self.layout.num_tokens
-            src_idx = (self._view(L.recv_src_idx, (self.rows,)) if self._src_idx is None
-                       else self._src_idx)
             self._items = (self._view(L.rank_prefix, (R, R)), self._view(L.channel_prefix, (R, C)),
-                           self._view(L.recv_channel_prefix, (R, C)), src_idx, self.is_token_in_rank,
+                           self._view(L.recv_channel_prefix, (R, C)), self._view(L.recv_src_idx, (self.rows,)),
+                           self.is_token_in_rank,
                            self._view(L.send_head, (N, R)))
         return self._items
 

@@ -64,17 +64,17 @@ class NextOutputs:
         self._last_call: tuple = (None, -1)
 
     def take(self, plan: Any, num_tokens: int, caller: int, on_comm_stream: bool,
-             rows: Optional[int]) -> Optional[ReadyOutputs]:
+             rows: int) -> Optional[ReadyOutputs]:
         """For every fresh dispatch: the ready outputs when they are for this call (see
-        :class:`ReadyOutputs`) and hold at least ``rows`` rows (None: a call allocating exactly,
-        which takes none); None otherwise. Either way none are left, and :attr:`steady` tells
-        whether this call is like the one before."""
+        :class:`ReadyOutputs`) and hold at least ``rows`` rows (0 for a round sized by its count
+        exchange, which may take them too); None otherwise. Either way none are left, and
+        :attr:`steady` tells whether this call is like the one before."""
         last_plan, last_tokens = self._last_call
         self.steady = last_plan is plan and last_tokens == num_tokens
         self._last_call = (plan, num_tokens)
         ready, self.ready = self.ready, None
         # Ready outputs are made by the call before (a take clears them), for a call like it.
-        if ready is None or rows is None or not self.steady or ready.caller != caller \
+        if ready is None or not self.steady or ready.caller != caller \
                 or ready.on_comm_stream != on_comm_stream or ready.rows < rows:
             return None
         return ready

@@ -431,6 +431,20 @@ def steady(monkeypatch, received=(100,), **options):
     return buf, launches, lib, len(launches.log), len(lib.allocations)
 
 
+def test_the_outputs_prepared_for_the_next_call_hold_no_more_rows_than_a_rank_can_receive(monkeypatch):
+    buf, launches, lib = fake_buffer(monkeypatch, received=(100,))
+    dispatch(buf, workload())
+    plan = next(p for p in buf._dispatch._ctx.plans.values() if p.notify is not None)
+    most = 120  # the guess (100 rows with headroom) is capped here, and the prepared rows with it
+    for key, value in list(buf._dispatch._ctx.plans.items()):
+        if value is plan:
+            buf._dispatch._ctx.plans[key] = plan._replace(most_recv_rows=most)
+    dispatch(buf, workload())
+    dispatch(buf, workload())  # like the one before: it prepares the next call's outputs
+    assert buf.last_dispatch_rows_allocated == most
+    assert buf._dispatch._next_outputs.ready.rows == most < next_outputs.prepared_rows(most)
+
+
 def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatch):
     buf, launches, lib = fake_buffer(monkeypatch, received=(100,))
     dispatch(buf, workload())
