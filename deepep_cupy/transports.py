@@ -256,8 +256,10 @@ def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int)
         if other not in parts:
             parts.append(other)
     proposals = [e[1] for e in everyone]
+    # The group's verdict, not this rank's: a kind asked for on some ranks only binds them all.
+    explicit = any(e[2] for e in everyone)
     if len(set(proposals)) > 1:
-        if any(e[2] for e in everyone) or set(proposals) != {"nccl", "mpi"}:
+        if explicit or set(proposals) != {"nccl", "mpi"}:
             raise RankMismatchError(f"transport: ranks chose different transports, got {proposals} (rank order)")
         return "mpi", parts     # NCCL is not loadable on every rank
     chosen = proposals[0]

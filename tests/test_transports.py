@@ -195,6 +195,17 @@ def test_nccl_asked_for_ranks_sharing_a_gpu_is_refused_on_every_rank(no_env, mon
     assert sorted(info.value.failures) == [0, 1]
 
 
+def test_nccl_asked_on_one_rank_only_for_ranks_sharing_a_gpu_is_refused_on_every_rank(no_env, monkeypatch):
+    # Rank 1 chooses automatically (nccl too): none may go on into the split while another raises.
+    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl())
+    monkeypatch.setattr(transports, "gpu_address", lambda device_id: "0000:01:00.0")
+    with pytest.raises(RankFailed) as info:
+        run(lambda g: transports._agree(ThreadsAsMpi(g), None if g.rank else "nccl", [0, 1], 0), 2)
+    assert sorted(info.value.failures) == [0, 1]
+    assert all(isinstance(e, ValueError) and "NCCL refuses two ranks on one GPU" in str(e)
+               for e in info.value.failures.values())
+
+
 def test_a_kind_one_rank_cannot_use_is_refused_on_every_rank(no_env, monkeypatch):
     with pytest.raises(RankFailed) as info:
         _agree_on(3, monkeypatch, kind="nccl", nccl_on=lambda r: r != 2)
