@@ -8,7 +8,9 @@ tests/test_gpu_transports.py.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -615,6 +617,54 @@ def test_mpi_host_alltoall_names_the_silent_peer():
     t, _ = _mpi_on_fake(comm, cuda_aware=True, timeout_s=0.2)
     with pytest.raises(DeepEPTimeoutError, match=r"alltoall_ints timed out after 0.2 s: rail peers \[0\]"):
         t.alltoall_ints([1, 2, 3])
+
+
+class StalledMpiComm(FakeMpiComm):
+    """A FakeMpiComm whose requests never complete; ``received`` has weak references to the
+    arrays its receives and Ialltoallv write to."""
+
+    def __init__(self, rank, size):
+        super().__init__(rank, size, silent=range(size), stalled=True)
+        self.received = []
+
+    def Irecv(self, buf, source, tag):
+        self.received.append(weakref.ref(buf[0].base))
+        return FakeRequest(done=False)
+
+    def Ialltoallv(self, sendbuf, recvbuf):
+        self.received.append(weakref.ref(recvbuf[0]))
+        return FakeRequest(done=False)
+
+
+@pytest.mark.parametrize("call", ["alltoallv", "alltoall_ints"])
+def test_mpi_keeps_what_a_timed_out_call_left_posted_past_close(call):
+    # MPI cannot cancel the requests: a late peer may still write into their arrays.
+    comm = StalledMpiComm(rank=0, size=2)
+    t, _ = _mpi_on_fake(comm, cuda_aware=False, timeout_s=0.05)
+    buf = np.zeros(16, np.uint8)
+    try:
+        if call == "alltoallv":
+            t.alltoallv(buf.ctypes.data, [0, 8], buf.ctypes.data, [0, 8], STREAM)
+        else:
+            t.alltoall_ints([1, 2])
+    except DeepEPTimeoutError:
+        pass
+    else:
+        raise AssertionError("expected a timeout")
+    t.close()
+    del t
+    gc.collect()
+    assert comm.received and all(ref() is not None for ref in comm.received)
+
+
+def test_mpi_close_waits_for_the_last_copy_back_before_it_lets_the_staging_buffers_go():
+    comm = FakeMpiComm(rank=0, size=2)
+    t, memory = _mpi_on_fake(comm, cuda_aware=False)
+    buf = np.zeros(16, np.uint8)
+    t.alltoallv(buf.ctypes.data, [0, 8], buf.ctypes.data, [0, 8], STREAM)
+    event = [c for c in memory.calls if c[0] == "record"][-1][1]
+    t.close()
+    assert memory.calls[-2:] == [("event_synchronize", event), ("destroy_event", event)]
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("0", False)])
