@@ -100,13 +100,10 @@ class RailTransport(abc.ABC):
     # -- shared argument checks ----------------------------------------------------------------
 
     def _counts(self, name: str, counts: Sequence[int]) -> List[int]:
-        try:
-            values = [int(c) for c in counts]
-        except (TypeError, ValueError):
-            raise TypeError(f"{name}: expected {self.size} ints, got {counts!r}") from None
-        if len(values) != self.size or any(v < 0 for v in values):
-            raise ValueError(f"{name}: expected {self.size} non-negative byte counts (one per rail peer), "
-                             f"got {values}")
+        what = "non-negative byte counts"
+        values = self._check_ints(counts, name, what)
+        if any(v < 0 for v in values):
+            raise ValueError(f"{name}: expected {self.size} {what} (one per rail peer), got {values}")
         return values
 
     def _byte_counts(self, send_bytes: Sequence[int], recv_bytes: Sequence[int]) -> Tuple[List[int], List[int]]:
@@ -118,13 +115,14 @@ class RailTransport(abc.ABC):
                              f"{recv_bytes[me]}")
         return send_bytes, recv_bytes
 
-    def _check_ints(self, values: Sequence[int]) -> List[int]:
+    def _check_ints(self, values: Sequence[int], name: str = "values", what: str = "ints") -> List[int]:
+        """``values`` as ``size`` ints (``what`` names them in the message of a wrong count)."""
         try:
             ints = [int(v) for v in values]
         except (TypeError, ValueError):
-            raise TypeError(f"values: expected {self.size} ints, got {values!r}") from None
+            raise TypeError(f"{name}: expected {self.size} ints, got {values!r}") from None
         if len(ints) != self.size:
-            raise ValueError(f"values: expected one int per rail peer ({self.size}), got {len(ints)}")
+            raise ValueError(f"{name}: expected {self.size} {what} (one per rail peer), got {ints}")
         return ints
 
     def __repr__(self) -> str:
