@@ -193,7 +193,7 @@ def discover_topology(group: Any, ranks_per_node: Optional[int] = None,
                              f"and of the group ({size})")
         return NodeTopology(rank, size, requested)
     if peers_mappable is False or host_L == 1:
-        return NodeTopology(rank, size, 1 if peers_mappable is False else host_L)
+        return NodeTopology(rank, size, 1)
     if peers_mappable is True:
         return NodeTopology(rank, size, host_L)
     peers = [everyone[r][3] for r in NodeTopology(rank, size, host_L).node_ranks() if r != rank]
