@@ -125,6 +125,16 @@ def _pci_address(bus_id: str) -> str:
     return (match.group(0) if match else bus_id).lower()
 
 
+def gpu_address(device_id: int) -> Optional[str]:
+    """The PCI address of CUDA device ``device_id`` (None where CUDA cannot say: CPU machines)."""
+    try:
+        from cupy.cuda import runtime
+
+        return _pci_address(runtime.deviceGetPCIBusId(device_id))
+    except Exception:
+        return None
+
+
 def gpu_bus_id() -> str:
     """The PCI bus id of the current CUDA device (``cudaDeviceGetPCIBusId``)."""
     from cupy.cuda import runtime

@@ -25,6 +25,7 @@ import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .errors import RankMismatchError
+from .nodes import gpu_address
 
 #: Environment variable: the transport :func:`make_transport` picks when its ``kind`` is None.
 TRANSPORT_ENV = "DEEPEP_CUPY_TRANSPORT"
@@ -210,18 +211,6 @@ def choose_kind(kind: Optional[str], group: Any) -> str:
         raise ValueError("transport: 'nccl' over an mpi4py communicator needs CuPy's NCCL bindings, which cannot "
                          "load NCCL here (pip install nvidia-nccl-cu12), or choose 'mpi'")
     return requested
-
-
-def gpu_address(device_id: int) -> Optional[str]:
-    """The PCI address of CUDA device ``device_id`` (None where CUDA cannot say: CPU machines)."""
-    from .nodes import _pci_address
-
-    try:
-        from cupy.cuda import runtime
-
-        return _pci_address(runtime.deviceGetPCIBusId(device_id))
-    except Exception:
-        return None
 
 
 def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int) -> Tuple[str, List[List[int]]]:
