@@ -9,7 +9,8 @@ A wait never stays a hang: the requests are polled until ``timeout_s``, then
 :class:`deepep_cupy.DeepEPTimeoutError` names the rail peers not heard from. Next to the data,
 each rank sends every peer a tiny arrival message carrying its call number, which is what tells
 who never reached the call (a collective request alone cannot say), and that the ranks agree on
-the call count. After a timeout the transport is unusable (MPI cannot cancel a collective).
+the call count. After a timeout the transport is unusable (MPI cannot cancel a collective), and
+what the call left posted (requests, their arrays, the staging buffers) is kept for good.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ _INTS_TAG = 7102
 
 #: Pinned staging buffers grow in steps of this many bytes (and never shrink).
 STAGING_GRANULE = 1 << 20
+
+#: What closed transports that timed out left posted (their requests, the arrays those read and
+#: write, the staging buffers): MPI cannot cancel them, so a late peer may still write there, and
+#: the memory must never be reused. Never emptied (one entry per broken transport).
+_LEFT_POSTED: List[Any] = []
 
 
 def mpi_is_cuda_aware(comm: Any) -> bool:
@@ -87,6 +93,8 @@ class MpiRailTransport(RailTransport):
         self._copied_back: Optional[int] = None     # event: the last copy out of _recv_host has run
         self._calls = 0
         self._broken: Optional[str] = None
+        #: Per timed-out wait, ``(its requests, the arrays they use)``: kept while MPI may use them.
+        self._abandoned: List[Any] = []
 
     # -- the operations ---------------------------------------------------------------------
 
@@ -135,17 +143,24 @@ class MpiRailTransport(RailTransport):
                 requests[p] = self._comm.Irecv([out[p:p + 1], self._MPI.INT64_T], source=p, tag=_INTS_TAG)
         sends = [self._comm.Isend([sent[p:p + 1], self._MPI.INT64_T], dest=p, tag=_INTS_TAG)
                  for p in range(self.size) if p != me]
-        self._wait(requests, sends, "alltoall_ints")
+        self._wait(requests, sends, "alltoall_ints", (out, sent))
         return [int(v) for v in out]
 
     def close(self) -> None:
         if self._group is not None:
             group, self._group = self._group, None
             if self._copied_back is not None:
+                if self._broken is None:    # the last copy back still reads _recv_host
+                    self._memory.event_synchronize(self._copied_back)
                 self._memory.destroy_event(self._copied_back)
                 self._copied_back = None
+            if self._broken is not None:
+                # Outstanding requests still use the communicator (not freed), their arrays and
+                # the staging buffers (kept for good, past this transport).
+                _LEFT_POSTED.append((self._abandoned, self._send_host, self._recv_host))
             self._send_host = self._recv_host = None
-            if self._broken is None:    # outstanding requests would still use the communicator
+            self._abandoned = []
+            if self._broken is None:
                 group.free()
             self._broken = self._broken or "the transport was closed"
 
@@ -180,15 +195,17 @@ class MpiRailTransport(RailTransport):
         sends = [self._comm.Isend([mine, self._MPI.INT64_T], dest=p, tag=_ARRIVAL_TAG)
                  for p in range(self.size) if p != me]
         data = self._comm.Ialltoallv(sendbuf, recvbuf)
-        self._wait(arrivals, sends + [data], "alltoallv")
+        self._wait(arrivals, sends + [data], "alltoallv", (stamps, mine, sendbuf, recvbuf))
         wrong = {self.rail[p]: int(stamps[p]) for p in arrivals if stamps[p] != call}
         if wrong:
             self._broken = "ranks disagree on the number of calls"
             raise RankMismatchError(f"rank {self.rail[me]}: rail alltoallv call {call}, but rail peers are at calls "
                                     f"{wrong} (global rank: call; every rank must make the same calls)")
 
-    def _wait(self, from_peers: Dict[int, Any], others: List[Any], what: str) -> None:
-        """Poll until every request completed, or raise DeepEPTimeoutError after ``timeout_s``."""
+    def _wait(self, from_peers: Dict[int, Any], others: List[Any], what: str, buffers: Sequence[Any]) -> None:
+        """Poll until every request completed, or raise DeepEPTimeoutError after ``timeout_s``,
+        keeping the requests still posted and ``buffers`` (the arrays they read and write: MPI
+        may still use them, a late peer writes there) for as long as MPI may use them."""
         pending = dict(from_peers)
         rest = list(others)
         deadline = time.monotonic() + self.timeout_s
@@ -209,6 +226,7 @@ class MpiRailTransport(RailTransport):
                 os.sched_yield()
         me = self.rail[self.rank]
         self._broken = f"a {what} timed out"
+        self._abandoned.append((list(pending.values()) + rest, tuple(buffers)))
         if pending:
             missing = sorted(pending)
             globals_ = [self.rail[p] for p in missing]

@@ -31,7 +31,7 @@ topology, the rail transport, the intranode engine) are given to it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -311,11 +311,22 @@ class InternodePath:
                 with lib.allocating_on(stream, self.device_id):
                     yield
 
-    def _begin(self, lib, previous_event, async_finish, allocate_on_comm_stream) -> Tuple[int, int]:
+    @contextlib.contextmanager
+    def _call(self, lib, previous_event, async_finish, allocate_on_comm_stream) -> Iterator[Tuple[int, int]]:
+        """The span of one call: ordered after the caller's work (``order.begin``), its GPU work on
+        ``run_on`` (:meth:`_on`); yields ``(caller's stream, run_on)``. Leaving by an exception (bad
+        ids, a transport's timeout, an intranode refusal) tells the stream order that work may be
+        queued on ``run_on`` already (``order.abandon``), so that the next call and destroy() come
+        after it."""
         caller = lib.current_stream(self.device_id)
         run_on = self.order.begin(caller, previous_event, async_finish or allocate_on_comm_stream,
                                   self.topology.rank)
-        return caller, run_on
+        with self._on(lib, run_on):
+            try:
+                yield caller, run_on
+            except BaseException:
+                self.order.abandon(run_on)
+                raise
 
     def _finish(self, lib, caller: int, run_on: int, async_finish: bool, arrays, outputs) -> EventOverlap:
         return self.order.finish(caller, run_on, lib, async_finish, [a for a in arrays if a is not None],
@@ -354,8 +365,7 @@ class InternodePath:
         check_array(info, "topk_idx", ("int64",), 2)
         lib = info.lib
         cupy = _cupy()
-        caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-        with self._on(lib, run_on):
+        with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             topk = device_view(topk_idx, info, self.device_id)
             T = topk.shape[0]
             per_expert = _counts(topk, num_experts)
@@ -457,8 +467,7 @@ class InternodePath:
         N = self.topology.num_nodes
         experts_per_node = num_experts // N
         T, K = topk_info.shape
-        caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-        with self._on(lib, run_on):
+        with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             x_rows, x_scales = self._read_x(rows, scales, info, scales_info)
             topk = device_view(topk_idx, topk_info, dev)
             weights = None if weights_info is None else device_view(topk_weights, weights_info, dev)
@@ -616,8 +625,7 @@ class InternodePath:
                          async_finish, allocate_on_comm_stream):
         cupy = _cupy()
         lib = info.lib
-        caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-        with self._on(lib, run_on):
+        with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             x_rows, x_scales = self._read_x(rows, scales, info, scales_info)
             layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
             forwarded = self._forward(layout.pack(handle.send_token_idx, x_rows, x_scales), layout, handle.send_counts,
@@ -688,8 +696,7 @@ class InternodePath:
         N, me = topo.num_nodes, topo.node
         T, H = handle.num_tokens, info.shape[1]
         M = handle.num_forwarded
-        caller, run_on = self._begin(lib, previous_event, async_finish, allocate_on_comm_stream)
-        with self._on(lib, run_on):
+        with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             if self.intranode is not None:
                 partial, partial_w, _ = self.intranode.combine(x, handle.intranode, topk_weights=topk_weights,
                                                                config=config)

@@ -125,6 +125,16 @@ def _pci_address(bus_id: str) -> str:
     return (match.group(0) if match else bus_id).lower()
 
 
+def gpu_address(device_id: int) -> Optional[str]:
+    """The PCI address of CUDA device ``device_id`` (None where CUDA cannot say: CPU machines)."""
+    try:
+        from cupy.cuda import runtime
+
+        return _pci_address(runtime.deviceGetPCIBusId(device_id))
+    except Exception:
+        return None
+
+
 def gpu_bus_id() -> str:
     """The PCI bus id of the current CUDA device (``cudaDeviceGetPCIBusId``)."""
     from cupy.cuda import runtime
@@ -193,7 +203,7 @@ def discover_topology(group: Any, ranks_per_node: Optional[int] = None,
                              f"and of the group ({size})")
         return NodeTopology(rank, size, requested)
     if peers_mappable is False or host_L == 1:
-        return NodeTopology(rank, size, 1 if peers_mappable is False else host_L)
+        return NodeTopology(rank, size, 1)
     if peers_mappable is True:
         return NodeTopology(rank, size, host_L)
     peers = [everyone[r][3] for r in NodeTopology(rank, size, host_L).node_ranks() if r != rank]

@@ -25,6 +25,7 @@ import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .errors import RankMismatchError
+from .nodes import gpu_address
 
 #: Environment variable: the transport :func:`make_transport` picks when its ``kind`` is None.
 TRANSPORT_ENV = "DEEPEP_CUPY_TRANSPORT"
@@ -100,13 +101,10 @@ class RailTransport(abc.ABC):
     # -- shared argument checks ----------------------------------------------------------------
 
     def _counts(self, name: str, counts: Sequence[int]) -> List[int]:
-        try:
-            values = [int(c) for c in counts]
-        except (TypeError, ValueError):
-            raise TypeError(f"{name}: expected {self.size} ints, got {counts!r}") from None
-        if len(values) != self.size or any(v < 0 for v in values):
-            raise ValueError(f"{name}: expected {self.size} non-negative byte counts (one per rail peer), "
-                             f"got {values}")
+        what = "non-negative byte counts"
+        values = self._check_ints(counts, name, what)
+        if any(v < 0 for v in values):
+            raise ValueError(f"{name}: expected {self.size} {what} (one per rail peer), got {values}")
         return values
 
     def _byte_counts(self, send_bytes: Sequence[int], recv_bytes: Sequence[int]) -> Tuple[List[int], List[int]]:
@@ -118,13 +116,14 @@ class RailTransport(abc.ABC):
                              f"{recv_bytes[me]}")
         return send_bytes, recv_bytes
 
-    def _check_ints(self, values: Sequence[int]) -> List[int]:
+    def _check_ints(self, values: Sequence[int], name: str = "values", what: str = "ints") -> List[int]:
+        """``values`` as ``size`` ints (``what`` names them in the message of a wrong count)."""
         try:
             ints = [int(v) for v in values]
         except (TypeError, ValueError):
-            raise TypeError(f"values: expected {self.size} ints, got {values!r}") from None
+            raise TypeError(f"{name}: expected {self.size} ints, got {values!r}") from None
         if len(ints) != self.size:
-            raise ValueError(f"values: expected one int per rail peer ({self.size}), got {len(ints)}")
+            raise ValueError(f"{name}: expected {self.size} {what} (one per rail peer), got {ints}")
         return ints
 
     def __repr__(self) -> str:
@@ -214,18 +213,6 @@ def choose_kind(kind: Optional[str], group: Any) -> str:
     return requested
 
 
-def gpu_address(device_id: int) -> Optional[str]:
-    """The PCI address of CUDA device ``device_id`` (None where CUDA cannot say: CPU machines)."""
-    from .nodes import _pci_address
-
-    try:
-        from cupy.cuda import runtime
-
-        return _pci_address(runtime.deviceGetPCIBusId(device_id))
-    except Exception:
-        return None
-
-
 def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int) -> Tuple[str, List[List[int]]]:
     """The transport every rank takes, and every rank's rail (each once, in the order first seen).
 
@@ -256,8 +243,10 @@ def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int)
         if other not in parts:
             parts.append(other)
     proposals = [e[1] for e in everyone]
+    # The group's verdict, not this rank's: a kind asked for on some ranks only binds them all.
+    explicit = any(e[2] for e in everyone)
     if len(set(proposals)) > 1:
-        if any(e[2] for e in everyone) or set(proposals) != {"nccl", "mpi"}:
+        if explicit or set(proposals) != {"nccl", "mpi"}:
             raise RankMismatchError(f"transport: ranks chose different transports, got {proposals} (rank order)")
         return "mpi", parts     # NCCL is not loadable on every rank
     chosen = proposals[0]

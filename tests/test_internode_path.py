@@ -186,6 +186,28 @@ def test_expert_ids_out_of_range_on_one_rank_raise_on_every_rank_of_every_node(m
     assert all("topk_idx" in o[0] for o in outcomes)  # rail 0 learns it in its nodes' intranode stage
 
 
+def test_a_call_that_raises_after_it_began_is_abandoned_on_its_stream(monkeypatch):
+    # The layout before it finishes as usual; the dispatch's refusal comes after its GPU work
+    # was queued, which the next call and destroy() must still come after.
+    use_host_arrays(monkeypatch)
+    paths = make_paths(2, 1)
+    inputs = make_inputs(8, 2, 8, 2, "float32", counts=[3, 3])
+    inputs[0]["topk"][1, 1] = 8
+
+    def body(rank, path):
+        abandoned = []
+        monkeypatch.setattr(path.order, "abandon", abandoned.append)
+        topk = on_device(inputs[rank]["topk"])
+        per_expert = path.get_dispatch_layout(topk, 8, async_finish=True)[2]
+        with pytest.raises(ValueError, match="topk_idx: expert ids out of"):
+            path.dispatch(on_device(inputs[rank]["x"]), num_tokens_per_expert=per_expert, topk_idx=topk,
+                          async_finish=True)
+        return abandoned, path.order.ptr
+
+    for abandoned, comm_stream in run_ranks(paths, body):
+        assert abandoned == [comm_stream]
+
+
 # --- argument checks (before anything moves) ---------------------------------------------------
 
 @pytest.fixture

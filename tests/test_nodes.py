@@ -177,3 +177,16 @@ def test_ranks_asking_for_different_node_sizes_are_refused(fake_gpus):
 def test_a_bus_id_decorated_by_a_test_launcher_names_its_gpu():
     assert nodes._pci_address("0000:1B:00.0/rank3") == "0000:1b:00.0"
     assert nodes._pci_address("0000:1b:00.0") == "0000:1b:00.0"
+
+
+def test_gpu_address_is_the_pci_address_of_the_device_or_none_where_cuda_cannot_say(monkeypatch):
+    from cupy.cuda import runtime
+
+    monkeypatch.setattr(runtime, "deviceGetPCIBusId", lambda device_id: f"0000:1B:0{device_id}.0/rank3")
+    assert nodes.gpu_address(2) == "0000:1b:02.0"
+
+    def no_cuda(device_id):
+        raise runtime.CUDARuntimeError(100)
+
+    monkeypatch.setattr(runtime, "deviceGetPCIBusId", no_cuda)
+    assert nodes.gpu_address(0) is None

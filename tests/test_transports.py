@@ -8,7 +8,9 @@ tests/test_gpu_transports.py.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -193,6 +195,17 @@ def test_nccl_asked_for_ranks_sharing_a_gpu_is_refused_on_every_rank(no_env, mon
     assert all(isinstance(e, ValueError) and "NCCL refuses two ranks on one GPU" in str(e)
                for e in info.value.failures.values())
     assert sorted(info.value.failures) == [0, 1]
+
+
+def test_nccl_asked_on_one_rank_only_for_ranks_sharing_a_gpu_is_refused_on_every_rank(no_env, monkeypatch):
+    # Rank 1 chooses automatically (nccl too): none may go on into the split while another raises.
+    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl())
+    monkeypatch.setattr(transports, "gpu_address", lambda device_id: "0000:01:00.0")
+    with pytest.raises(RankFailed) as info:
+        run(lambda g: transports._agree(ThreadsAsMpi(g), None if g.rank else "nccl", [0, 1], 0), 2)
+    assert sorted(info.value.failures) == [0, 1]
+    assert all(isinstance(e, ValueError) and "NCCL refuses two ranks on one GPU" in str(e)
+               for e in info.value.failures.values())
 
 
 def test_a_kind_one_rank_cannot_use_is_refused_on_every_rank(no_env, monkeypatch):
@@ -604,6 +617,54 @@ def test_mpi_host_alltoall_names_the_silent_peer():
     t, _ = _mpi_on_fake(comm, cuda_aware=True, timeout_s=0.2)
     with pytest.raises(DeepEPTimeoutError, match=r"alltoall_ints timed out after 0.2 s: rail peers \[0\]"):
         t.alltoall_ints([1, 2, 3])
+
+
+class StalledMpiComm(FakeMpiComm):
+    """A FakeMpiComm whose requests never complete; ``received`` has weak references to the
+    arrays its receives and Ialltoallv write to."""
+
+    def __init__(self, rank, size):
+        super().__init__(rank, size, silent=range(size), stalled=True)
+        self.received = []
+
+    def Irecv(self, buf, source, tag):
+        self.received.append(weakref.ref(buf[0].base))
+        return FakeRequest(done=False)
+
+    def Ialltoallv(self, sendbuf, recvbuf):
+        self.received.append(weakref.ref(recvbuf[0]))
+        return FakeRequest(done=False)
+
+
+@pytest.mark.parametrize("call", ["alltoallv", "alltoall_ints"])
+def test_mpi_keeps_what_a_timed_out_call_left_posted_past_close(call):
+    # MPI cannot cancel the requests: a late peer may still write into their arrays.
+    comm = StalledMpiComm(rank=0, size=2)
+    t, _ = _mpi_on_fake(comm, cuda_aware=False, timeout_s=0.05)
+    buf = np.zeros(16, np.uint8)
+    try:
+        if call == "alltoallv":
+            t.alltoallv(buf.ctypes.data, [0, 8], buf.ctypes.data, [0, 8], STREAM)
+        else:
+            t.alltoall_ints([1, 2])
+    except DeepEPTimeoutError:
+        pass
+    else:
+        raise AssertionError("expected a timeout")
+    t.close()
+    del t
+    gc.collect()
+    assert comm.received and all(ref() is not None for ref in comm.received)
+
+
+def test_mpi_close_waits_for_the_last_copy_back_before_it_lets_the_staging_buffers_go():
+    comm = FakeMpiComm(rank=0, size=2)
+    t, memory = _mpi_on_fake(comm, cuda_aware=False)
+    buf = np.zeros(16, np.uint8)
+    t.alltoallv(buf.ctypes.data, [0, 8], buf.ctypes.data, [0, 8], STREAM)
+    event = [c for c in memory.calls if c[0] == "record"][-1][1]
+    t.close()
+    assert memory.calls[-2:] == [("event_synchronize", event), ("destroy_event", event)]
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("0", False)])
