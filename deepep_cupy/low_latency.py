@@ -293,10 +293,12 @@ class LowLatencyPath:
         self._slots.raise_if_failed()
         lib, x_ptr, num_tokens, x_key = read(x)
         _, topk_ptr, topk_rows, topk_key = read(topk_idx)
-        _, cum_ptr, _, cum_key = read(cumulative_local_expert_recv_stats)
-        _, wait_ptr, _, wait_key = read(dispatch_wait_recv_cost_stats)
-        key = (x_key, topk_key, cum_key, wait_key, num_max_dispatch_tokens_per_rank, num_experts, bool(use_fp8),
-               bool(round_scale), bool(use_ue8m0))
+        _, cum_ptr, cum_rows, cum_key = read(cumulative_local_expert_recv_stats)
+        _, wait_ptr, wait_rows, wait_key = read(dispatch_wait_recv_cost_stats)
+        # The statistics' lengths are in the key (the kernel writes L and R entries): an array of
+        # another length is checked anew, not written past its end on a kept plan.
+        key = (x_key, topk_key, cum_key, cum_rows, wait_key, wait_rows, num_max_dispatch_tokens_per_rank,
+               num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
         plan = self._dispatch_plans.get(key)
         if plan is None:
             plan = self._keep(self._dispatch_plans, key, self._dispatch_plan, x, topk_idx,
@@ -416,14 +418,16 @@ class LowLatencyPath:
             raise ValueError("use_logfmt=True: LogFMT-compressed combine is not implemented; pass use_logfmt=False "
                              "(BF16 rows)")
         _check_handle(handle)
-        lib, x_ptr, _, x_key = read(x)
+        lib, x_ptr, x_rows, x_key = read(x)
         _, topk_ptr, num_tokens, topk_key = read(topk_idx)
         _, weights_ptr, weight_rows, weights_key = read(topk_weights)
         _, out_ptr, out_rows, out_key = read(out)
         _, src_ptr, src_rows, src_key = read(handle.src_info)
         _, range_ptr, range_rows, range_key = read(handle.layout_range)
-        key = (x_key, topk_key, weights_key, out_key, src_key, range_key, handle.num_max_dispatch_tokens_per_rank,
-               handle.hidden, handle.num_experts)
+        # x's rows (one block per local expert, all read by the kernel) are in the key as the other
+        # axes are: x of fewer experts is checked anew.
+        key = (x_key, x_rows, topk_key, weights_key, out_key, src_key, range_key,
+               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         plan = self._combine_plans.get(key)
         if plan is None:
             plan = self._keep(self._combine_plans, key, self._combine_plan, x, topk_idx, topk_weights, handle, out)

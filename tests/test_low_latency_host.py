@@ -202,6 +202,22 @@ def test_bad_dispatch_arguments_are_refused_before_any_launch(path, change, erro
     assert path.log == []
 
 
+@pytest.mark.parametrize("name, good, short", [
+    ("cumulative_local_expert_recv_stats", lambda: on_device(np.zeros(L, np.int32)),
+     lambda: on_device(np.zeros(1, np.int32))),
+    ("dispatch_wait_recv_cost_stats", lambda: on_device(np.zeros(R, np.int64)),
+     lambda: on_device(np.zeros(1, np.int64))),
+])
+def test_a_statistics_array_shorter_than_the_one_a_kept_plan_checked_is_refused(path, name, good, short):
+    # The kernel writes one entry per local expert (per rank): a kept plan must not take a short one.
+    x, topk, _ = inputs()
+    path.path.dispatch(x, topk, M, E, **{name: good()})
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"{name}: expected shape"):
+        path.path.dispatch(x, topk, M, E, **{name: short()})
+    assert len(path.log) == launches
+
+
 def test_a_bad_expert_id_the_kernel_reported_is_raised_by_the_next_call_which_then_works(path):
     x, topk, _ = inputs()
     record = path.slots.values[slots.ERROR_RECORD:slots.ERROR_RECORD + 6]
@@ -324,6 +340,18 @@ def test_a_handle_whose_arrays_differ_from_those_a_kept_plan_checked_is_refused(
     other = handle._replace(src_info=on_device(np.zeros((L + 1, R * M), np.int32)))
     with pytest.raises(ValueError, match=f"handle: expected src_info and layout_range of {L} rows"):
         path.path.combine(recv_x, topk, weights, other)
+    assert len(path.log) == launches
+
+
+def test_a_combine_x_with_fewer_experts_than_a_kept_plan_checked_is_refused(path):
+    # x's axis 0 (one block of rows per local expert) is read by the kernel: recv_x[:1] must not
+    # reuse the plan made for the whole of it.
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    path.path.combine(recv_x, topk, weights, handle)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        path.path.combine(recv_x[:1], topk, weights, handle)
     assert len(path.log) == launches
 
 
