@@ -391,6 +391,7 @@ class LowLatencyPath:
         pending = [arrays]  # the call's arrays, kept alive until the receive is issued; empty once the hook ran
 
         def hook() -> None:
+            slots.raise_if_failed()  # as every call: not on a destroyed or failed Buffer
             if not pending:
                 raise RuntimeError("deepep_cupy: this receive hook was called already (each hook runs once)")
             kept = pending.pop()

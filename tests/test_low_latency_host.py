@@ -159,6 +159,27 @@ def test_the_hooks_receive_is_noted_so_that_destroy_and_clean_wait_for_it(path):
     assert path.order.side_work == [receive_stream]
 
 
+def test_a_hook_of_a_buffer_destroyed_since_its_send_raises_and_launches_nothing(path):
+    # Buffer.destroy() closes the path and marks the slots failed: the receive must not run on
+    # the freed buffer.
+    x, topk, _ = inputs()
+    *_, hook = path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
+    path.path.close()
+    path.slots.failed = "the Buffer was destroyed"
+    with pytest.raises(ep.DeepEPError, match="Buffer unusable: the Buffer was destroyed"):
+        hook()
+    assert [p["phases"] for _, _, p in path.log] == [1]
+
+
+def test_a_hook_raises_what_the_kernels_reported_since_its_send_before_launching(path):
+    x, topk, _ = inputs()
+    *_, hook = path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
+    path.slots.values[slots.ERROR_RECORD:slots.ERROR_RECORD + 6] = [ERROR_BAD_EXPERT_ID, 9, 0, -1, -1, 11]
+    with pytest.raises(ValueError, match="rank 0 passed expert ids outside"):
+        hook()
+    assert [p["phases"] for _, _, p in path.log] == [1]
+
+
 def test_repeated_calls_launch_identical_parameters_so_a_captured_call_replays_alike(path):
     # Which half of the buffer a call uses and its epoch are counted on the device, not passed.
     x, topk, weights = inputs()
