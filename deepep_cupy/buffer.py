@@ -331,7 +331,9 @@ class Buffer:
                 packed exponent bytes (implies round_scale).
             async_finish: return an event instead of making the current stream wait.
             return_recv_hook: issue only the send; ``hook()`` issues the receive (on the stream
-                current then). Two calls may be in flight (send, send, hook, hook).
+                current then). Two calls may be in flight (send, send, hook, hook); hooks must run
+                in the order of their calls, and a call without a hook is refused while a hook of
+                its op is not called yet (``ValueError``).
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: recv_x BF16 ``[L, R * M, hidden]`` or

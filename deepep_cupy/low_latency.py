@@ -22,7 +22,8 @@ exactly; the GPU tests compare bit for bit.
 Contract of the in-flight results (DeepEP's): the two halves let two calls of an op be in flight,
 e.g. two dispatch sends before their hooks; the send of call ``n`` waits (on the device) until every
 receiver has finished receiving call ``n - 2``, so a third send before the first hook never
-completes: it times out (``DeepEPTimeoutError``). The zero-copy combine area is one area (the send
+completes: it times out (``DeepEPTimeoutError``). A receive pairs with a send by order alone, so
+the host refuses what would pair them wrongly (:class:`_OwedReceives`). The zero-copy combine area is one area (the send
 reads it within its launch), so :meth:`LowLatencyPath.next_combine_buffer` is the same view for
 every handle of the same sizes.
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from . import launch, tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, UE8M0_PER_INT
@@ -45,6 +46,8 @@ __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_la
 DEFAULT_NUM_SMS = 32
 #: Plans a path keeps per op before it forgets them all (a decode loop uses a handful).
 MAX_PLANS = 256
+#: Calls of an op whose receive may be owed at once (the buffer's two halves).
+CALLS_IN_FLIGHT = 2
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -174,6 +177,52 @@ class _Plan(NamedTuple):
     both: KernelCall
 
 
+class _OwedReceives:
+    """The hooks of an op's calls whose receive has not been issued yet, oldest first (host side).
+
+    On the device a receive pairs with a send by order alone (one call counter per op), so the
+    host keeps that order: a call without a hook, or a hook out of turn, would receive another
+    call's data, and a third send would wait for a receive that cannot come until it times out.
+    """
+
+    def __init__(self, op: str):
+        self.op = op
+        self._hooks: List[Callable[[], None]] = []
+
+    def check_call(self, return_recv_hook: bool) -> None:
+        """Raise unless a call with (or without) a hook may be issued now."""
+        if not self._hooks:
+            return
+        if not return_recv_hook:
+            raise ValueError(
+                f"return_recv_hook=False: a low-latency {self.op} sent with return_recv_hook=True has not "
+                f"received yet; call its hook first (the kernels pair receives with sends by order, so this "
+                f"call would receive that one's data)")
+        if len(self._hooks) >= CALLS_IN_FLIGHT:
+            raise ValueError(
+                f"return_recv_hook=True: two low-latency {self.op} calls already wait for their hooks (at most "
+                f"{CALLS_IN_FLIGHT} in flight); call the older hook first (a third send waits on the GPU for "
+                f"its receive and would time out)")
+
+    def check_hook(self, hook: Callable[[], None]) -> None:
+        """Raise unless ``hook`` is the oldest owed."""
+        if hook not in self._hooks:
+            raise ValueError("hook: clean_low_latency_buffer reset the low-latency calls since this hook's call; "
+                             "make the call again")
+        if self._hooks[0] is not hook:
+            raise ValueError(f"hook: the hook of an earlier low-latency {self.op} has not been called; call the "
+                             f"hooks in the order of their calls (the kernels pair receives with sends by order)")
+
+    def add(self, hook: Callable[[], None]) -> None:
+        self._hooks.append(hook)
+
+    def remove(self, hook: Callable[[], None]) -> None:
+        self._hooks.remove(hook)
+
+    def clear(self) -> None:
+        self._hooks.clear()
+
+
 class LowLatencyPath:
     """A rank's low-latency buffer and the calls that use it.
 
@@ -205,6 +254,8 @@ class LowLatencyPath:
         self._dispatch_plans: Dict[tuple, _Plan] = {}
         self._combine_plans: Dict[tuple, _Plan] = {}
         self._zero_copy_views: Dict[tuple, Any] = {}
+        self._owed_dispatch = _OwedReceives("dispatch")
+        self._owed_combine = _OwedReceives("combine")
 
     # -----------------------------------------------------------------------------------------
     # Set-up
@@ -243,6 +294,8 @@ class LowLatencyPath:
         self._dispatch_plans.clear()
         self._combine_plans.clear()
         self._zero_copy_views.clear()
+        self._owed_dispatch.clear()
+        self._owed_combine.clear()
 
     def _plan(self, kernel: str, layout: LowLatencyLayout, per_call: Tuple[str, ...], **fixed) -> _Plan:
         """``kernel`` bound for each of its phases (send, receive, both) with the shared arguments
@@ -291,6 +344,7 @@ class LowLatencyPath:
                  async_finish: bool = False, return_recv_hook: bool = False):
         """See :meth:`deepep_cupy.Buffer.low_latency_dispatch`."""
         self._slots.raise_if_failed()
+        self._owed_dispatch.check_call(return_recv_hook)
         lib, x_ptr, num_tokens, x_key = read(x)
         _, topk_ptr, topk_rows, topk_key = read(topk_idx)
         _, cum_ptr, cum_rows, cum_key = read(cumulative_local_expert_recv_stats)
@@ -328,7 +382,8 @@ class LowLatencyPath:
                       recv_count, src_info, layout_range)
             arrays = tuple(a for a in arrays if a is not None)
             outputs = tuple(a for a in (recv_x, scales, recv_count, src_info, layout_range) if a is not None)
-            event, hook = self._launch(plan, lib, values, arrays, outputs, async_finish, return_recv_hook)
+            event, hook = self._launch(plan, lib, values, arrays, outputs, async_finish, return_recv_hook,
+                                       self._owed_dispatch)
         if scales is not None:
             scales = scales.swapaxes(1, 2)  # [L, R * M, groups], column-major as DeepEP returns them
         handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -371,9 +426,10 @@ class LowLatencyPath:
         return self._plan("ll_dispatch_kernel", layout, per_call, **fixed)
 
     def _launch(self, plan: _Plan, lib, values: Tuple[int, ...], arrays, outputs, async_finish: bool,
-                return_recv_hook: bool) -> Tuple[Any, Optional[Callable[[], None]]]:
+                return_recv_hook: bool, owed: _OwedReceives) -> Tuple[Any, Optional[Callable[[], None]]]:
         """Launch the call (both phases, or with ``return_recv_hook`` the send), ordered as every call
-        of the Buffer (deepep_cupy/streams.py); its event and its hook (the receive) or None."""
+        of the Buffer (deepep_cupy/streams.py); its event and its hook (the receive, then owed by the
+        op) or None."""
         caller = lib.current_stream(self.device_id)
         run_on = self._order.begin(caller, None, async_finish, self.rank)
         try:
@@ -383,10 +439,11 @@ class LowLatencyPath:
             raise
         event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
                                    self._slots.raise_if_failed)
-        return event, (self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None)
+        return event, (self._hook(plan.receive, lib, values, arrays, owed) if return_recv_hook else None)
 
-    def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays) -> Callable[[], None]:
-        """The receive half of a call: launched on the caller's current stream when called (once)."""
+    def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays, owed: _OwedReceives) -> Callable[[], None]:
+        """The receive half of a call, owed by its op until launched: launched on the caller's current
+        stream when called (once, in the order of the op's calls)."""
         order, slots, dev = self._order, self._slots, self.device_id
         pending = [arrays]  # the call's arrays, kept alive until the receive is issued; empty once the hook ran
 
@@ -394,10 +451,13 @@ class LowLatencyPath:
             slots.raise_if_failed()  # as every call: not on a destroyed or failed Buffer
             if not pending:
                 raise RuntimeError("deepep_cupy: this receive hook was called already (each hook runs once)")
-            kept = pending.pop()
+            owed.check_hook(hook)
             with self._on_device:
                 stream = lib.current_stream(dev)
                 call.run(stream, *values)
+                # Launched: no longer owed (a launch that failed leaves the hook to be called again).
+                owed.remove(hook)
+                kept = pending.pop()
                 order.note_side_work(stream)  # destroy() and clean() wait for the receive too
                 if order.shares_gpu and not _capturing(stream):
                     # As StreamOrder.finish: ranks sharing a GPU in one process return once their
@@ -406,6 +466,7 @@ class LowLatencyPath:
                     slots.raise_if_failed()
             del kept
 
+        owed.add(hook)
         return hook
 
     # -----------------------------------------------------------------------------------------
@@ -415,6 +476,7 @@ class LowLatencyPath:
                 zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None):
         """See :meth:`deepep_cupy.Buffer.low_latency_combine`."""
         self._slots.raise_if_failed()
+        self._owed_combine.check_call(return_recv_hook)
         if use_logfmt:
             raise ValueError("use_logfmt=True: LogFMT-compressed combine is not implemented; pass use_logfmt=False "
                              "(BF16 rows)")
@@ -450,7 +512,8 @@ class LowLatencyPath:
                     out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
             values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
             arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
-            event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook)
+            event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook,
+                                       self._owed_combine)
         return out, event, hook
 
     def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _Plan:
@@ -504,6 +567,9 @@ class LowLatencyPath:
             barrier()
             start = LL_CALLS_INT * 4
             fill_bytes(self.local_ptr + start, 0, LL_DATA_OFFSET - start, self._order.ptr)
+            # The counters that paired receives with sends start again: no receive is owed.
+            self._owed_dispatch.clear()
+            self._owed_combine.clear()
             self._order.synchronize()
             barrier()
 

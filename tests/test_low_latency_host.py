@@ -180,6 +180,122 @@ def test_a_hook_raises_what_the_kernels_reported_since_its_send_before_launching
     assert [p["phases"] for _, _, p in path.log] == [1]
 
 
+# --- receives owed: the kernels pair a hook with a send by order alone (one counter per op) -----
+
+@pytest.fixture
+def sends(path):
+    """The path after one dispatch (whose output the combines send back), with :func:`_send`."""
+    x, topk, _ = inputs()
+    path.recv_x, _, path.handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    del path.log[:]
+    return path
+
+
+def _send(path, op, hook=True):
+    """A dispatch or a combine (``op``) with or without a hook; returns the hook (or None)."""
+    x, topk, weights = inputs()
+    if op == "dispatch":
+        return path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=hook)[4]
+    return path.path.combine(path.recv_x, topk, weights, path.handle, return_recv_hook=hook)[2]
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_call_without_a_hook_is_refused_while_a_receive_of_its_op_is_owed(sends, op):
+    path = sends
+    hook = _send(path, op)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"return_recv_hook=False: a low-latency {op} .* call its hook first"):
+        _send(path, op, hook=False)
+    assert len(path.log) == launches
+    hook()
+    _send(path, op, hook=False)
+    assert len(path.log) == launches + 2
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_third_send_while_two_receives_of_its_op_are_owed_is_refused(sends, op):
+    path = sends
+    first, second = _send(path, op), _send(path, op)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"return_recv_hook=True: two low-latency {op} calls .* call the older "
+                                         "hook first"):
+        _send(path, op)
+    assert len(path.log) == launches
+    first()
+    third = _send(path, op)
+    second()
+    third()
+    assert [p["phases"] for _, _, p in path.log[launches:]] == [2, 1, 2, 2]
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_hook_called_before_an_older_hook_of_its_op_is_refused_and_stays_callable(sends, op):
+    path = sends
+    first, second = _send(path, op), _send(path, op)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"hook: the hook of an earlier low-latency {op} has not been called; "
+                                         "call the hooks in the order of their calls"):
+        second()
+    assert len(path.log) == launches
+    first()
+    second()
+    assert [p["phases"] for _, _, p in path.log[launches:]] == [2, 2]
+
+
+def test_a_hook_whose_launch_failed_is_still_owed_and_may_be_called_again(sends, monkeypatch):
+    path = sends
+    hook = _send(path, "dispatch")
+    recorded = launch.launch
+
+    def fail(call, stream):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(launch, "launch", fail)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        hook()
+    monkeypatch.setattr(launch, "launch", recorded)
+    with pytest.raises(ValueError, match="return_recv_hook=False"):
+        _send(path, "dispatch", hook=False)
+    hook()
+    _send(path, "dispatch", hook=False)
+    assert [p["phases"] for _, _, p in path.log] == [1, 2, 3]
+
+
+def test_clean_forgets_the_receives_owed_and_their_hooks_are_refused(sends, monkeypatch):
+    path = sends
+    monkeypatch.setattr(launch, "fill_bytes", lambda ptr, byte, num_bytes, stream: None)
+    hooks = [_send(path, "dispatch"), _send(path, "combine")]
+    launches = len(path.log)
+    path.path.clean(lambda: None)
+    for hook in hooks:
+        with pytest.raises(ValueError, match="hook: clean_low_latency_buffer reset the low-latency calls since "
+                                             "this hook's call; make the call again"):
+            hook()
+    assert len(path.log) == launches
+    _send(path, "dispatch", hook=False)
+    _send(path, "combine", hook=False)
+    assert len(path.log) == launches + 2
+
+
+def test_the_usual_orders_of_sends_and_hooks_are_accepted(sends):
+    # send, hook; two sends then their hooks in order; a combine without hook while a dispatch
+    # receive is owed (each op pairs its own sends and receives).
+    path = sends
+    _send(path, "dispatch")()
+    first, second = _send(path, "dispatch"), _send(path, "dispatch")
+    first()
+    second()
+    dispatch_hook = _send(path, "dispatch")
+    _send(path, "combine", hook=False)
+    dispatch_hook()
+    combine_hook = _send(path, "combine")
+    _send(path, "dispatch", hook=False)
+    combine_hook()
+    assert [(n.split("_")[1], p["phases"]) for n, _, p in path.log] == [
+        ("dispatch", 1), ("dispatch", 2), ("dispatch", 1), ("dispatch", 1), ("dispatch", 2), ("dispatch", 2),
+        ("dispatch", 1), ("combine", 3), ("dispatch", 2), ("combine", 1), ("dispatch", 3), ("combine", 2)]
+
+
 def test_repeated_calls_launch_identical_parameters_so_a_captured_call_replays_alike(path):
     # Which half of the buffer a call uses and its epoch are counted on the device, not passed.
     x, topk, weights = inputs()
