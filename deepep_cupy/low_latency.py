@@ -38,7 +38,7 @@ from . import launch, tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, UE8M0_PER_INT
 from .launch import KernelCall
 from .slots import ERROR_RECORD
-from .tensors import check_array, describe, read
+from .tensors import check_array, check_int, describe, read
 
 __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_latency_rdma_size_hint"]
 
@@ -137,20 +137,14 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
                                    num_experts: int) -> int:
     """Bytes of the low-latency buffer (a Buffer's ``num_rdma_bytes``) for calls of these sizes
     (DeepEP's name), rounded up to 2 MiB."""
-    _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-    _check_positive_int(hidden, "hidden")
-    _check_positive_int(num_ranks, "num_ranks")
-    _check_positive_int(num_experts, "num_experts")
+    num_max_dispatch_tokens_per_rank = check_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    hidden = check_int(hidden, "hidden")
+    num_ranks = check_int(num_ranks, "num_ranks")
+    num_experts = check_int(num_experts, "num_experts")
     if num_experts % num_ranks:
         raise ValueError(f"num_experts: expected a multiple of num_ranks={num_ranks}, got {num_experts}")
     size = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).bytes_needed
     return -(-size // (2 << 20)) * (2 << 20)
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
 
 
 class LowLatencyHandle(NamedTuple):
@@ -269,7 +263,7 @@ class LowLatencyPath:
         from .ipc import NvlBuffer
         from .sm_budget import check_sm_budget, largest_num_sms, sm_count_of
 
-        _check_positive_int(num_bytes, "num_rdma_bytes")
+        num_bytes = check_int(num_bytes, "num_rdma_bytes")
         if num_bytes < LL_DATA_OFFSET:
             raise ValueError(f"num_rdma_bytes: expected at least {LL_DATA_OFFSET} bytes; size it with "
                              "Buffer.get_low_latency_rdma_size_hint(...)")
@@ -320,8 +314,8 @@ class LowLatencyPath:
         return plan
 
     def _layout(self, num_max: Any, hidden: int, num_experts: Any) -> LowLatencyLayout:
-        _check_positive_int(num_max, "num_max_dispatch_tokens_per_rank")
-        _check_positive_int(num_experts, "num_experts")
+        num_max = check_int(num_max, "num_max_dispatch_tokens_per_rank")
+        num_experts = check_int(num_experts, "num_experts")
         if num_experts % self.num_ranks:
             raise ValueError(f"num_experts: expected a multiple of the rank count {self.num_ranks}, got {num_experts}")
         if num_experts > MAX_EXPERTS:
@@ -386,7 +380,8 @@ class LowLatencyPath:
                                        self._owed_dispatch)
         if scales is not None:
             scales = scales.swapaxes(1, 2)  # [L, R * M, groups], column-major as DeepEP returns them
-        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        handle = LowLatencyHandle(src_info, layout_range, layout.num_max_dispatch_tokens_per_rank, hidden,
+                                  layout.num_experts)
         return ((recv_x, scales) if use_fp8 else recv_x), recv_count, handle, event, hook
 
     def _dispatch_plan(self, x, topk_idx, num_max, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
@@ -420,7 +415,8 @@ class LowLatencyPath:
         fp8_mode = 0 if not use_fp8 else (3 if use_ue8m0 else (2 if round_scale else 1))
         per_call = ("recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "cumulative_recv_stats",
                     "wait_recv_cost_stats", "x", "topk_idx", "num_tokens")
-        fixed = dict(num_topk=num_topk, hidden=hidden, num_max=num_max, num_experts=num_experts, fp8_mode=fp8_mode,
+        fixed = dict(num_topk=num_topk, hidden=hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
+                     num_experts=layout.num_experts, fp8_mode=fp8_mode,
                      record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
                      half_bytes=layout.dispatch_half_bytes)
         return self._plan("ll_dispatch_kernel", layout, per_call, **fixed)
@@ -582,9 +578,9 @@ def _check_handle(handle: Any) -> None:
 def clean_arguments(num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any) -> None:
     """Check :meth:`Buffer.clean_low_latency_buffer`'s arguments (sizes it no longer needs: the signal
     words sit at fixed places)."""
-    _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-    _check_positive_int(hidden, "hidden")
-    _check_positive_int(num_experts, "num_experts")
+    check_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    check_int(hidden, "hidden")
+    check_int(num_experts, "num_experts")
 
 
 def _capturing(stream_ptr: int) -> bool:

@@ -76,6 +76,19 @@ def test_the_size_hint_refuses_experts_not_split_evenly():
         get_low_latency_rdma_size_hint(8, 0, 2, 8)
 
 
+def test_sizes_may_be_numpy_integers_as_in_the_other_calls(path):
+    # As Buffer(...) and the internode path take them: a size read from a NumPy array works.
+    sizes = (np.int64(M), np.int32(H), np.int64(R), np.int64(E))
+    assert get_low_latency_rdma_size_hint(*sizes) == get_low_latency_rdma_size_hint(M, H, R, E)
+    low_latency.clean_arguments(np.int64(M), np.int64(H), np.int64(E))
+    x, topk, _ = inputs()
+    *_, handle, _, _ = path.path.dispatch(x, topk, np.int64(M), np.int64(E))
+    assert (path.log[-1][2]["num_max"], path.log[-1][2]["num_experts"]) == (M, E)
+    assert tuple(handle[2:]) == (M, H, E) and all(type(v) is int for v in handle[2:])
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank: expected a positive int, got True"):
+        path.path.dispatch(x, topk, True, E)
+
+
 def test_the_data_areas_follow_the_signals_at_places_only_the_buffer_size_sets():
     num_bytes = get_low_latency_rdma_size_hint(M, H, R, E)
     layout = LowLatencyLayout(M, H, R, E, num_bytes)
