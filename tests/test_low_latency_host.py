@@ -531,6 +531,38 @@ def test_a_low_latency_buffer_takes_zero_nvlink_bytes_and_positive_rdma_bytes():
         ep.Buffer(object(), 0, 0, low_latency_mode=True)
 
 
+class _GroupOfTwo(FakeGroup):
+    """Rank 0 of two on one host, whose peer reports ``peer``'s settings in place of its own."""
+
+    def __init__(self, **peer):
+        super().__init__(0, 2)
+        self.peer = peer
+
+    def host_name(self):
+        return "node"
+
+    def allgather(self, obj):
+        return [obj, dict(obj, bus="0000:02:00.0", **self.peer)]
+
+
+def _checked_group(group, num_nvl_bytes, num_rdma_bytes):
+    buf = ep.Buffer.__new__(ep.Buffer)
+    buf._set_up_host(group, num_nvl_bytes, 5.0, 0, True, low_latency_mode=True)
+    buf.num_rdma_bytes = num_rdma_bytes
+    cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(deviceGetPCIBusId=lambda d: "0000:01:00.0")))
+    buf._check_group(cupy)
+
+
+def test_ranks_that_disagree_on_the_low_latency_buffer_size_are_refused():
+    # Each rank's low-latency layout (where the halves and areas lie) comes from its own size.
+    size = get_low_latency_rdma_size_hint(M, H, R, E)
+    _checked_group(_GroupOfTwo(), 0, size)
+    with pytest.raises(ep.RankMismatchError, match=rf"num_rdma_bytes: ranks disagree, got \[{size}, {2 * size}\]"):
+        _checked_group(_GroupOfTwo(rdma_bytes=2 * size), 0, size)
+    with pytest.raises(ep.RankMismatchError, match=r"num_nvl_bytes: ranks disagree, got \[1024, 2048\]"):
+        _checked_group(_GroupOfTwo(nvl_bytes=2048), 1024, size)
+
+
 def test_the_module_names_are_exported():
     assert low_latency.get_low_latency_rdma_size_hint is get_low_latency_rdma_size_hint
     assert {"LowLatencyPath", "LowLatencyHandle", "get_low_latency_rdma_size_hint"} <= set(low_latency.__all__)
