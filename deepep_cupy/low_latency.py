@@ -23,9 +23,9 @@ Contract of the in-flight results (DeepEP's): the two halves let two calls of an
 e.g. two dispatch sends before their hooks; the send of call ``n`` waits (on the device) until every
 receiver has finished receiving call ``n - 2``, so a third send before the first hook never
 completes: it times out (``DeepEPTimeoutError``). A receive pairs with a send by order alone, so
-the host refuses what would pair them wrongly (:class:`_OwedReceives`). The zero-copy combine area is one area (the send
-reads it within its launch), so :meth:`LowLatencyPath.next_combine_buffer` is the same view for
-every handle of the same sizes.
+the host refuses what would pair them wrongly (:class:`_OwedReceives`). The zero-copy combine area
+is one area (the send reads it within its launch), so :meth:`LowLatencyPath.next_combine_buffer` is
+the same view for every handle of the same sizes.
 """
 
 from __future__ import annotations
