@@ -64,7 +64,8 @@ class Buffer:
             :func:`deepep_cupy.get_nvl_buffer_size_hint`. May be 0 with ``low_latency_mode``
             (a decode-only Buffer, as DeepEP's ``Buffer(group, 0, num_rdma_bytes, True)``).
         num_rdma_bytes: with ``low_latency_mode=True``, the bytes of the low-latency buffer (decode
-            calls over NVLink on one node; size it with :meth:`get_low_latency_rdma_size_hint`).
+            calls over NVLink on one node; size it with :meth:`get_low_latency_rdma_size_hint`;
+            same on every rank).
             Otherwise 0, or > 0 for an internode Buffer (DeepEP's switch): when the group spans
             several nodes (``ranks_per_node``), every operation takes the hierarchical path of
             :mod:`deepep_cupy.internode` (a token crosses the network once per destination node,
@@ -331,7 +332,9 @@ class Buffer:
                 packed exponent bytes (implies round_scale).
             async_finish: return an event instead of making the current stream wait.
             return_recv_hook: issue only the send; ``hook()`` issues the receive (on the stream
-                current then). Two calls may be in flight (send, send, hook, hook).
+                current then). Two calls may be in flight (send, send, hook, hook); hooks must run
+                in the order of their calls, and a call without a hook is refused while a hook of
+                its op is not called yet (``ValueError``).
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: recv_x BF16 ``[L, R * M, hidden]`` or
@@ -411,14 +414,17 @@ class Buffer:
         if not 2 <= self.num_ranks <= MAX_RANKS:
             raise ValueError(f"comm: expected 2..{MAX_RANKS} ranks, got {self.num_ranks}")
         me = {"host": self._group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self.device_id),
-              "bytes": self.num_nvl_bytes}
+              "nvl_bytes": self.num_nvl_bytes, "rdma_bytes": self.num_rdma_bytes}
         everyone = self._group.allgather(me)
         hosts = sorted({e["host"] for e in everyone})
         if len(hosts) > 1:
             raise ValueError(f"comm: all ranks must run on one node (intranode NVLink), got nodes {hosts}")
-        sizes = [e["bytes"] for e in everyone]
-        if len(set(sizes)) > 1:
-            raise RankMismatchError(f"num_nvl_bytes: ranks disagree, got {sizes} (rank order)")
+        # Both sizes place what the ranks write into each other's buffers (the low-latency layout
+        # comes from num_rdma_bytes alone), so every rank must have the same.
+        for name in ("nvl_bytes", "rdma_bytes"):
+            sizes = [e[name] for e in everyone]
+            if len(set(sizes)) > 1:
+                raise RankMismatchError(f"num_{name}: ranks disagree, got {sizes} (rank order)")
         buses = [e["bus"] for e in everyone]
         if not self._group.in_process and len(set(buses)) < len(buses):
             raise ValueError(

@@ -33,12 +33,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-import numpy as np
-
 from . import tensors
 from .config import Config
 from .events import EventOverlap
-from .tensors import ITEMSIZE, STORAGE, check_array, describe
+from .tensors import ITEMSIZE, STORAGE, check_array, check_int, describe
 
 __all__ = ["InternodeHandle", "InternodePath", "RecordLayout", "create_internode_path"]
 
@@ -148,12 +146,6 @@ class InternodeHandle:
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks (host only: they run before any GPU work, and the CPU tests run them)
-
-def _positive_int(value, arg: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{arg}: expected an int >= {minimum}, got {value!r}")
-    return int(value)
-
 
 def _split_x(x) -> Tuple[Any, Any]:
     if type(x) is tuple and len(x) == 2:
@@ -358,7 +350,7 @@ class InternodePath:
         int32 [N], num_tokens_per_expert int32 [E], is_token_in_rank bool [num_tokens, R], event)``;
         the per-node counts are the tokens with at least one expert on each node."""
         R, N = self.topology.num_ranks, self.topology.num_nodes
-        num_experts = _positive_int(num_experts, "num_experts")
+        num_experts = check_int(num_experts, "num_experts")
         if num_experts % R:
             raise ValueError(f"num_experts: expected a multiple of the rank count ({R}), got {num_experts}")
         info = describe(topk_idx, "topk_idx", self.device_id)
@@ -428,8 +420,8 @@ class InternodePath:
         if num_tokens_per_rdma_rank is not None:
             rdma = describe(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", self.device_id)
             check_array(rdma, "num_tokens_per_rdma_rank", ("int32",), 1, (self.topology.num_nodes,))
-        expert_alignment = _positive_int(expert_alignment, "expert_alignment")
-        num_worst_tokens = _positive_int(num_worst_tokens, "num_worst_tokens", 0)
+        expert_alignment = check_int(expert_alignment, "expert_alignment")
+        num_worst_tokens = check_int(num_worst_tokens, "num_worst_tokens", 0)
         return self._fresh_dispatch(rows, scales, info, scales_info, topk_idx, topk, topk_weights, weights,
                                     num_experts, expert_alignment, num_worst_tokens, config, previous_event,
                                     async_finish, allocate_on_comm_stream)

@@ -22,22 +22,23 @@ exactly; the GPU tests compare bit for bit.
 Contract of the in-flight results (DeepEP's): the two halves let two calls of an op be in flight,
 e.g. two dispatch sends before their hooks; the send of call ``n`` waits (on the device) until every
 receiver has finished receiving call ``n - 2``, so a third send before the first hook never
-completes: it times out (``DeepEPTimeoutError``). The zero-copy combine area is one area (the send
-reads it within its launch), so :meth:`LowLatencyPath.next_combine_buffer` is the same view for
-every handle of the same sizes.
+completes: it times out (``DeepEPTimeoutError``). A receive pairs with a send by order alone, so
+the host refuses what would pair them wrongly (:class:`_OwedReceives`). The zero-copy combine area
+is one area (the send reads it within its launch), so :meth:`LowLatencyPath.next_combine_buffer` is
+the same view for every handle of the same sizes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from . import launch, tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, UE8M0_PER_INT
 from .launch import KernelCall
 from .slots import ERROR_RECORD
-from .tensors import check_array, describe, read
+from .tensors import check_array, check_int, describe, read
 
 __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_latency_rdma_size_hint"]
 
@@ -45,6 +46,8 @@ __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_la
 DEFAULT_NUM_SMS = 32
 #: Plans a path keeps per op before it forgets them all (a decode loop uses a handful).
 MAX_PLANS = 256
+#: Calls of an op whose receive may be owed at once (the buffer's two halves).
+CALLS_IN_FLIGHT = 2
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -134,20 +137,14 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
                                    num_experts: int) -> int:
     """Bytes of the low-latency buffer (a Buffer's ``num_rdma_bytes``) for calls of these sizes
     (DeepEP's name), rounded up to 2 MiB."""
-    _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-    _check_positive_int(hidden, "hidden")
-    _check_positive_int(num_ranks, "num_ranks")
-    _check_positive_int(num_experts, "num_experts")
+    num_max_dispatch_tokens_per_rank = check_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    hidden = check_int(hidden, "hidden")
+    num_ranks = check_int(num_ranks, "num_ranks")
+    num_experts = check_int(num_experts, "num_experts")
     if num_experts % num_ranks:
         raise ValueError(f"num_experts: expected a multiple of num_ranks={num_ranks}, got {num_experts}")
     size = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).bytes_needed
     return -(-size // (2 << 20)) * (2 << 20)
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
 
 
 class LowLatencyHandle(NamedTuple):
@@ -172,6 +169,52 @@ class _Plan(NamedTuple):
     send: KernelCall     # the send half (return_recv_hook=True)
     receive: KernelCall  # the receive half (the hook)
     both: KernelCall
+
+
+class _OwedReceives:
+    """The hooks of an op's calls whose receive has not been issued yet, oldest first (host side).
+
+    On the device a receive pairs with a send by order alone (one call counter per op), so the
+    host keeps that order: a call without a hook, or a hook out of turn, would receive another
+    call's data, and a third send would wait for a receive that cannot come until it times out.
+    """
+
+    def __init__(self, op: str):
+        self.op = op
+        self._hooks: List[Callable[[], None]] = []
+
+    def check_call(self, return_recv_hook: bool) -> None:
+        """Raise unless a call with (or without) a hook may be issued now."""
+        if not self._hooks:
+            return
+        if not return_recv_hook:
+            raise ValueError(
+                f"return_recv_hook=False: a low-latency {self.op} sent with return_recv_hook=True has not "
+                f"received yet; call its hook first (the kernels pair receives with sends by order, so this "
+                f"call would receive that one's data)")
+        if len(self._hooks) >= CALLS_IN_FLIGHT:
+            raise ValueError(
+                f"return_recv_hook=True: two low-latency {self.op} calls already wait for their hooks (at most "
+                f"{CALLS_IN_FLIGHT} in flight); call the older hook first (a third send waits on the GPU for "
+                f"its receive and would time out)")
+
+    def check_hook(self, hook: Callable[[], None]) -> None:
+        """Raise unless ``hook`` is the oldest owed."""
+        if hook not in self._hooks:
+            raise ValueError("hook: clean_low_latency_buffer reset the low-latency calls since this hook's call; "
+                             "make the call again")
+        if self._hooks[0] is not hook:
+            raise ValueError(f"hook: the hook of an earlier low-latency {self.op} has not been called; call the "
+                             f"hooks in the order of their calls (the kernels pair receives with sends by order)")
+
+    def add(self, hook: Callable[[], None]) -> None:
+        self._hooks.append(hook)
+
+    def remove(self, hook: Callable[[], None]) -> None:
+        self._hooks.remove(hook)
+
+    def clear(self) -> None:
+        self._hooks.clear()
 
 
 class LowLatencyPath:
@@ -205,6 +248,8 @@ class LowLatencyPath:
         self._dispatch_plans: Dict[tuple, _Plan] = {}
         self._combine_plans: Dict[tuple, _Plan] = {}
         self._zero_copy_views: Dict[tuple, Any] = {}
+        self._owed_dispatch = _OwedReceives("dispatch")
+        self._owed_combine = _OwedReceives("combine")
 
     # -----------------------------------------------------------------------------------------
     # Set-up
@@ -218,7 +263,7 @@ class LowLatencyPath:
         from .ipc import NvlBuffer
         from .sm_budget import check_sm_budget, largest_num_sms, sm_count_of
 
-        _check_positive_int(num_bytes, "num_rdma_bytes")
+        num_bytes = check_int(num_bytes, "num_rdma_bytes")
         if num_bytes < LL_DATA_OFFSET:
             raise ValueError(f"num_rdma_bytes: expected at least {LL_DATA_OFFSET} bytes; size it with "
                              "Buffer.get_low_latency_rdma_size_hint(...)")
@@ -243,6 +288,8 @@ class LowLatencyPath:
         self._dispatch_plans.clear()
         self._combine_plans.clear()
         self._zero_copy_views.clear()
+        self._owed_dispatch.clear()
+        self._owed_combine.clear()
 
     def _plan(self, kernel: str, layout: LowLatencyLayout, per_call: Tuple[str, ...], **fixed) -> _Plan:
         """``kernel`` bound for each of its phases (send, receive, both) with the shared arguments
@@ -267,8 +314,8 @@ class LowLatencyPath:
         return plan
 
     def _layout(self, num_max: Any, hidden: int, num_experts: Any) -> LowLatencyLayout:
-        _check_positive_int(num_max, "num_max_dispatch_tokens_per_rank")
-        _check_positive_int(num_experts, "num_experts")
+        num_max = check_int(num_max, "num_max_dispatch_tokens_per_rank")
+        num_experts = check_int(num_experts, "num_experts")
         if num_experts % self.num_ranks:
             raise ValueError(f"num_experts: expected a multiple of the rank count {self.num_ranks}, got {num_experts}")
         if num_experts > MAX_EXPERTS:
@@ -291,12 +338,15 @@ class LowLatencyPath:
                  async_finish: bool = False, return_recv_hook: bool = False):
         """See :meth:`deepep_cupy.Buffer.low_latency_dispatch`."""
         self._slots.raise_if_failed()
+        self._owed_dispatch.check_call(return_recv_hook)
         lib, x_ptr, num_tokens, x_key = read(x)
         _, topk_ptr, topk_rows, topk_key = read(topk_idx)
-        _, cum_ptr, _, cum_key = read(cumulative_local_expert_recv_stats)
-        _, wait_ptr, _, wait_key = read(dispatch_wait_recv_cost_stats)
-        key = (x_key, topk_key, cum_key, wait_key, num_max_dispatch_tokens_per_rank, num_experts, bool(use_fp8),
-               bool(round_scale), bool(use_ue8m0))
+        _, cum_ptr, cum_rows, cum_key = read(cumulative_local_expert_recv_stats)
+        _, wait_ptr, wait_rows, wait_key = read(dispatch_wait_recv_cost_stats)
+        # The statistics' lengths are in the key (the kernel writes L and R entries): an array of
+        # another length is checked anew, not written past its end on a kept plan.
+        key = (x_key, topk_key, cum_key, cum_rows, wait_key, wait_rows, num_max_dispatch_tokens_per_rank,
+               num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
         plan = self._dispatch_plans.get(key)
         if plan is None:
             plan = self._keep(self._dispatch_plans, key, self._dispatch_plan, x, topk_idx,
@@ -326,10 +376,12 @@ class LowLatencyPath:
                       recv_count, src_info, layout_range)
             arrays = tuple(a for a in arrays if a is not None)
             outputs = tuple(a for a in (recv_x, scales, recv_count, src_info, layout_range) if a is not None)
-            event, hook = self._launch(plan, lib, values, arrays, outputs, async_finish, return_recv_hook)
+            event, hook = self._launch(plan, lib, values, arrays, outputs, async_finish, return_recv_hook,
+                                       self._owed_dispatch)
         if scales is not None:
             scales = scales.swapaxes(1, 2)  # [L, R * M, groups], column-major as DeepEP returns them
-        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        handle = LowLatencyHandle(src_info, layout_range, layout.num_max_dispatch_tokens_per_rank, hidden,
+                                  layout.num_experts)
         return ((recv_x, scales) if use_fp8 else recv_x), recv_count, handle, event, hook
 
     def _dispatch_plan(self, x, topk_idx, num_max, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
@@ -363,15 +415,17 @@ class LowLatencyPath:
         fp8_mode = 0 if not use_fp8 else (3 if use_ue8m0 else (2 if round_scale else 1))
         per_call = ("recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "cumulative_recv_stats",
                     "wait_recv_cost_stats", "x", "topk_idx", "num_tokens")
-        fixed = dict(num_topk=num_topk, hidden=hidden, num_max=num_max, num_experts=num_experts, fp8_mode=fp8_mode,
+        fixed = dict(num_topk=num_topk, hidden=hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
+                     num_experts=layout.num_experts, fp8_mode=fp8_mode,
                      record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
                      half_bytes=layout.dispatch_half_bytes)
         return self._plan("ll_dispatch_kernel", layout, per_call, **fixed)
 
     def _launch(self, plan: _Plan, lib, values: Tuple[int, ...], arrays, outputs, async_finish: bool,
-                return_recv_hook: bool) -> Tuple[Any, Optional[Callable[[], None]]]:
+                return_recv_hook: bool, owed: _OwedReceives) -> Tuple[Any, Optional[Callable[[], None]]]:
         """Launch the call (both phases, or with ``return_recv_hook`` the send), ordered as every call
-        of the Buffer (deepep_cupy/streams.py); its event and its hook (the receive) or None."""
+        of the Buffer (deepep_cupy/streams.py); its event and its hook (the receive, then owed by the
+        op) or None."""
         caller = lib.current_stream(self.device_id)
         run_on = self._order.begin(caller, None, async_finish, self.rank)
         try:
@@ -381,20 +435,25 @@ class LowLatencyPath:
             raise
         event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
                                    self._slots.raise_if_failed)
-        return event, (self._hook(plan.receive, lib, values, arrays) if return_recv_hook else None)
+        return event, (self._hook(plan.receive, lib, values, arrays, owed) if return_recv_hook else None)
 
-    def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays) -> Callable[[], None]:
-        """The receive half of a call: launched on the caller's current stream when called (once)."""
+    def _hook(self, call: KernelCall, lib, values: Tuple[int, ...], arrays, owed: _OwedReceives) -> Callable[[], None]:
+        """The receive half of a call, owed by its op until launched: launched on the caller's current
+        stream when called (once, in the order of the op's calls)."""
         order, slots, dev = self._order, self._slots, self.device_id
         pending = [arrays]  # the call's arrays, kept alive until the receive is issued; empty once the hook ran
 
         def hook() -> None:
+            slots.raise_if_failed()  # as every call: not on a destroyed or failed Buffer
             if not pending:
                 raise RuntimeError("deepep_cupy: this receive hook was called already (each hook runs once)")
-            kept = pending.pop()
+            owed.check_hook(hook)
             with self._on_device:
                 stream = lib.current_stream(dev)
                 call.run(stream, *values)
+                # Launched: no longer owed (a launch that failed leaves the hook to be called again).
+                owed.remove(hook)
+                kept = pending.pop()
                 order.note_side_work(stream)  # destroy() and clean() wait for the receive too
                 if order.shares_gpu and not _capturing(stream):
                     # As StreamOrder.finish: ranks sharing a GPU in one process return once their
@@ -403,6 +462,7 @@ class LowLatencyPath:
                     slots.raise_if_failed()
             del kept
 
+        owed.add(hook)
         return hook
 
     # -----------------------------------------------------------------------------------------
@@ -412,18 +472,21 @@ class LowLatencyPath:
                 zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None):
         """See :meth:`deepep_cupy.Buffer.low_latency_combine`."""
         self._slots.raise_if_failed()
+        self._owed_combine.check_call(return_recv_hook)
         if use_logfmt:
             raise ValueError("use_logfmt=True: LogFMT-compressed combine is not implemented; pass use_logfmt=False "
                              "(BF16 rows)")
         _check_handle(handle)
-        lib, x_ptr, _, x_key = read(x)
+        lib, x_ptr, x_rows, x_key = read(x)
         _, topk_ptr, num_tokens, topk_key = read(topk_idx)
         _, weights_ptr, weight_rows, weights_key = read(topk_weights)
         _, out_ptr, out_rows, out_key = read(out)
         _, src_ptr, src_rows, src_key = read(handle.src_info)
         _, range_ptr, range_rows, range_key = read(handle.layout_range)
-        key = (x_key, topk_key, weights_key, out_key, src_key, range_key, handle.num_max_dispatch_tokens_per_rank,
-               handle.hidden, handle.num_experts)
+        # x's rows (one block per local expert, all read by the kernel) are in the key as the other
+        # axes are: x of fewer experts is checked anew.
+        key = (x_key, x_rows, topk_key, weights_key, out_key, src_key, range_key,
+               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         plan = self._combine_plans.get(key)
         if plan is None:
             plan = self._keep(self._combine_plans, key, self._combine_plan, x, topk_idx, topk_weights, handle, out)
@@ -445,7 +508,8 @@ class LowLatencyPath:
                     out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
             values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
             arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
-            event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook)
+            event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook,
+                                       self._owed_combine)
         return out, event, hook
 
     def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _Plan:
@@ -499,6 +563,9 @@ class LowLatencyPath:
             barrier()
             start = LL_CALLS_INT * 4
             fill_bytes(self.local_ptr + start, 0, LL_DATA_OFFSET - start, self._order.ptr)
+            # The counters that paired receives with sends start again: no receive is owed.
+            self._owed_dispatch.clear()
+            self._owed_combine.clear()
             self._order.synchronize()
             barrier()
 
@@ -511,9 +578,9 @@ def _check_handle(handle: Any) -> None:
 def clean_arguments(num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any) -> None:
     """Check :meth:`Buffer.clean_low_latency_buffer`'s arguments (sizes it no longer needs: the signal
     words sit at fixed places)."""
-    _check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-    _check_positive_int(hidden, "hidden")
-    _check_positive_int(num_experts, "num_experts")
+    check_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    check_int(hidden, "hidden")
+    check_int(num_experts, "num_experts")
 
 
 def _capturing(stream_ptr: int) -> bool:

@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .constants import FP8_AMAX_FLOOR, FP8_E4M3_MAX, FP8_SCALE_BLOCK, UE8M0_PER_INT
-from .reference import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from .reference import _check_topk_idx, bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 __all__ = ["FP8_MAX", "AMAX_FLOOR", "float32_to_e4m3_bits", "e4m3_bits_to_float32", "fp8_scales", "cast_to_fp8",
            "pack_ue8m0", "unpack_ue8m0", "dispatch", "combine", "expert_row_of"]
@@ -145,15 +145,14 @@ def unpack_ue8m0(packed) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Dispatch and combine
 
-def _check_routing(topk_idx: np.ndarray, num_experts: int) -> None:
-    if topk_idx.ndim != 2:
-        raise ValueError(f"topk_idx: expected [num_tokens, num_topk], got shape {topk_idx.shape}")
-    if ((topk_idx < -1) | (topk_idx >= num_experts)).any():
-        raise ValueError(f"topk_idx: ids outside [-1, {num_experts})")
+def _check_routing(topk_idx, num_experts: int) -> np.ndarray:
+    """``topk_idx`` checked as the intranode model checks it, and naming each expert at most once."""
+    topk_idx = _check_topk_idx(topk_idx, num_experts)
     for t, row in enumerate(topk_idx):
         named = row[row >= 0]
         if len(set(named.tolist())) != len(named):
             raise ValueError(f"topk_idx: token {t} names an expert twice: {row.tolist()}")
+    return topk_idx
 
 
 def dispatch(xs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray], num_max_dispatch_tokens_per_rank: int,
@@ -180,10 +179,9 @@ def dispatch(xs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray], num_max_
     L = num_experts // num_ranks
     hidden = xs[0].shape[1]
     round_scale = round_scale or use_ue8m0
-    topks = [np.asarray(topk) for topk in topk_idxs]
+    topks = [_check_routing(topk, num_experts) for topk in topk_idxs]
     casts = []
     for x, topk in zip(xs, topks):
-        _check_routing(topk, num_experts)
         if x.shape[0] != topk.shape[0] or x.shape[0] > M:
             raise ValueError(f"x: expected as many rows as topk_idx, at most {M}; got {x.shape[0]}, {topk.shape[0]}")
         casts.append(cast_to_fp8(x, round_scale) if use_fp8 else (np.asarray(x), None))

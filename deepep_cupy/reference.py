@@ -104,7 +104,7 @@ def _check_topk_idx(topk_idx, num_experts: int) -> np.ndarray:
         raise TypeError(f"topk_idx must be an integer array, got {topk_idx.dtype}")
     topk_idx = topk_idx.astype(np.int64, copy=False)
     if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= num_experts):
-        raise ValueError(f"topk_idx entries must be -1 or in [0, {num_experts})")
+        raise ValueError(f"topk_idx has ids outside [-1, {num_experts}): entries must be -1 or in [0, {num_experts})")
     return topk_idx
 
 

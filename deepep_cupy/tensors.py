@@ -375,3 +375,12 @@ def check_array(info: ArrayInfo, arg: str, dtype_names: Tuple[str, ...], ndim: i
             raise ValueError(f"{arg}: expected non-negative strides in whole elements, got {info.strides} bytes")
     elif not info.contiguous:
         raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {info.strides}")
+
+
+def check_int(value: Any, arg: str, minimum: int = 1) -> int:
+    """``value`` (a Python or NumPy integer, not a bool) as an int; a ``ValueError`` naming ``arg``
+    if it is none or below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{arg}: expected {expected}, got {value!r}")
+    return int(value)

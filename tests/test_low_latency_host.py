@@ -76,6 +76,19 @@ def test_the_size_hint_refuses_experts_not_split_evenly():
         get_low_latency_rdma_size_hint(8, 0, 2, 8)
 
 
+def test_sizes_may_be_numpy_integers_as_in_the_other_calls(path):
+    # As Buffer(...) and the internode path take them: a size read from a NumPy array works.
+    sizes = (np.int64(M), np.int32(H), np.int64(R), np.int64(E))
+    assert get_low_latency_rdma_size_hint(*sizes) == get_low_latency_rdma_size_hint(M, H, R, E)
+    low_latency.clean_arguments(np.int64(M), np.int64(H), np.int64(E))
+    x, topk, _ = inputs()
+    *_, handle, _, _ = path.path.dispatch(x, topk, np.int64(M), np.int64(E))
+    assert (path.log[-1][2]["num_max"], path.log[-1][2]["num_experts"]) == (M, E)
+    assert tuple(handle[2:]) == (M, H, E) and all(type(v) is int for v in handle[2:])
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank: expected a positive int, got True"):
+        path.path.dispatch(x, topk, True, E)
+
+
 def test_the_data_areas_follow_the_signals_at_places_only_the_buffer_size_sets():
     num_bytes = get_low_latency_rdma_size_hint(M, H, R, E)
     layout = LowLatencyLayout(M, H, R, E, num_bytes)
@@ -159,6 +172,143 @@ def test_the_hooks_receive_is_noted_so_that_destroy_and_clean_wait_for_it(path):
     assert path.order.side_work == [receive_stream]
 
 
+def test_a_hook_of_a_buffer_destroyed_since_its_send_raises_and_launches_nothing(path):
+    # Buffer.destroy() closes the path and marks the slots failed: the receive must not run on
+    # the freed buffer.
+    x, topk, _ = inputs()
+    *_, hook = path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
+    path.path.close()
+    path.slots.failed = "the Buffer was destroyed"
+    with pytest.raises(ep.DeepEPError, match="Buffer unusable: the Buffer was destroyed"):
+        hook()
+    assert [p["phases"] for _, _, p in path.log] == [1]
+
+
+def test_a_hook_raises_what_the_kernels_reported_since_its_send_before_launching(path):
+    x, topk, _ = inputs()
+    *_, hook = path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
+    path.slots.values[slots.ERROR_RECORD:slots.ERROR_RECORD + 6] = [ERROR_BAD_EXPERT_ID, 9, 0, -1, -1, 11]
+    with pytest.raises(ValueError, match="rank 0 passed expert ids outside"):
+        hook()
+    assert [p["phases"] for _, _, p in path.log] == [1]
+
+
+# --- receives owed: the kernels pair a hook with a send by order alone (one counter per op) -----
+
+@pytest.fixture
+def sends(path):
+    """The path after one dispatch (whose output the combines send back), with :func:`_send`."""
+    x, topk, _ = inputs()
+    path.recv_x, _, path.handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    del path.log[:]
+    return path
+
+
+def _send(path, op, hook=True):
+    """A dispatch or a combine (``op``) with or without a hook; returns the hook (or None)."""
+    x, topk, weights = inputs()
+    if op == "dispatch":
+        return path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=hook)[4]
+    return path.path.combine(path.recv_x, topk, weights, path.handle, return_recv_hook=hook)[2]
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_call_without_a_hook_is_refused_while_a_receive_of_its_op_is_owed(sends, op):
+    path = sends
+    hook = _send(path, op)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"return_recv_hook=False: a low-latency {op} .* call its hook first"):
+        _send(path, op, hook=False)
+    assert len(path.log) == launches
+    hook()
+    _send(path, op, hook=False)
+    assert len(path.log) == launches + 2
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_third_send_while_two_receives_of_its_op_are_owed_is_refused(sends, op):
+    path = sends
+    first, second = _send(path, op), _send(path, op)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"return_recv_hook=True: two low-latency {op} calls .* call the older "
+                                         "hook first"):
+        _send(path, op)
+    assert len(path.log) == launches
+    first()
+    third = _send(path, op)
+    second()
+    third()
+    assert [p["phases"] for _, _, p in path.log[launches:]] == [2, 1, 2, 2]
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_hook_called_before_an_older_hook_of_its_op_is_refused_and_stays_callable(sends, op):
+    path = sends
+    first, second = _send(path, op), _send(path, op)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"hook: the hook of an earlier low-latency {op} has not been called; "
+                                         "call the hooks in the order of their calls"):
+        second()
+    assert len(path.log) == launches
+    first()
+    second()
+    assert [p["phases"] for _, _, p in path.log[launches:]] == [2, 2]
+
+
+def test_a_hook_whose_launch_failed_is_still_owed_and_may_be_called_again(sends, monkeypatch):
+    path = sends
+    hook = _send(path, "dispatch")
+    recorded = launch.launch
+
+    def fail(call, stream):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(launch, "launch", fail)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        hook()
+    monkeypatch.setattr(launch, "launch", recorded)
+    with pytest.raises(ValueError, match="return_recv_hook=False"):
+        _send(path, "dispatch", hook=False)
+    hook()
+    _send(path, "dispatch", hook=False)
+    assert [p["phases"] for _, _, p in path.log] == [1, 2, 3]
+
+
+def test_clean_forgets_the_receives_owed_and_their_hooks_are_refused(sends, monkeypatch):
+    path = sends
+    monkeypatch.setattr(launch, "fill_bytes", lambda ptr, byte, num_bytes, stream: None)
+    hooks = [_send(path, "dispatch"), _send(path, "combine")]
+    launches = len(path.log)
+    path.path.clean(lambda: None)
+    for hook in hooks:
+        with pytest.raises(ValueError, match="hook: clean_low_latency_buffer reset the low-latency calls since "
+                                             "this hook's call; make the call again"):
+            hook()
+    assert len(path.log) == launches
+    _send(path, "dispatch", hook=False)
+    _send(path, "combine", hook=False)
+    assert len(path.log) == launches + 2
+
+
+def test_the_usual_orders_of_sends_and_hooks_are_accepted(sends):
+    # send, hook; two sends then their hooks in order; a combine without hook while a dispatch
+    # receive is owed (each op pairs its own sends and receives).
+    path = sends
+    _send(path, "dispatch")()
+    first, second = _send(path, "dispatch"), _send(path, "dispatch")
+    first()
+    second()
+    dispatch_hook = _send(path, "dispatch")
+    _send(path, "combine", hook=False)
+    dispatch_hook()
+    combine_hook = _send(path, "combine")
+    _send(path, "dispatch", hook=False)
+    combine_hook()
+    assert [(n.split("_")[1], p["phases"]) for n, _, p in path.log] == [
+        ("dispatch", 1), ("dispatch", 2), ("dispatch", 1), ("dispatch", 1), ("dispatch", 2), ("dispatch", 2),
+        ("dispatch", 1), ("combine", 3), ("dispatch", 2), ("combine", 1), ("dispatch", 3), ("combine", 2)]
+
+
 def test_repeated_calls_launch_identical_parameters_so_a_captured_call_replays_alike(path):
     # Which half of the buffer a call uses and its epoch are counted on the device, not passed.
     x, topk, weights = inputs()
@@ -200,6 +350,22 @@ def test_bad_dispatch_arguments_are_refused_before_any_launch(path, change, erro
                            dispatch_wait_recv_cost_stats=args["wait"], use_fp8=args["use_fp8"],
                            use_ue8m0=args["use_ue8m0"])
     assert path.log == []
+
+
+@pytest.mark.parametrize("name, good, short", [
+    ("cumulative_local_expert_recv_stats", lambda: on_device(np.zeros(L, np.int32)),
+     lambda: on_device(np.zeros(1, np.int32))),
+    ("dispatch_wait_recv_cost_stats", lambda: on_device(np.zeros(R, np.int64)),
+     lambda: on_device(np.zeros(1, np.int64))),
+])
+def test_a_statistics_array_shorter_than_the_one_a_kept_plan_checked_is_refused(path, name, good, short):
+    # The kernel writes one entry per local expert (per rank): a kept plan must not take a short one.
+    x, topk, _ = inputs()
+    path.path.dispatch(x, topk, M, E, **{name: good()})
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=f"{name}: expected shape"):
+        path.path.dispatch(x, topk, M, E, **{name: short()})
+    assert len(path.log) == launches
 
 
 def test_a_bad_expert_id_the_kernel_reported_is_raised_by_the_next_call_which_then_works(path):
@@ -327,6 +493,18 @@ def test_a_handle_whose_arrays_differ_from_those_a_kept_plan_checked_is_refused(
     assert len(path.log) == launches
 
 
+def test_a_combine_x_with_fewer_experts_than_a_kept_plan_checked_is_refused(path):
+    # x's axis 0 (one block of rows per local expert) is read by the kernel: recv_x[:1] must not
+    # reuse the plan made for the whole of it.
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    path.path.combine(recv_x, topk, weights, handle)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        path.path.combine(recv_x[:1], topk, weights, handle)
+    assert len(path.log) == launches
+
+
 # --- the Buffer's surface -----------------------------------------------------------------------
 
 def test_a_buffer_without_low_latency_mode_refuses_the_low_latency_calls(monkeypatch):
@@ -351,6 +529,38 @@ def test_a_low_latency_buffer_takes_zero_nvlink_bytes_and_positive_rdma_bytes():
     assert buf.num_nvl_bytes == 0
     with pytest.raises(ValueError, match="num_rdma_bytes: expected a positive int with low_latency_mode=True"):
         ep.Buffer(object(), 0, 0, low_latency_mode=True)
+
+
+class _GroupOfTwo(FakeGroup):
+    """Rank 0 of two on one host, whose peer reports ``peer``'s settings in place of its own."""
+
+    def __init__(self, **peer):
+        super().__init__(0, 2)
+        self.peer = peer
+
+    def host_name(self):
+        return "node"
+
+    def allgather(self, obj):
+        return [obj, dict(obj, bus="0000:02:00.0", **self.peer)]
+
+
+def _checked_group(group, num_nvl_bytes, num_rdma_bytes):
+    buf = ep.Buffer.__new__(ep.Buffer)
+    buf._set_up_host(group, num_nvl_bytes, 5.0, 0, True, low_latency_mode=True)
+    buf.num_rdma_bytes = num_rdma_bytes
+    cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(deviceGetPCIBusId=lambda d: "0000:01:00.0")))
+    buf._check_group(cupy)
+
+
+def test_ranks_that_disagree_on_the_low_latency_buffer_size_are_refused():
+    # Each rank's low-latency layout (where the halves and areas lie) comes from its own size.
+    size = get_low_latency_rdma_size_hint(M, H, R, E)
+    _checked_group(_GroupOfTwo(), 0, size)
+    with pytest.raises(ep.RankMismatchError, match=rf"num_rdma_bytes: ranks disagree, got \[{size}, {2 * size}\]"):
+        _checked_group(_GroupOfTwo(rdma_bytes=2 * size), 0, size)
+    with pytest.raises(ep.RankMismatchError, match=r"num_nvl_bytes: ranks disagree, got \[1024, 2048\]"):
+        _checked_group(_GroupOfTwo(nvl_bytes=2048), 1024, size)
 
 
 def test_the_module_names_are_exported():

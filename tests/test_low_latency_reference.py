@@ -169,6 +169,15 @@ def test_dispatch_refuses_more_tokens_than_the_maximum_and_repeated_experts():
         ll.dispatch(xs, [topk[0], np.array([[4, 0], [-1, -1], [1, 2], [0, 3]])], 4, 4)
 
 
+def test_dispatch_checks_routing_as_the_intranode_reference_does():
+    # The shape, dtype and range checks are reference.py's (one place), the repeated-expert one its own.
+    xs, topk = _routing()
+    with pytest.raises(TypeError, match="topk_idx must be an integer array"):
+        ll.dispatch(xs, [topk[0], np.asarray(topk[1], np.float64)], 4, 4)
+    with pytest.raises(ValueError, match=r"topk_idx must be 2-D"):
+        ll.dispatch(xs, [topk[0], np.asarray(topk[1])[:, 0]], 4, 4)
+
+
 def test_combine_sums_weighted_rows_in_topk_order_in_float32():
     xs, topk = _routing()
     results = ll.dispatch(xs, topk, 4, 4)
