@@ -59,3 +59,36 @@ def test_each_call_is_hashed_as_it_returns_one_hash_per_call(worker):
     assert len({c["hash"] for c in calls}) == 4
     assert fake.log == ["waited"] * 4  # every call's event waited for before hashing
     assert recorder.call_hashes() == []
+
+
+class _WorstCaseBuffer:
+    """A ``num_worst_tokens`` dispatch: 2 received rows, then padding rows holding ``padding``."""
+
+    def __init__(self, received, padding):
+        self.received, self.padding = received, padding
+
+    def dispatch(self, x, handle=None, **kwargs):
+        rows = np.full((4, 3), self.padding, np.int32)
+        rows[:2] = self.received
+        topk = np.full((4, 2), -1, np.int64)
+        topk[:2] = 0
+        weights = np.full((4, 2), float(self.padding), np.float32)
+        weights[:2] = 0.5
+
+        class Handle:
+            recv_count = np.array([2], np.int32)
+
+        return (rows, rows[:, :1]), topk, weights, [], Handle(), _Event([])
+
+
+def _worst_case_hash(worker, received, padding):
+    recorder = worker.RecordingBuffer(_WorstCaseBuffer(received, padding))
+    recorder.dispatch("x", num_worst_tokens=4)
+    return recorder.call_hashes()[0]["hash"]
+
+
+def test_a_worst_case_dispatch_is_hashed_on_its_defined_rows_only(worker):
+    """The padding rows of recv_x, its scales and the weights are unset memory (different under
+    mpiexec and in-process); only the received rows and every recv_topk_idx row are compared."""
+    assert _worst_case_hash(worker, 7, padding=111) == _worst_case_hash(worker, 7, padding=-5)
+    assert _worst_case_hash(worker, 7, padding=111) != _worst_case_hash(worker, 8, padding=111)

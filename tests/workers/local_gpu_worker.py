@@ -85,6 +85,18 @@ def digest(arrays):
     return h.hexdigest()[:16]
 
 
+def defined_rows_of_worst_case(outputs, num_recv):
+    """What a ``num_worst_tokens`` dispatch defines: the received rows of ``recv_x`` (and scales) and
+    of the weights, and every row of ``recv_topk_idx`` (-1 past the received ones). The rows past
+    ``num_recv`` of the others hold whatever the allocator left there, which differs between runs."""
+    recv_x, recv_topk, recv_weights = outputs[:3]
+    if isinstance(recv_x, tuple):
+        recv_x = tuple(part[:num_recv] for part in recv_x)
+    else:
+        recv_x = recv_x[:num_recv]
+    return recv_x, recv_topk, None if recv_weights is None else recv_weights[:num_recv]
+
+
 class RecordingBuffer:
     """A Buffer that hashes the outputs of every dispatch / cached dispatch / combine as it returns.
 
@@ -123,7 +135,11 @@ class RecordingBuffer:
     def dispatch(self, x, handle=None, **kwargs):
         self._start_together()
         out = self._buf.dispatch(x, handle=handle, **kwargs)
-        self._record("cached_dispatch" if handle is not None else "dispatch", out[:3], out[-1])
+        recorded = out[:3]
+        if kwargs.get("num_worst_tokens"):
+            out[-1].synchronize()
+            recorded = defined_rows_of_worst_case(out, int(gpu_worker.to_numpy(out[4].recv_count)[0]))
+        self._record("cached_dispatch" if handle is not None else "dispatch", recorded, out[-1])
         return out
 
     def combine(self, x, handle, **kwargs):
