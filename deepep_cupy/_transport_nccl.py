@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 from ._transport_memory import CudaMemory
+from .nccl_library import NO_NCCL_HINT
 from .transports import RailTransport, nccl_module, offsets
 
 
@@ -48,8 +49,7 @@ class NcclRailTransport(RailTransport):
         if nccl is None:
             nccl = nccl_module()
             if nccl is None:
-                raise ValueError("transport: 'nccl' needs CuPy's NCCL bindings, which cannot load NCCL here "
-                                 "(pip install nvidia-nccl-cu12), or choose 'mpi'")
+                raise ValueError(f"transport: 'nccl' needs NCCL: {NO_NCCL_HINT}; or choose 'mpi'")
         self._memory = CudaMemory(device_id) if memory is None else memory
         self._nccl = nccl
         self._group = rail_group

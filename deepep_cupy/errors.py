@@ -94,4 +94,5 @@ class GroupAbortedError(DeepEPError):
 
 
 class NcclUnavailable(DeepEPError):
-    """The NCCL baseline of ``python -m deepep_cupy.bench`` cannot run; the message says why."""
+    """NCCL cannot be used here (no libnccl loads, or the benchmark's NCCL baseline cannot run); the
+    message says why."""

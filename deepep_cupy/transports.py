@@ -25,6 +25,7 @@ import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .errors import RankMismatchError
+from .nccl_library import NO_NCCL_HINT, nccl_or_none
 from .nodes import gpu_address
 
 #: Environment variable: the transport :func:`make_transport` picks when its ``kind`` is None.
@@ -152,16 +153,8 @@ def _requested_kind(kind: Optional[str]) -> Optional[str]:
 
 
 def nccl_module() -> Any:
-    """CuPy's NCCL bindings (``cupy.cuda.nccl``), or None when NCCL cannot be loaded."""
-    import warnings
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # CuPy warns when libnccl is missing; None says it
-            from cupy.cuda import nccl
-    except Exception:
-        return None
-    return nccl if getattr(nccl, "available", False) else None
+    """CuPy's NCCL bindings (:func:`deepep_cupy.nccl_library.load_nccl`), or None when no libnccl loads."""
+    return nccl_or_none()
 
 
 def _torch_backend(group: Any) -> str:
@@ -208,8 +201,8 @@ def choose_kind(kind: Optional[str], group: Any) -> str:
         raise ValueError(f"transport: 'nccl' over a torch.distributed group needs the NCCL backend, "
                          f"got {_torch_backend(group)!r}")
     if requested == "nccl" and isinstance(group, MPIGroup) and nccl_module() is None:
-        raise ValueError("transport: 'nccl' over an mpi4py communicator needs CuPy's NCCL bindings, which cannot "
-                         "load NCCL here (pip install nvidia-nccl-cu12), or choose 'mpi'")
+        raise ValueError(f"transport: 'nccl' over an mpi4py communicator needs NCCL: {NO_NCCL_HINT}; "
+                         f"or choose 'mpi'")
     return requested
 
 

@@ -67,6 +67,7 @@ def test_the_references_import_only_numpy_and_each_other(reference):
     assert "import cupy" not in source and "import torch" not in source
 
 
-@pytest.mark.parametrize("plumbing", ["slots", "streams", "layout", "kernels", "ipc", "launch", "operation_context"])
+@pytest.mark.parametrize("plumbing", ["slots", "streams", "layout", "kernels", "ipc", "launch", "operation_context",
+                                      "nccl_library"])
 def test_the_gpu_plumbing_knows_no_operation(plumbing):
     assert not ours_imported_by(plumbing) & {"dispatch_path", "combine_path", "internode", "low_latency", "buffer"}

@@ -7,13 +7,13 @@ import argparse
 import contextlib
 import os
 import socket
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import NcclUnavailable
 from ..kernels import read_source
+from ..nccl_library import load_nccl
 from ..sm_budget import sm_count_of
 from .library import _import_library
 from .report import op_stats
@@ -28,34 +28,6 @@ NCCL_HEADER_WORDS = 3
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_cupy_nccl():
-    """``cupy.cuda.nccl`` with its library loaded; falls back to the libnccl of a pip NVIDIA/torch install."""
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from cupy.cuda import nccl
-    if getattr(nccl, "available", False) and hasattr(nccl, "NcclCommunicator"):
-        return nccl
-    import ctypes
-    import glob
-    import importlib
-    candidates = [os.environ.get("DEEPEP_CUPY_NCCL_LIB", "")]
-    for entry in sys.path:
-        candidates += sorted(glob.glob(os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so*")))
-        candidates += sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "lib", "libnccl.so*")))
-        candidates += sorted(glob.glob(os.path.join(entry, "torch", "lib", "libnccl.so*")))
-    errors = []
-    for path in filter(None, candidates):
-        try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            lib = importlib.import_module("cupy_backends.cuda.libs.nccl")
-            return lib
-        except (OSError, ImportError) as exc:
-            errors.append(f"{path}: {exc}")
-    raise NcclUnavailable("cupy.cuda.nccl cannot load libnccl (set DEEPEP_CUPY_NCCL_LIB=/path/libnccl.so.2"
-                          + (f"; tried {errors[:3]}" if errors else "") + ")")
-
-
 class CupyNcclBackend:
     """All-to-all-v with ``cupy.cuda.nccl`` send/recv in one NCCL group call.
 
@@ -68,7 +40,7 @@ class CupyNcclBackend:
 
     def __init__(self, local_ranks: Sequence[int], devices: Sequence[int], num_ranks: int, group: Any = None):
         import cupy
-        self.nccl = _load_cupy_nccl()
+        self.nccl = load_nccl()
         self.local_ranks, self.devices, self.num_ranks = list(local_ranks), list(devices), num_ranks
         if len(self.local_ranks) == num_ranks:
             self.comms = self.nccl.NcclCommunicator.initAll(list(self.devices))
