@@ -49,7 +49,7 @@ class LocalRailTransport(RailTransport):
         self._done: Optional[int] = self._memory.new_event()
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
-                  stream: int) -> None:
+                  stream: int, owners: Sequence[Any] = ()) -> None:
         send_bytes = self._counts("send_bytes", send_bytes)
         recv_bytes = self._counts("recv_bytes", recv_bytes)
         me, memory = self.rank, self._memory

@@ -10,7 +10,8 @@ A wait never stays a hang: the requests are polled until ``timeout_s``, then
 each rank sends every peer a tiny arrival message carrying its call number, which is what tells
 who never reached the call (a collective request alone cannot say), and that the ranks agree on
 the call count. After a timeout the transport is unusable (MPI cannot cancel a collective), and
-what the call left posted (requests, their arrays, the staging buffers) is kept for good.
+what the call left posted (requests, their arrays, the staging buffers, the owners of device
+memory given to MPI) is kept for good.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class MpiRailTransport(RailTransport):
     # -- the operations ---------------------------------------------------------------------
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
-                  stream: int) -> None:
+                  stream: int, owners: Sequence[Any] = ()) -> None:
         self._check_usable()
         send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
         me, memory = self.rank, self._memory
@@ -113,7 +114,8 @@ class MpiRailTransport(RailTransport):
         if self.cuda_aware:
             memory.synchronize(stream)
             self._exchange([memory.device_view(send_ptr, send_total), (send_counts, send_off), self._MPI.BYTE],
-                           [memory.device_view(recv_ptr, recv_total), (recv_counts, recv_off), self._MPI.BYTE])
+                           [memory.device_view(recv_ptr, recv_total), (recv_counts, recv_off), self._MPI.BYTE],
+                           owners)
             return
         send_host = self._staging("_send_host", send_total)
         for start, end in self._ranges(send_off, send_bytes):
@@ -183,8 +185,9 @@ class MpiRailTransport(RailTransport):
             setattr(self, attr, buf)
         return buf
 
-    def _exchange(self, sendbuf: list, recvbuf: list) -> None:
-        """Ialltoallv plus the arrival messages, waited for with the deadline."""
+    def _exchange(self, sendbuf: list, recvbuf: list, owners: Sequence[Any] = ()) -> None:
+        """Ialltoallv plus the arrival messages, waited for with the deadline (``owners``: those of
+        device memory that the buffers view, kept with them after a timeout)."""
         call = self._calls
         self._calls += 1
         me = self.rank
@@ -195,7 +198,7 @@ class MpiRailTransport(RailTransport):
         sends = [self._comm.Isend([mine, self._MPI.INT64_T], dest=p, tag=_ARRIVAL_TAG)
                  for p in range(self.size) if p != me]
         data = self._comm.Ialltoallv(sendbuf, recvbuf)
-        self._wait(arrivals, sends + [data], "alltoallv", (stamps, mine, sendbuf, recvbuf))
+        self._wait(arrivals, sends + [data], "alltoallv", (stamps, mine, sendbuf, recvbuf, tuple(owners)))
         wrong = {self.rail[p]: int(stamps[p]) for p in arrivals if stamps[p] != call}
         if wrong:
             self._broken = "ranks disagree on the number of calls"

@@ -58,7 +58,7 @@ class NcclRailTransport(RailTransport):
             self._comm: Optional[Any] = nccl.NcclCommunicator(self.size, unique_id, self.rank)
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
-                  stream: int) -> None:
+                  stream: int, owners: Sequence[Any] = ()) -> None:
         send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
         me, nccl, comm = self.rank, self._nccl, self._comm
         if comm is None:
@@ -128,7 +128,7 @@ class TorchNcclRailTransport(RailTransport):
         return torch.as_tensor(_CudaBytes(ptr, nbytes), device=self._device)
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
-                  stream: int) -> None:
+                  stream: int, owners: Sequence[Any] = ()) -> None:
         send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
         if self._group is None:
             raise ValueError("the NCCL rail transport was closed")

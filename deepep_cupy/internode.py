@@ -443,7 +443,8 @@ class InternodePath:
         send_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(send_counts)]
         recv_bytes = [0 if n == me else int(c) * record_bytes for n, c in enumerate(recv_counts)]
         received = cupy.empty((sum(c for n, c in enumerate(recv_counts) if n != me), record_bytes), cupy.uint8)
-        self.transport.alltoallv(device_pointer(send_buffer), send_bytes, device_pointer(received), recv_bytes, run_on)
+        self.transport.alltoallv(device_pointer(send_buffer), send_bytes, device_pointer(received), recv_bytes, run_on,
+                                 owners=(send_buffer, received))
         return received
 
     def _in_node_order(self, received, own_block, recv_counts: Sequence[int]) -> Tuple[Any, Any, Any]:

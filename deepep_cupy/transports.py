@@ -66,7 +66,7 @@ class RailTransport(abc.ABC):
 
     @abc.abstractmethod
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
-                  stream: int) -> None:
+                  stream: int, owners: Sequence[Any] = ()) -> None:
         """Send ``send_bytes[p]`` bytes to rail peer ``p`` and receive ``recv_bytes[p]`` from it.
 
         Every rank of the rail calls it, with matching counts (``send_bytes[q]`` on rank ``p``
@@ -82,6 +82,9 @@ class RailTransport(abc.ABC):
                 and work queued on it afterwards sees the received bytes. The self entry
                 (``p == rank``) is a device-to-device copy. Both buffers must stay alive until
                 that work has run.
+            owners: the objects that own the memory at ``send_ptr`` and ``recv_ptr``. A transport
+                that gives up on a move its library cannot cancel (a timed-out MPI request on
+                device memory) keeps them for good, since a late peer may still write there.
         """
 
     @abc.abstractmethod

@@ -103,7 +103,7 @@ class ThreadRail:
         table = self.hub.exchange(self.rank, values)
         return [table[peer][self.rank] for peer in range(self.size)]
 
-    def alltoallv(self, send_ptr, send_bytes, recv_ptr, recv_bytes, stream):
+    def alltoallv(self, send_ptr, send_bytes, recv_ptr, recv_bytes, stream, owners=()):
         self.calls.append((list(send_bytes), list(recv_bytes)))
         table = self.hub.exchange(self.rank, (send_ptr, list(send_bytes)))
         offset = 0

@@ -657,6 +657,26 @@ def test_mpi_keeps_what_a_timed_out_call_left_posted_past_close(call):
     assert comm.received and all(ref() is not None for ref in comm.received)
 
 
+class _DeviceMemoryOwner:
+    """Stands for the CuPy array that owns device memory handed to the transport by pointer."""
+
+
+def test_mpi_keeps_the_owners_of_device_memory_that_a_timed_out_call_left_posted_past_close():
+    # CUDA-aware MPI writes straight into the caller's device memory: it must outlive the request.
+    comm = StalledMpiComm(rank=0, size=2)
+    t, _ = _mpi_on_fake(comm, cuda_aware=True, timeout_s=0.05)
+    owners = [_DeviceMemoryOwner(), _DeviceMemoryOwner()]
+    kept = [weakref.ref(o) for o in owners]
+    buf = np.zeros(16, np.uint8)
+    with pytest.raises(DeepEPTimeoutError):
+        t.alltoallv(buf.ctypes.data, [0, 8], buf.ctypes.data, [0, 8], STREAM, owners=tuple(owners))
+    del owners
+    t.close()
+    del t
+    gc.collect()
+    assert all(ref() is not None for ref in kept)
+
+
 def test_mpi_close_waits_for_the_last_copy_back_before_it_lets_the_staging_buffers_go():
     comm = FakeMpiComm(rank=0, size=2)
     t, memory = _mpi_on_fake(comm, cuda_aware=False)
