@@ -54,7 +54,7 @@ class CombinePath:
         key = ("combine", x_key, w_key, b0_key, b1_key, config, in_place)
         plan = ctx.plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
-            plan = ctx.plan(key, self._combine_plan, x, topk_weights, config, biases, in_place)
+            plan = ctx.plans.make(key, self._combine_plan, x, topk_weights, config, biases, in_place)
         ctx.check_handle(handle, config)
         if n != handle.rows:
             received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"

@@ -155,7 +155,7 @@ class DispatchPath:
         ctx = self._ctx
         lib, topk_ptr, num_tokens, topk_key = read(topk_idx)
         key = ("layout", topk_key, num_experts)
-        plan = ctx.plans.get(key) or ctx.plan(key, self._layout_plan, topk_idx, num_experts)
+        plan = ctx.plans.get(key) or ctx.plans.make(key, self._layout_plan, topk_idx, num_experts)
         R, dev = ctx.num_ranks, ctx.device_id
         with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
             with ctx.allocating(lib, allocate_on_comm_stream):
@@ -298,7 +298,7 @@ class DispatchPath:
                expert_alignment, config, recv_x_in_buffer)
         plan = ctx.plans.get(key)
         if plan is None or (n, n_s, n_i, n_t, n_w).count(n) != plan.row_args:
-            plan = ctx.plan(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
+            plan = ctx.plans.make(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                             expert_alignment, config, recv_x_in_buffer)
         return DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
                              self._scale_strides(plan.spec.rows, lib, scales),
@@ -639,7 +639,7 @@ class DispatchPath:
         key = ("cached dispatch", type(x) is tuple, x_key, s_key, config, recv_x_in_buffer)
         plan = ctx.plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:
-            plan = ctx.plan(key, self._cached_plan, x, config, recv_x_in_buffer)
+            plan = ctx.plans.make(key, self._cached_plan, x, config, recv_x_in_buffer)
         ctx.check_handle(handle, config)
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 from . import launch, tensors
 from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, UE8M0_PER_INT
 from .launch import KernelCall
+from .plans import PlanCache
 from .slots import ERROR_RECORD
 from .tensors import check_array, check_int, describe, read
 
@@ -44,8 +45,6 @@ __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_la
 
 #: Blocks per launch when the GPU is not shared (latency, not bandwidth: every block spins).
 DEFAULT_NUM_SMS = 32
-#: Plans a path keeps per op before it forgets them all (a decode loop uses a handful).
-MAX_PLANS = 256
 #: Calls of an op whose receive may be owed at once (the buffer's two halves).
 CALLS_IN_FLIGHT = 2
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
@@ -245,8 +244,8 @@ class LowLatencyPath:
         self._owner = owner
         self._shared = launch.shared_arguments(peer_table_ptr, num_ranks, rank, timeout_s,
                                                slots.device_ptr(ERROR_RECORD))
-        self._dispatch_plans: Dict[tuple, _Plan] = {}
-        self._combine_plans: Dict[tuple, _Plan] = {}
+        self._dispatch_plans = PlanCache(on_device)
+        self._combine_plans = PlanCache(on_device)
         self._zero_copy_views: Dict[tuple, Any] = {}
         self._owed_dispatch = _OwedReceives("dispatch")
         self._owed_combine = _OwedReceives("combine")
@@ -303,16 +302,6 @@ class LowLatencyPath:
         there (``async_finish``), else for the caller's."""
         return lib.allocating_on(self._order.stream, self.device_id) if async_finish else _NO_CONTEXT
 
-    def _keep(self, plans: Dict[tuple, _Plan], key: tuple, build: Callable[..., _Plan], *args) -> _Plan:
-        """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan
-        in ``plans`` (forgotten all at once past :data:`MAX_PLANS`)."""
-        with self._on_device:
-            plan = build(*args)
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plans[key] = plan
-        return plan
-
     def _layout(self, num_max: Any, hidden: int, num_experts: Any) -> LowLatencyLayout:
         num_max = check_int(num_max, "num_max_dispatch_tokens_per_rank")
         num_experts = check_int(num_experts, "num_experts")
@@ -349,7 +338,7 @@ class LowLatencyPath:
                num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
         plan = self._dispatch_plans.get(key)
         if plan is None:
-            plan = self._keep(self._dispatch_plans, key, self._dispatch_plan, x, topk_idx,
+            plan = self._dispatch_plans.make(key, self._dispatch_plan, x, topk_idx,
                               num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                               dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
         if num_tokens != topk_rows:
@@ -489,7 +478,7 @@ class LowLatencyPath:
                handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         plan = self._combine_plans.get(key)
         if plan is None:
-            plan = self._keep(self._combine_plans, key, self._combine_plan, x, topk_idx, topk_weights, handle, out)
+            plan = self._combine_plans.make(key, self._combine_plan, x, topk_idx, topk_weights, handle, out)
         if weight_rows != num_tokens or (out is not None and out_rows != num_tokens):
             raise ValueError(f"topk_weights/out: expected {num_tokens} rows (those of topk_idx), got {weight_rows}"
                              + ("" if out is None else f" and {out_rows}"))

@@ -25,8 +25,6 @@ from .launch import KernelCall
 from .slots import ERROR_RECORD, HostSlots
 from .streams import StreamOrder
 
-#: Plans a Buffer keeps before it forgets them all (a model uses a handful).
-MAX_PLANS = 256
 _NO_CONTEXT = contextlib.nullcontext()
 
 
@@ -123,7 +121,7 @@ class OperationContext:
         self.nvl: Any = None
         self.slots: Optional[HostSlots] = None
         self.order: Optional[StreamOrder] = None
-        self.plans: Dict[tuple, plans.Plan] = {}
+        self.plans = plans.PlanCache(self.on_device)
         self.rows_in_buffer_used = False
         self.rows_in_buffer_of: Optional[DispatchHandle] = None
         self.shared_args: Dict[str, Any] = {}
@@ -152,15 +150,6 @@ class OperationContext:
         launched by ``run`` with ``per_call``'s values (launch.KernelCall)."""
         return launch.bind(kernel, self.shared_args, template_args, grid=grid, shared_mem=shared_mem,
                            per_call=per_call, **fixed)
-
-    def plan(self, key: tuple, build, *args) -> plans.Plan:
-        """Check arguments of a new kind with ``build(*args)`` (it raises on bad ones); keep the plan."""
-        with self.on_device:
-            made = build(*args)
-        if len(self.plans) >= MAX_PLANS:
-            self.plans.clear()
-        self.plans[key] = made
-        return made
 
     def begin(self, lib, previous_event: Optional[EventOverlap], async_finish: bool,
               allocate_on_comm_stream: bool) -> OrderedCall:

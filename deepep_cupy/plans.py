@@ -42,6 +42,32 @@ class Context(NamedTuple):
     num_nvl_bytes: int
 
 
+#: Plans a cache keeps before it forgets them all (a model uses a handful).
+MAX_PLANS = 256
+
+
+class PlanCache(dict):
+    """Plans by kind of arguments (``get`` as a dict's); :meth:`make` checks arguments of a new kind
+    and keeps their plan, forgetting all of them past :data:`MAX_PLANS`.
+
+    Args:
+        scope: a context in which plans are built (the GPU made current).
+    """
+
+    def __init__(self, scope: Any):
+        super().__init__()
+        self.scope = scope
+
+    def make(self, key: tuple, build, *args):
+        """``build(*args)`` (it raises on bad arguments), kept under ``key``."""
+        with self.scope:
+            made = build(*args)
+        if len(self) >= MAX_PLANS:
+            self.clear()
+        self[key] = made
+        return made
+
+
 @dataclass(frozen=True)
 class Rows:
     """``x`` as a dispatch sees it: the rows, and the FP8 scales if any. (What every call reads is

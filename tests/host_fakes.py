@@ -324,7 +324,7 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     monkeypatch.setattr(buffer_module, "check_sm_budget", lambda ranks_per_device, num_sms: None)
     buf = Buffer.__new__(Buffer)
     buf._set_up_host(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)
-    buf._on_device = buf._ctx.on_device = contextlib.nullcontext()
+    buf._on_device = buf._ctx.on_device = buf._ctx.plans.scope = contextlib.nullcontext()
     if nvl_memory:
         buf._nvl = FakeNvlBuffer(num_nvl_bytes)
     host_slots = HostSlots(rank, 5.0, in_process=False, mapped=FakeMapped())

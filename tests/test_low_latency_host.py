@@ -13,7 +13,7 @@ import pytest
 from host_fakes import FakeArray, FakeGroup, FakeLib, FakeMapped, FakeNvlBuffer, FakeOrder, fake_buffer, on_device
 
 import deepep_cupy as ep
-from deepep_cupy import kernels, launch, low_latency, slots, tensors
+from deepep_cupy import kernels, launch, low_latency, plans, slots, tensors
 from deepep_cupy.constants import ERROR_BAD_EXPERT_ID, KERNEL_STAGES, LL_DATA_OFFSET, LL_SIGNALS_END
 from deepep_cupy.low_latency import LowLatencyLayout, LowLatencyPath, get_low_latency_rdma_size_hint
 from deepep_cupy.slots import HostSlots
@@ -594,6 +594,6 @@ def test_plans_are_kept_per_kind_of_arguments_and_forgotten_past_a_bound(path, m
     path.path.dispatch(x, topk, M, E)
     path.path.dispatch(x, topk, M, E)
     assert len(path.path._dispatch_plans) == 1
-    monkeypatch.setattr(low_latency, "MAX_PLANS", 1)
+    monkeypatch.setattr(plans, "MAX_PLANS", 1)
     path.path.dispatch(x, topk, M, E, use_fp8=False)
     assert len(path.path._dispatch_plans) == 1 and len(path.log) == 3
