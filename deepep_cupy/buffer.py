@@ -21,11 +21,11 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import compat, kernels, slots, tensors
+from . import compat, kernels, tensors
 from .combine_path import CombinePath
 from .comm import Group, as_group
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
-from .constants import HOST_FAILURES, MAX_RANKS
+from .constants import MAX_RANKS
 from .dispatch_path import DispatchPath
 from .errors import RankMismatchError
 from .events import EventOverlap
@@ -392,20 +392,7 @@ class Buffer:
         operations' context (which binds the arguments every kernel shares)."""
         self._slots = host_slots
         self._order = order
-        self._ctx.attach(self._nvl, host_slots, order, peer_table_ptr, self._give_up)
-
-    def _give_up(self, failure: BaseException) -> None:
-        """This rank's host failed after its call launched kernels that meet the other ranks: mark
-        the Buffer given up on every rank (their kernels stop and name this rank and the failure,
-        instead of waiting out their timeout) and on this one (its next call raises)."""
-        code = slots.host_failure_code(failure, before_launch=False)
-        what = HOST_FAILURES[code]
-        try:
-            self._nvl.mark_gave_up(code)
-        except Exception as exc:  # the context may be the thing that failed
-            what += f"; telling the other ranks failed too ({exc})"
-        self._slots.failed = (f"this rank gave up on it after {what} ({type(failure).__name__}) once its call had "
-                              f"launched kernels; the other ranks' kernels stop naming it. {slots.RECOVERY}")
+        self._ctx.attach(self._nvl, host_slots, order, peer_table_ptr)
 
     # -----------------------------------------------------------------------------------------
     # Lifetime

@@ -11,13 +11,12 @@ the same for all of them.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import launch, plans, slots
 from .comm import Group
 from .config import Config
+from .constants import HOST_FAILURES
 from .errors import DeepEPError
 from .events import EventOverlap
 from .handle import DispatchHandle
@@ -58,20 +57,30 @@ class OrderedCall:
     waits for the counts, its verdict is in). Leaving by an exception tells the stream order that
     kernels may be queued already (``StreamOrder.abandon``), so that destroy() and the next call
     come after them; and when the call had launched such kernels but was not settled, or was
-    interrupted at any point after its launch, the rank gives up on the Buffer (``give_up``), so
-    that its peers stop at once, naming it, instead of waiting out their timeout. Exceptions the
+    interrupted at any point after its launch, the rank gives up on the Buffer (:meth:`give_up`),
+    so that its peers stop at once, naming it, instead of waiting out their timeout. Exceptions the
     ranks raise together (``DeepEPError``) need none of that. One per Buffer, reused by each call
     (a Buffer's calls never nest)."""
 
-    __slots__ = ("_order", "_give_up", "caller", "run_on", "launched", "settled")
+    __slots__ = ("_order", "_nvl", "_slots", "caller", "run_on", "launched", "settled")
 
-    def __init__(self, order: StreamOrder, give_up: Callable[[BaseException], None]):
-        self._order = order
-        # Weakly, when it is a method of the Buffer: the Buffer owns this call's context, and a
-        # cycle would keep it, its streams and events, alive until a garbage collection.
-        self._give_up = weakref.WeakMethod(give_up) if inspect.ismethod(give_up) else (lambda: give_up)
+    def __init__(self, order: StreamOrder, nvl: Any, host_slots: HostSlots):
+        self._order, self._nvl, self._slots = order, nvl, host_slots
         self.caller = self.run_on = 0
         self.launched = self.settled = False
+
+    def give_up(self, failure: BaseException) -> None:
+        """This rank's host failed after its call launched kernels that meet the other ranks: mark
+        the Buffer given up on every rank (their kernels stop and name this rank and the failure,
+        instead of waiting out their timeout) and on this one (its next call raises)."""
+        code = slots.host_failure_code(failure, before_launch=False)
+        what = HOST_FAILURES[code]
+        try:
+            self._nvl.mark_gave_up(code)
+        except Exception as exc:  # the context may be the thing that failed
+            what += f"; telling the other ranks failed too ({exc})"
+        self._slots.failed = (f"this rank gave up on it after {what} ({type(failure).__name__}) once its call had "
+                              f"launched kernels; the other ranks' kernels stop naming it. {slots.RECOVERY}")
 
     def __iter__(self):
         return iter((self.caller, self.run_on))
@@ -86,10 +95,8 @@ class OrderedCall:
         launched, settled = self.launched, self.settled
         self.launched = self.settled = False
         self._order.abandon(self.run_on)
-        give_up = self._give_up()
-        if give_up is not None and launched and not issubclass(exc_type, DeepEPError) \
-                and (not settled or not issubclass(exc_type, Exception)):
-            give_up(exc)
+        if launched and not issubclass(exc_type, DeepEPError) and (not settled or not issubclass(exc_type, Exception)):
+            self.give_up(exc)
         return False
 
 
@@ -130,13 +137,11 @@ class OperationContext:
         #: What a handle made by this Buffer's dispatches names as its owner.
         self.owner = id(self)
 
-    def attach(self, nvl: Any, host_slots: HostSlots, order: StreamOrder, peer_table_ptr: int,
-               give_up: Callable[[BaseException], None]) -> None:
+    def attach(self, nvl: Any, host_slots: HostSlots, order: StreamOrder, peer_table_ptr: int) -> None:
         """Take the NVLink buffer, the slots and the stream order; bind the arguments every kernel
-        shares (:meth:`bind`). ``give_up``: what a call that fails after its launch calls
-        (:class:`OrderedCall`)."""
+        shares (:meth:`bind`)."""
         self.nvl, self.slots, self.order = nvl, host_slots, order
-        self._call = OrderedCall(order, give_up)
+        self._call = OrderedCall(order, nvl, host_slots)
         self.shared_args = launch.shared_arguments(peer_table_ptr, self.num_ranks, self.rank, self.timeout_s,
                                                    host_slots.device_ptr(ERROR_RECORD))
         # Where a count exchange publishes the counts and verdict of a dispatch whose host waits for them.

@@ -310,12 +310,12 @@ class FakeGroup(Group):
 
 
 def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allocate_ahead=True, order=None,
-                nvl_memory=False, **launch_script):
+                nvl_memory=False, nvl=None, **launch_script):
     """A Buffer of rank ``rank`` of ``num_ranks`` with fake hardware; returns ``(buffer, launches, lib)``.
 
     ``order``: the stream order (default a :class:`FakeOrder`); ``nvl_memory``: back the NVLink buffer
-    with host memory (:class:`FakeNvlBuffer`; keep ``num_nvl_bytes`` small then); ``launch_script``:
-    :class:`Launches`'s options.
+    with host memory (:class:`FakeNvlBuffer`; keep ``num_nvl_bytes`` small then); ``nvl``: another
+    stand-in for the NVLink buffer; ``launch_script``: :class:`Launches`'s options.
     """
     lib = FakeLib()
     monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
@@ -327,6 +327,8 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     buf._on_device = buf._ctx.on_device = buf._ctx.plans.scope = contextlib.nullcontext()
     if nvl_memory:
         buf._nvl = FakeNvlBuffer(num_nvl_bytes)
+    elif nvl is not None:
+        buf._nvl = nvl
     host_slots = HostSlots(rank, 5.0, in_process=False, mapped=FakeMapped())
     buf._attach(host_slots, FakeOrder() if order is None else order, 0xB0F)
     launches = Launches(host_slots, **launch_script)

@@ -145,8 +145,8 @@ class _Nvl:
 @pytest.mark.parametrize("failure, code", [(KeyboardInterrupt(), HOST_FAILED_INTERRUPT),
                                            (RuntimeError("a bug"), 2)])
 def test_a_host_failing_after_its_dispatch_launched_gives_up_on_the_buffer(monkeypatch, failure, code):
-    buf, _, _ = fake_buffer(monkeypatch, received=(100,))
-    buf._nvl = nvl = _Nvl()
+    nvl = _Nvl()
+    buf, _, _ = fake_buffer(monkeypatch, received=(100,), nvl=nvl)
 
     def failing_wait(kernel_done=None):
         raise failure
@@ -161,8 +161,8 @@ def test_a_host_failing_after_its_dispatch_launched_gives_up_on_the_buffer(monke
 
 
 def test_an_error_every_rank_raises_does_not_give_up_on_the_buffer(monkeypatch):
-    buf, _, _ = fake_buffer(monkeypatch, received=(100,), verdict=2)  # settings that differ
-    buf._nvl = nvl = _Nvl()
+    nvl = _Nvl()
+    buf, _, _ = fake_buffer(monkeypatch, received=(100,), verdict=2, nvl=nvl)  # settings that differ
     with pytest.raises(ep.RankMismatchError):
         dispatch(buf, workload())
     assert nvl.marks == []
@@ -170,8 +170,8 @@ def test_an_error_every_rank_raises_does_not_give_up_on_the_buffer(monkeypatch):
 
 def test_an_interrupt_after_the_call_settled_still_gives_up_on_the_buffer(monkeypatch):
     # The call is done on every rank, but this rank may never come back: its peers must not wait.
-    buf, _, _ = fake_buffer(monkeypatch, received=(100,))
-    buf._nvl = nvl = _Nvl()
+    nvl = _Nvl()
+    buf, _, _ = fake_buffer(monkeypatch, received=(100,), nvl=nvl)
     w = workload()
     recv_x, _, _, _, handle, _ = dispatch(buf, w)
     monkeypatch.setattr(buf._order, "finish", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -189,23 +189,23 @@ def test_a_peer_that_gave_up_after_a_host_failure_is_named_with_the_failure():
 
 
 
-def test_the_call_span_holds_the_buffers_give_up_weakly():
-    # The Buffer owns its operation context, which owns the call span: a strong reference back would
-    # be a cycle keeping a destroyed Buffer's streams and events alive until a garbage collection.
+def test_an_operation_context_is_freed_without_a_garbage_collection():
+    # The call span gives up through the NVLink buffer and the slots it holds, not through the
+    # Buffer or its context: a reference back would be a cycle keeping a destroyed Buffer's
+    # streams and events alive until a garbage collection.
     import gc
+    import weakref
 
-    from deepep_cupy.operation_context import OrderedCall
+    from host_fakes import FakeGroup, FakeOrder
 
-    class Owner:
-        def give_up(self, failure):
-            pass
+    from deepep_cupy.operation_context import OperationContext
 
-    owner = Owner()
-    call = OrderedCall(order=None, give_up=owner.give_up)
-    assert call._give_up() is not None
+    ctx = OperationContext(FakeGroup(0, 2), 0, 5.0, 1 << 20)
+    ctx.attach(_Nvl(), slots.HostSlots(0, 5.0, in_process=False, mapped=FakeMapped()), FakeOrder(), 0xB0F)
+    freed = weakref.ref(ctx)
     gc.disable()
     try:
-        del owner
-        assert call._give_up() is None
+        del ctx
+        assert freed() is None
     finally:
         gc.enable()
