@@ -16,7 +16,7 @@ from ..constants import FP8_SCALE_BLOCK
 from ..gpu_check import exit_unless_gpu
 from .calls import DEFAULT_CALLS_TOKENS
 from .ceiling import run_copy_ceiling
-from .library import bench_library_rank
+from .library import bench_library_rank, use_local_gpu
 from .nccl import run_nccl_baseline
 from .report import aggregate, plot_calls, plot_sm_sweep, plot_sweep, render_report, results_to_json
 from .timing import interpreter_us
@@ -281,10 +281,7 @@ def _main_mpi(args: argparse.Namespace) -> int:
     try:
         if args.num_ranks is not None and args.num_ranks != size:
             raise SystemExit(f"deepep_cupy.bench: --num-ranks {args.num_ranks} != MPI world size {size}")
-        local_rank = world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-        count = cupy.cuda.runtime.getDeviceCount()
-        dev = local_rank % count
-        cupy.cuda.Device(dev).use()
+        dev = use_local_gpu(world)
         group = MPIGroup(world)
         mine = bench_library_rank(group, args)
         rank_results = group.allgather(mine)
@@ -300,6 +297,7 @@ def _main_mpi(args: argparse.Namespace) -> int:
         group.barrier()
         copy = {"skipped": "rank 0 only"}
         if rank == 0:  # the others wait at the barrier, their GPUs idle
+            count = cupy.cuda.runtime.getDeviceCount()
             if count >= 2:
                 copy = run_copy_ceiling(args, list(range(count)))
             else:

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 
 from ..errors import NcclUnavailable
+from .library import use_local_gpu
 from .nccl import make_nccl_backend
 from .timing import make_l2_flush, time_op
 from .workload import build_send_index, make_workload, token_rank_mask
@@ -85,9 +86,7 @@ def run_internode(args: argparse.Namespace) -> int:
         raise SystemExit(f"--ranks-per-node {L}: the {size} ranks must make at least 2 nodes of {L}")
     if args.num_experts % size:
         raise SystemExit(f"--num-experts {args.num_experts} must be a multiple of the rank count {size}")
-    local_rank = world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-    dev = local_rank % cupy.cuda.runtime.getDeviceCount()
-    cupy.cuda.Device(dev).use()
+    dev = use_local_gpu(world)
     group = MPIGroup(world)
     E, N = args.num_experts, size // L
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -169,6 +169,16 @@ def _dispatch_np(out: Tuple, fp8: bool) -> Dict[str, Any]:
     return res
 
 
+def use_local_gpu(world: Any) -> int:
+    """Make the GPU of this MPI rank's local rank (modulo the visible GPUs) current; return it."""
+    import cupy
+    from mpi4py import MPI
+
+    dev = world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank() % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(dev).use()
+    return dev
+
+
 def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
     """Everything one rank does for the library: check, timings, tokens sweep, tuning.
 
