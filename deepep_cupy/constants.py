@@ -132,13 +132,21 @@ BLOCK_THREADS: Dict[str, int] = {
     "dispatch_kernel": 768,
     "combine_kernel": 768,
     "expand_kernel": 512,
-    "ll_dispatch_kernel": 512,
-    "ll_combine_kernel": 512,
+    "deepep_cupy::low_latency::dispatch": 512,
+    "deepep_cupy::low_latency::combine": 512,
 }
 
 
 def _macro(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).upper()
+
+
+def _threads_macro(kernel: str) -> str:
+    """``dispatch_kernel`` -> ``DISPATCH_THREADS``; ``deepep_cupy::low_latency::dispatch`` ->
+    ``LOW_LATENCY_DISPATCH_THREADS`` (the namespaced decode kernels)."""
+    name = (kernel[len("deepep_cupy::"):] if kernel.startswith("deepep_cupy::") else kernel).replace("::", "_")
+    name = name[:-len("_kernel")] if name.endswith("_kernel") else name
+    return _macro(name) + "_THREADS"
 
 
 def cuda_defines() -> Dict[str, int]:
@@ -180,7 +188,7 @@ def cuda_defines() -> Dict[str, int]:
         "LL_COMBINE_FLAGS_OFFSET": LL_COMBINE_FLAGS_OFFSET,
     }
     defines.update({f"KERNEL_{_macro(stage)}": kernel_id for kernel_id, stage in KERNEL_STAGES.items()})
-    defines.update({_macro(kernel[:-len("_kernel")]) + "_THREADS": n for kernel, n in BLOCK_THREADS.items()})
+    defines.update({_threads_macro(kernel): n for kernel, n in BLOCK_THREADS.items()})
     return defines
 
 

@@ -44,7 +44,8 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     + tuple(f"combine_kernel<{t}, {r}, true>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
     "expand.cu": ("expand_kernel",),
     # Decode (DeepEP's low-latency API): the settings are run-time arguments, so one instance each.
-    "low_latency.cu": ("ll_dispatch_kernel", "ll_combine_kernel"),
+    # Namespaced as DeepEP's are: its bench_kineto finds them by "::dispatch" / "::combine".
+    "low_latency.cu": ("deepep_cupy::low_latency::dispatch", "deepep_cupy::low_latency::combine"),
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
 OPTIONAL_KERNELS = ("expand_kernel",)
@@ -289,12 +290,12 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "expand_kernel": _signature(
         "expanded_x:ptr expanded_scales:ptr expanded_rows:ptr recv_x:ptr recv_scales:ptr recv_topk_idx:ptr "
         "num_recv:i32 num_topk:i32 hidden_int4:i32 num_scales:i32 num_local_experts:i32 expert_alignment:i32"),
-    "ll_dispatch_kernel": _signature(
+    "deepep_cupy::low_latency::dispatch": _signature(
         "recv_x:ptr recv_scales:ptr recv_count:ptr src_info:ptr layout_range:ptr cumulative_recv_stats:ptr "
         "wait_recv_cost_stats:ptr x:ptr topk_idx:ptr num_tokens:i32 num_topk:i32 hidden:i32 num_max:i32 "
         "num_experts:i32 fp8_mode:i32 phases:i32 record_bytes:i64 dispatch_off:i64 half_bytes:i64 "
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
-    "ll_combine_kernel": _signature(
+    "deepep_cupy::low_latency::combine": _signature(
         "combined_x:ptr x:ptr topk_idx:ptr topk_weights:ptr src_info:ptr layout_range:ptr num_tokens:i32 "
         "num_topk:i32 hidden:i32 num_max:i32 num_experts:i32 phases:i32 combine_off:i64 half_bytes:i64 "
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),

@@ -43,6 +43,10 @@ from .tensors import check_array, check_int, describe, read
 
 __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_latency_rdma_size_hint"]
 
+#: The kernels (kernels/low_latency.cu), namespaced as DeepEP's: DeepEP's benchmark (bench_kineto)
+#: finds them by ``::dispatch`` / ``::combine`` in the profiler's kernel names.
+DISPATCH_KERNEL = "deepep_cupy::low_latency::dispatch"
+COMBINE_KERNEL = "deepep_cupy::low_latency::combine"
 #: Blocks per launch when the GPU is not shared (latency, not bandwidth: every block spins).
 DEFAULT_NUM_SMS = 32
 #: Calls of an op whose receive may be owed at once (the buffer's two halves).
@@ -270,7 +274,7 @@ class LowLatencyPath:
         check_sm_budget({device_id: ranks_on_gpu}, num_sms)
         nvl = NvlBuffer(group, num_bytes)
         try:
-            for name in ("ll_dispatch_kernel", "ll_combine_kernel"):
+            for name in (DISPATCH_KERNEL, COMBINE_KERNEL):
                 kernels.get_kernel(name)
         except BaseException:
             nvl.close()
@@ -408,7 +412,7 @@ class LowLatencyPath:
                      num_experts=layout.num_experts, fp8_mode=fp8_mode,
                      record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
                      half_bytes=layout.dispatch_half_bytes)
-        return self._plan("ll_dispatch_kernel", layout, per_call, **fixed)
+        return self._plan(DISPATCH_KERNEL, layout, per_call, **fixed)
 
     def _launch(self, plan: _Plan, lib, values: Tuple[int, ...], arrays, outputs, async_finish: bool,
                 return_recv_hook: bool, owed: _OwedReceives) -> Tuple[Any, Optional[Callable[[], None]]]:
@@ -522,7 +526,7 @@ class LowLatencyPath:
         fixed = dict(num_topk=num_topk, hidden=layout.hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
                      num_experts=layout.num_experts, combine_off=layout.combine_offset,
                      half_bytes=layout.combine_half_bytes)
-        return self._plan("ll_combine_kernel", layout, per_call, **fixed)
+        return self._plan(COMBINE_KERNEL, layout, per_call, **fixed)
 
     def next_combine_buffer(self, handle: LowLatencyHandle):
         """The zero-copy area as ``[L, R * M, hidden]`` BF16 of the handle's library: rows written there

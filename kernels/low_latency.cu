@@ -32,8 +32,13 @@
 // The last block to leave advances the call counters and, after a receive, releases the half.
 #include "common.cuh"
 
-#define LL_THREADS LL_DISPATCH_THREADS
-static_assert(LL_DISPATCH_THREADS == LL_COMBINE_THREADS, "one block size for both kernels");
+// The kernels are deepep_cupy::low_latency::dispatch and ::combine: DeepEP's benchmark
+// (bench_kineto) finds its low-latency kernels by `::dispatch` / `::combine` in their names.
+namespace deepep_cupy {
+namespace low_latency {
+
+#define LL_THREADS LOW_LATENCY_DISPATCH_THREADS
+static_assert(LOW_LATENCY_DISPATCH_THREADS == LOW_LATENCY_COMBINE_THREADS, "one block size for both kernels");
 constexpr int kLLWarps = LL_THREADS / 32;
 
 // Two float32 -> two e4m3 bytes (`lo` in the low byte): round to nearest even, saturating to +-448.
@@ -164,7 +169,7 @@ __device__ __forceinline__ void write_record(char* record, const int4* x_row, in
 // fp8_mode: 0 BF16, 1 FP8, 2 FP8 with power-of-two scales, 3 FP8 with UE8M0-packed scales.
 // phases: 1 send, 2 receive, 3 both. recv_scales: float [L][hidden / 128][R * M] (column-major
 // per expert), or with UE8M0 int [L][hidden / 512][R * M].
-__global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
+__global__ void __launch_bounds__(LL_THREADS) dispatch(
         void* recv_x, void* recv_scales, int* recv_count, int* src_info, int64_t_* layout_range,
         int* cumulative_recv_stats, int64_t_* wait_recv_cost_stats, const void* x, const int64_t_* topk_idx,
         int num_tokens, int num_topk, int hidden, int num_max, int num_experts, int fp8_mode, int phases,
@@ -315,7 +320,7 @@ __global__ void __launch_bounds__(LL_THREADS) ll_dispatch_kernel(
 // x: BF16 [L][R * M][hidden], the rows of the dispatch whose handle gives src_info and
 // layout_range (the zero-copy area when the caller wrote its rows there). combined_x: BF16
 // [num_tokens][hidden]. phases as for dispatch.
-__global__ void __launch_bounds__(LL_THREADS) ll_combine_kernel(
+__global__ void __launch_bounds__(LL_THREADS) combine(
         void* combined_x, const void* x, const int64_t_* topk_idx, const float* topk_weights, const int* src_info,
         const int64_t_* layout_range, int num_tokens, int num_topk, int hidden, int num_max, int num_experts,
         int phases, int64_t_ combine_off, int64_t_ half_bytes,
@@ -397,3 +402,6 @@ __global__ void __launch_bounds__(LL_THREADS) ll_combine_kernel(
     }
     leave(buffer_ptrs, num_ranks, rank, 1, phases, send_call, recv_call);
 }
+
+}  // namespace low_latency
+}  // namespace deepep_cupy

@@ -12,11 +12,12 @@ from deepep_cupy.launch import KernelCall, ParameterBlock, parameter_struct
 
 
 def _declared_parameters(kernel):
-    """[(name, kind)] parsed from the kernel's ``__global__`` declaration in kernels/*.cu."""
+    """[(name, kind)] parsed from the kernel's ``__global__`` declaration in kernels/*.cu (a
+    namespaced kernel, ``ns::name``, by its own name)."""
     file_name = next(f for f, exprs in kernels.SOURCES.items() if any(e.split("<")[0] == kernel for e in exprs))
     text = kernels.read_source(file_name)
     match = re.search(r"__global__\s+(?:void\s+)?(?:__launch_bounds__\([^)]*\)\s*)?(?:void\s+)?"
-                      + kernel + r"\s*\(([^)]*)\)", text)
+                      + kernel.split("::")[-1] + r"\s*\(([^)]*)\)", text)
     assert match, f"{kernel}: declaration not found"
     params = []
     for declaration in match.group(1).split(","):

@@ -15,7 +15,8 @@ from host_fakes import FakeArray, FakeGroup, FakeLib, FakeMapped, FakeNvlBuffer,
 import deepep_cupy as ep
 from deepep_cupy import kernels, launch, low_latency, plans, slots, tensors
 from deepep_cupy.constants import ERROR_BAD_EXPERT_ID, KERNEL_STAGES, LL_DATA_OFFSET, LL_SIGNALS_END
-from deepep_cupy.low_latency import LowLatencyLayout, LowLatencyPath, get_low_latency_rdma_size_hint
+from deepep_cupy.low_latency import (COMBINE_KERNEL, DISPATCH_KERNEL, LowLatencyLayout, LowLatencyPath,
+                                     get_low_latency_rdma_size_hint)
 from deepep_cupy.slots import HostSlots
 
 R, E, M, H, K = 2, 8, 16, 512, 3
@@ -110,7 +111,7 @@ def test_a_dispatch_is_one_launch_of_both_phases_writing_the_returned_arrays(pat
     recv_x, recv_count, handle, event, hook = path.path.dispatch(x, topk, M, E, use_fp8=False)
     assert hook is None and event.event is None
     [(name, stream, params)] = path.log
-    assert name == "ll_dispatch_kernel" and params["phases"] == 3 and params["fp8_mode"] == 0
+    assert name == DISPATCH_KERNEL and params["phases"] == 3 and params["fp8_mode"] == 0
     assert recv_x.shape == (L, R * M, H) and recv_x.dtype == np.uint16
     assert recv_count.shape == (L,) and recv_count.dtype == np.int32
     assert handle.src_info.shape == (L, R * M) and handle.src_info.dtype == np.int32
@@ -153,7 +154,7 @@ def test_the_statistics_tensors_are_passed_to_the_kernel(path):
 def test_with_a_hook_the_call_sends_and_the_hook_receives_into_the_same_arrays(path):
     x, topk, _ = inputs()
     recv_x, recv_count, handle, _, hook = path.path.dispatch(x, topk, M, E, use_fp8=False, return_recv_hook=True)
-    assert [(n, p["phases"]) for n, _, p in path.log] == [("ll_dispatch_kernel", 1)]
+    assert [(n, p["phases"]) for n, _, p in path.log] == [(DISPATCH_KERNEL, 1)]
     hook()
     (_, _, send), (_, _, receive) = path.log
     assert receive["phases"] == 2
@@ -304,7 +305,7 @@ def test_the_usual_orders_of_sends_and_hooks_are_accepted(sends):
     combine_hook = _send(path, "combine")
     _send(path, "dispatch", hook=False)
     combine_hook()
-    assert [(n.split("_")[1], p["phases"]) for n, _, p in path.log] == [
+    assert [(n.split("::")[-1], p["phases"]) for n, _, p in path.log] == [
         ("dispatch", 1), ("dispatch", 2), ("dispatch", 1), ("dispatch", 1), ("dispatch", 2), ("dispatch", 2),
         ("dispatch", 1), ("combine", 3), ("dispatch", 2), ("combine", 1), ("dispatch", 3), ("combine", 2)]
 
@@ -416,7 +417,7 @@ def test_a_combine_is_one_launch_reading_the_handle_and_writing_the_output(path)
     combined, event, hook = path.path.combine(recv_x, topk, weights, handle)
     assert hook is None and combined.shape == (5, H) and combined.dtype == np.uint16
     name, _, params = path.log[-1]
-    assert name == "ll_combine_kernel" and params["phases"] == 3
+    assert name == COMBINE_KERNEL and params["phases"] == 3
     assert params["combined_x"] == combined.ctypes.data and params["x"] == recv_x.ctypes.data
     assert params["src_info"] == handle.src_info.ctypes.data
     assert params["layout_range"] == handle.layout_range.ctypes.data
