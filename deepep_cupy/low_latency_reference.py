@@ -18,11 +18,13 @@ Conventions (DeepEP's low-latency API, with a deterministic receive order):
   float32)::
 
       amax  = max(max |x| over the group, 1e-4f)
-      scale = amax / 448                     (float32 division, round to nearest even)
-      inv   = 448 / amax                     (idem)
+      scale = amax * (1 / 448)               (float32 product, round to nearest even, by the
+                                              float32 constant 1 / 448, as DeepEP computes it)
+      inv   = 448 / amax                     (float32 division, round to nearest even)
       with round_scale (implied by use_ue8m0):
-          scale = 2 ** ceil(log2(scale))     (exactly, from the float's exponent and mantissa bits)
-          inv   = 2 ** -ceil(log2(scale))
+          e     = ceil(log2(amax * (1 / 448)))  (exactly, from the float's exponent and mantissa bits)
+          scale = 2 ** e
+          inv   = 2 ** -e
       data  = e4m3 of (x * inv)              (float32 product; then round to nearest even to the
                                               e4m3 grid, saturating to +-448, sign kept for zero)
 
@@ -43,13 +45,15 @@ import numpy as np
 from .constants import FP8_AMAX_FLOOR, FP8_E4M3_MAX, FP8_SCALE_BLOCK, UE8M0_PER_INT
 from .reference import _check_topk_idx, bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
-__all__ = ["FP8_MAX", "AMAX_FLOOR", "float32_to_e4m3_bits", "e4m3_bits_to_float32", "fp8_scales", "cast_to_fp8",
+__all__ = ["FP8_MAX", "FP8_MAX_INV", "AMAX_FLOOR", "float32_to_e4m3_bits", "e4m3_bits_to_float32", "fp8_scales", "cast_to_fp8",
            "pack_ue8m0", "unpack_ue8m0", "dispatch", "combine", "expert_row_of"]
 
 #: The largest finite e4m3 value; scales map a group's amax onto it.
 FP8_MAX = np.float32(FP8_E4M3_MAX)
-#: The smallest amax a scale is computed from (a group of zeros gets scale 1e-4 / 448).
+#: The smallest amax a scale is computed from (a group of zeros gets scale 1e-4 * (1 / 448)).
 AMAX_FLOOR = np.float32(FP8_AMAX_FLOOR)
+#: The float32 constant scales are computed with (DeepEP's ``kFinfoAmaxInvE4M3 = 1 / 448.0f``).
+FP8_MAX_INV = np.float32(1) / FP8_MAX
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,9 +105,11 @@ def _power_of_two_ceil_exponent(scale: np.ndarray) -> np.ndarray:
 
 
 def fp8_scales(amax, round_scale: bool):
-    """``(scale, inv)`` float32 of groups whose largest magnitude is ``amax`` (before the floor)."""
+    """``(scale, inv)`` float32 of groups whose largest magnitude is ``amax`` (before the floor),
+    as DeepEP's ``calculate_fp8_scales`` computes them: ``scale`` (what is returned) is
+    ``amax * (1 / 448)``, not ``amax / 448`` (they differ by an ulp for some amax)."""
     amax = np.maximum(np.asarray(amax, dtype=np.float32), AMAX_FLOOR)
-    scale = (amax / FP8_MAX).astype(np.float32)
+    scale = (amax * FP8_MAX_INV).astype(np.float32)
     if not round_scale:
         return scale, (FP8_MAX / amax).astype(np.float32)
     exponent = _power_of_two_ceil_exponent(scale)

@@ -57,10 +57,12 @@ __device__ __forceinline__ int* released_word(void* const* buffer_ptrs, int owne
 }
 
 // The scale of a group whose largest magnitude is `amax`, and the factor its values are multiplied
-// by (deepep_cupy/low_latency_reference.py states the same rules).
+// by, as DeepEP's calculate_fp8_scales computes them (bit for bit: the scale is amax times the
+// float 1 / 448, not amax / 448); deepep_cupy/low_latency_reference.py states the same rules.
+constexpr float kFP8MaxInv = 1.0f / FP8_E4M3_MAX;
 __device__ __forceinline__ void fp8_scale(float amax, bool round_scale, float& scale, float& inv) {
     amax = fmaxf(amax, FP8_AMAX_FLOOR);
-    scale = __fdiv_rn(amax, FP8_E4M3_MAX);
+    scale = __fmul_rn(amax, kFP8MaxInv);
     inv = __fdiv_rn(FP8_E4M3_MAX, amax);
     if (round_scale) {
         const int bits = __float_as_int(scale);

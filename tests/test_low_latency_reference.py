@@ -65,13 +65,38 @@ def test_e4m3_rounding_picks_the_nearest_code_on_random_values():
 
 def test_scales_map_amax_onto_448():
     scale, inv = ll.fp8_scales(np.float32([448.0, 224.0, 1.0]), round_scale=False)
-    np.testing.assert_array_equal(scale, np.float32([1.0, 0.5, 1.0]) / np.float32([1, 1, 448]))
+    np.testing.assert_array_equal(scale, np.float32([1.0, 0.5, 1.0 / 448]))
     np.testing.assert_array_equal(inv, np.float32([1.0, 2.0, 448.0]))
+
+
+def test_scales_are_amax_times_the_float_inverse_of_448_as_deepep_computes_them():
+    # DeepEP: scale_inv = amax * kFinfoAmaxInvE4M3 (= 1 / 448.0f), scale = 448.0f / amax.
+    rng = np.random.default_rng(3)
+    amax = np.abs(rng.standard_normal(4096)).astype(np.float32) + np.float32(1e-3)
+    scale, inv = ll.fp8_scales(amax, round_scale=False)
+    np.testing.assert_array_equal(scale, amax * (np.float32(1.0) / np.float32(448.0)))
+    np.testing.assert_array_equal(inv, np.float32(448.0) / amax)
+    # The product and the quotient differ by an ulp for many amax: the model is the product.
+    assert (scale != amax / np.float32(448.0)).any()
+    assert scale.dtype == np.float32 and ll.FP8_MAX_INV == np.float32(1.0) / np.float32(448.0)
+
+
+def test_round_scale_takes_the_exponent_of_the_product():
+    # ceil(log2(amax * (1 / 448))), read from the bits of the float32 product.
+    rng = np.random.default_rng(4)
+    amax = (np.abs(rng.standard_normal(4096)) * 100).astype(np.float32) + np.float32(1e-3)
+    amax[:3] = np.float32([448.0, 896.0, 1.0])
+    scale, inv = ll.fp8_scales(amax, round_scale=True)
+    product = (amax * ll.FP8_MAX_INV).astype(np.float32)
+    bits = product.view(np.int32).astype(np.int64)
+    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
+    np.testing.assert_array_equal(scale, np.ldexp(np.float32(1.0), exponent).astype(np.float32))
+    np.testing.assert_array_equal(inv, np.ldexp(np.float32(1.0), -exponent).astype(np.float32))
 
 
 def test_amax_is_floored_at_1e_4():
     scale, inv = ll.fp8_scales(np.float32([0.0, 1e-6]), round_scale=False)
-    assert (scale == np.float32(1e-4) / np.float32(448)).all()
+    assert (scale == np.float32(1e-4) * (np.float32(1) / np.float32(448))).all()
     assert (inv == np.float32(448) / np.float32(1e-4)).all()
 
 
@@ -101,7 +126,7 @@ def test_cast_of_a_constant_group_gives_448_and_amax_over_448():
     x[0, 128:] = _bf16(np.full(128, -0.5))
     data, scales = ll.cast_to_fp8(x)
     assert (data[0, :128] == 0x7E).all() and (data[0, 128:] == 0xFE).all()
-    np.testing.assert_array_equal(scales, [[np.float32(3.0) / np.float32(448), np.float32(0.5) / np.float32(448)]])
+    np.testing.assert_array_equal(scales, [[np.float32(3.0) * ll.FP8_MAX_INV, np.float32(0.5) * ll.FP8_MAX_INV]])
 
 
 def test_cast_multiplies_by_the_inverse_scale():
