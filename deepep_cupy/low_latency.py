@@ -30,7 +30,6 @@ the same view for every handle of the same sizes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -52,7 +51,6 @@ DEFAULT_NUM_SMS = 32
 #: Calls of an op whose receive may be owed at once (the buffer's two halves).
 CALLS_IN_FLIGHT = 2
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
-_NO_CONTEXT = contextlib.nullcontext()
 
 
 #: Equal data areas of the buffer: dispatch half 0 and 1, combine half 0 and 1, zero-copy rows.
@@ -301,11 +299,6 @@ class LowLatencyPath:
                                            phases=phases, **fixed)
                                for phases in (_PHASE_SEND, _PHASE_RECV, _PHASE_BOTH)))
 
-    def _allocating(self, lib, async_finish: bool):
-        """Where the call's outputs are allocated: for the communication stream when the call runs
-        there (``async_finish``), else for the caller's."""
-        return lib.allocating_on(self._order.stream, self.device_id) if async_finish else _NO_CONTEXT
-
     def _layout(self, num_max: Any, hidden: int, num_experts: Any) -> LowLatencyLayout:
         num_max = check_int(num_max, "num_max_dispatch_tokens_per_rank")
         num_experts = check_int(num_experts, "num_experts")
@@ -353,16 +346,18 @@ class LowLatencyPath:
         layout = plan.layout
         L, rows, hidden, dev = layout.num_local_experts, layout.rows_per_expert, layout.hidden, self.device_id
         with self._on_device:
-            with self._allocating(lib, async_finish):
-                recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
-                scales = None
-                if use_fp8 and use_ue8m0:
-                    scales = lib.empty((L, hidden // FP8_SCALE_BLOCK // UE8M0_PER_INT, rows), "int32", dev)
-                elif use_fp8:
-                    scales = lib.empty((L, hidden // FP8_SCALE_BLOCK, rows), "float32", dev)
-                recv_count = lib.empty((L,), "int32", dev)
-                src_info = lib.empty((L, rows), "int32", dev)
-                layout_range = lib.empty((L, self.num_ranks), "int64", dev)
+            # On the caller's current stream, as DeepEP allocates them (so an async call captures in
+            # a graph: the capturing stream's pool); an async call's event keeps them and tells the
+            # allocator of the communication stream (StreamOrder.finish).
+            recv_x = lib.empty((L, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16", dev)
+            scales = None
+            if use_fp8 and use_ue8m0:
+                scales = lib.empty((L, hidden // FP8_SCALE_BLOCK // UE8M0_PER_INT, rows), "int32", dev)
+            elif use_fp8:
+                scales = lib.empty((L, hidden // FP8_SCALE_BLOCK, rows), "float32", dev)
+            recv_count = lib.empty((L,), "int32", dev)
+            src_info = lib.empty((L, rows), "int32", dev)
+            layout_range = lib.empty((L, self.num_ranks), "int64", dev)
             values = (lib.pointer(recv_x), 0 if scales is None else lib.pointer(scales), lib.pointer(recv_count),
                       lib.pointer(src_info), lib.pointer(layout_range), cum_ptr, wait_ptr, x_ptr, topk_ptr, num_tokens)
             arrays = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, recv_x, scales,
@@ -426,7 +421,7 @@ class LowLatencyPath:
         except BaseException:
             self._order.abandon(run_on)
             raise
-        event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, async_finish,
+        event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, False,
                                    self._slots.raise_if_failed)
         return event, (self._hook(plan.receive, lib, values, arrays, owed) if return_recv_hook else None)
 
@@ -496,9 +491,8 @@ class LowLatencyPath:
         if zero_copy:
             x_ptr = self.local_ptr + layout.zero_copy_offset
         with self._on_device:
-            if out is None:
-                with self._allocating(lib, async_finish):
-                    out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
+            if out is None:  # on the caller's current stream, as dispatch's outputs
+                out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
             values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
             arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
             event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook,

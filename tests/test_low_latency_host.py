@@ -389,6 +389,33 @@ def test_async_calls_run_on_the_communication_stream_and_their_events_keep_their
     assert combine_event.event is not None and any(a is combined for a in combine_event.extra_tensors)
 
 
+def test_outputs_are_allocated_on_the_callers_stream_even_for_async_calls(path, monkeypatch):
+    # As DeepEP: an async call's outputs come from the caller's current stream (under
+    # torch.cuda.graph, the capturing stream's pool), never from the communication stream's; the
+    # event keeps them and tells the allocator of the communication stream.
+    def refuse(stream, device_id):
+        raise AssertionError("allocated for another stream than the caller's")
+
+    monkeypatch.setattr(path.lib, "allocating_on", refuse)
+    finishes = []
+    finish = path.order.finish
+    monkeypatch.setattr(path.order, "finish", lambda *args: finishes.append(args[6]) or finish(*args))
+    x, topk, weights = inputs()
+    for async_finish in (True, False):
+        for hook in (False, True):
+            recv_x, _, handle, event, dispatch_hook = path.path.dispatch(
+                x, topk, M, E, use_fp8=True, async_finish=async_finish, return_recv_hook=hook)
+            if hook:
+                dispatch_hook()
+            expert_x = on_device(np.zeros((L, R * M, H), np.uint16))
+            _, _, combine_hook = path.path.combine(expert_x, topk, weights, handle, async_finish=async_finish,
+                                                   return_recv_hook=hook)
+            if hook:
+                combine_hook()
+    assert finishes and not any(finishes)  # nothing was allocated for the communication stream
+    assert len(path.lib.used_on_calls) == 4  # the 4 async calls told the allocator of the comm stream
+
+
 def test_a_call_whose_launch_fails_is_abandoned_on_its_stream_and_returns_no_hook(path, monkeypatch):
     x, topk, _ = inputs()
     abandoned = []
