@@ -23,9 +23,11 @@ Contract of the in-flight results (DeepEP's): the two halves let two calls of an
 e.g. two dispatch sends before their hooks; the send of call ``n`` waits (on the device) until every
 receiver has finished receiving call ``n - 2``, so a third send before the first hook never
 completes: it times out (``DeepEPTimeoutError``). A receive pairs with a send by order alone, so
-the host refuses what would pair them wrongly (:class:`_OwedReceives`). The zero-copy combine area
-is one area (the send reads it within its launch), so :meth:`LowLatencyPath.next_combine_buffer` is
-the same view for every handle of the same sizes.
+the host refuses what would pair them wrongly (:class:`_OwedReceives`). The zero-copy rows have two
+areas too, alternating per combine call as DeepEP's halves alternate per call (counted on the host,
+as DeepEP counts its buffer index: a captured call keeps the area it was captured with):
+:meth:`LowLatencyPath.next_combine_buffer` is the area the next combine sends from, so the rows of
+a second combine can be written while the first one's send still reads its own.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ CALLS_IN_FLIGHT = 2
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
 
 
-#: Equal data areas of the buffer: dispatch half 0 and 1, combine half 0 and 1, zero-copy rows.
-NUM_AREAS = 5
+#: Equal data areas of the buffer: dispatch half 0 and 1, combine half 0 and 1, zero-copy rows 0 and 1.
+NUM_AREAS = 6
 _AREA_ALIGN = 4096
 
 
@@ -65,7 +67,7 @@ class LowLatencyLayout:
     The header and signal words come first (kernels/low_latency.cu; fixed offsets, constants.LL_*),
     then :data:`NUM_AREAS` equal areas at fixed places (the buffer's size alone sets them): the two
     dispatch halves (``[L][R][M]`` records), the two combine halves (``[E][M][hidden]`` BF16 rows)
-    and the zero-copy rows (``[L][R * M][hidden]`` BF16). Calls of other sizes index the same areas
+    and the two zero-copy areas (``[L][R * M][hidden]`` BF16 rows). Calls of other sizes index the same areas
     differently, so a half is never written while a call of other sizes still reads the other.
     """
 
@@ -127,7 +129,12 @@ class LowLatencyLayout:
 
     @property
     def zero_copy_offset(self) -> int:
+        """The first zero-copy area (the second follows it: :meth:`zero_copy_offset_of`)."""
         return LL_DATA_OFFSET + 4 * self.area_bytes
+
+    def zero_copy_offset_of(self, index: int) -> int:
+        """Zero-copy area ``index`` (0 or 1): the one combine call ``n`` sends from is ``n & 1``."""
+        return self.zero_copy_offset + (index & 1) * self.area_bytes
 
     @property
     def zero_copy_bytes(self) -> int:
@@ -249,6 +256,8 @@ class LowLatencyPath:
         self._dispatch_plans = PlanCache(on_device)
         self._combine_plans = PlanCache(on_device)
         self._zero_copy_views: Dict[tuple, Any] = {}
+        #: Combine calls issued (host side): call n's zero-copy rows are in area n & 1.
+        self._combine_calls = 0
         self._owed_dispatch = _OwedReceives("dispatch")
         self._owed_combine = _OwedReceives("combine")
 
@@ -488,8 +497,9 @@ class LowLatencyPath:
         if src_rows != layout.num_local_experts or range_rows != layout.num_local_experts:
             raise ValueError(f"handle: expected src_info and layout_range of {layout.num_local_experts} rows (one per "
                              f"local expert), got {src_rows} and {range_rows}")
+        area = self._combine_calls & 1
         if zero_copy:
-            x_ptr = self.local_ptr + layout.zero_copy_offset
+            x_ptr = self.local_ptr + layout.zero_copy_offset_of(area)
         with self._on_device:
             if out is None:  # on the caller's current stream, as dispatch's outputs
                 out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
@@ -497,6 +507,7 @@ class LowLatencyPath:
             arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
             event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook,
                                        self._owed_combine)
+        self._combine_calls += 1  # launched: the next combine's rows go to the other area
         return out, event, hook
 
     def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _Plan:
@@ -523,16 +534,18 @@ class LowLatencyPath:
         return self._plan(COMBINE_KERNEL, layout, per_call, **fixed)
 
     def next_combine_buffer(self, handle: LowLatencyHandle):
-        """The zero-copy area as ``[L, R * M, hidden]`` BF16 of the handle's library: rows written there
-        are what ``combine(..., zero_copy=True)`` sends (its ``x`` is then only checked for shape)."""
+        """The zero-copy area the next combine sends from, as ``[L, R * M, hidden]`` BF16 of the handle's
+        library: rows written there are what the next ``combine(..., zero_copy=True)`` sends (its ``x``
+        is then only checked for shape). The two areas alternate per combine call (DeepEP's halves)."""
         _check_handle(handle)
         lib = tensors.lib_of(handle.src_info)
-        key = (lib, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        area = self._combine_calls & 1
+        key = (lib, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, area)
         view = self._zero_copy_views.get(key)
         if view is None:
             layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-            window = lib.window(self.local_ptr + layout.zero_copy_offset, layout.zero_copy_bytes, self.device_id,
-                                self._owner)
+            window = lib.window(self.local_ptr + layout.zero_copy_offset_of(area), layout.zero_copy_bytes,
+                                self.device_id, self._owner)
             view = lib.rows_in(window, layout.num_local_experts, (layout.rows_per_expert, layout.hidden), "bfloat16")
             self._zero_copy_views[key] = view
         return view

@@ -472,6 +472,45 @@ def test_a_zero_copy_combine_sends_the_rows_written_into_the_next_combine_buffer
     assert path.log[-1][2]["x"] == area.ctypes.data
 
 
+def test_the_zero_copy_areas_alternate_per_combine_call_so_two_can_be_in_flight(path):
+    # DeepEP's halves alternate per call: combine B's rows are written while combine A's send (async,
+    # or before its hook) may still read A's, so they never share memory.
+    x, topk, weights = inputs()
+    layout = LowLatencyLayout(M, H, R, E, path.nvl.num_bytes)
+    handle = path.path.dispatch(x, topk, M, E, use_fp8=False)[2]
+    expert_x = on_device(np.zeros((L, R * M, H), np.uint16))
+    sent_from, hooks = [], []
+    for call in range(5):
+        area = path.path.next_combine_buffer(handle)
+        assert area.ctypes.data == path.nvl.local_ptr + layout.zero_copy_offset_of(call)
+        assert path.path.next_combine_buffer(handle) is area  # asking twice changes nothing
+        zero_copy = call != 2  # a combine without zero-copy counts as a call too
+        *_, hook = path.path.combine(expert_x, topk, weights, handle, zero_copy=zero_copy, async_finish=call == 0,
+                                     return_recv_hook=call in (3, 4))
+        hooks.append(hook)
+        sent_from.append(path.log[-1][2]["x"] if zero_copy else None)
+    hooks[3]()
+    hooks[4]()
+    first, second = (path.nvl.local_ptr + layout.zero_copy_offset_of(i) for i in (0, 1))
+    assert sent_from == [first, second, None, second, first]
+    assert second - first == layout.area_bytes >= layout.zero_copy_bytes
+    assert layout.zero_copy_offset_of(1) + layout.zero_copy_bytes <= path.nvl.num_bytes
+
+
+def test_a_combine_whose_launch_fails_does_not_advance_the_zero_copy_area(path, monkeypatch):
+    x, topk, weights = inputs()
+    handle = path.path.dispatch(x, topk, M, E, use_fp8=False)[2]
+    area = path.path.next_combine_buffer(handle)
+
+    def fail(call, stream):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(launch, "launch", fail)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        path.path.combine(on_device(np.zeros((L, R * M, H), np.uint16)), topk, weights, handle, zero_copy=True)
+    assert path.path.next_combine_buffer(handle) is area
+
+
 def test_the_next_combine_buffer_is_one_view_for_every_handle_of_the_same_sizes(path):
     x, topk, _ = inputs()
     first = path.path.dispatch(x, topk, M, E, use_fp8=False)[2]

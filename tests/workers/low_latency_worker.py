@@ -42,7 +42,9 @@ FP8_MODES = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
 CASES = ("bf16_eager", "bf16_hook", "fp8_eager", "fp8_hook", "fp8_round_scale_eager", "fp8_round_scale_hook",
          "fp8_ue8m0_eager", "fp8_ue8m0_hook", "token_counts_1_to_128", "two_calls_in_flight", "zero_copy", "stats",
          "hidden_7168_fp8", "async_finish", "clean_then_calls", "bad_expert_id_is_reported", "graph_cupy",
-         "graph_torch", "graph_torch_hook_fp8", "deepep_style_torch", "lone_call_times_out")
+         "graph_torch", "graph_torch_hook_fp8", "deepep_style_torch", "lone_call_times_out",
+         "two_zero_copy_combines_in_flight_async", "two_zero_copy_combines_in_flight_hook", "graph_torch_async",
+         "graph_cupy_async")
 assert set(CASES) >= {f"{mode}_{hook}" for mode in FP8_MODES for hook in ("eager", "hook")}
 
 
@@ -297,6 +299,35 @@ def case_zero_copy(ctx):
     check_combine(combined, inputs, results, ctx.rank, "zero-copy combine")
 
 
+def case_two_zero_copy_in_flight(ctx, hook):
+    """Two zero-copy combines in flight (async, or sends before their hooks): B's rows are written into
+    get_next_low_latency_combine_buffer(handle_B) before A is over; both come back right (DeepEP's
+    halves alternate per call, so A's and B's rows never share memory)."""
+    batches = [draw(1000 + b, ctx.R, ctx.E) for b in range(2)]
+    devs = [{k: to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights", "y")} for inputs in batches]
+    results = [reference(inputs, ctx.E, "bf16") for inputs in batches]
+    handles = []
+    for d in devs:
+        ctx.together()
+        out = ctx.buf.low_latency_dispatch(d["x"], d["topk"], M, ctx.E, use_fp8=False)
+        ctx.synchronize()
+        handles.append(out[2])
+    decoy = to_device(np.zeros(devs[0]["y"].shape, np.uint16))  # x of a zero-copy combine: only its shape counts
+    ctx.synchronize()
+    ctx.together()
+    combines = []
+    for d, handle in zip(devs, handles):
+        # No wait for the previous combine: its send may still read its own area.
+        ctx.buf.get_next_low_latency_combine_buffer(handle)[...] = d["y"]
+        combines.append(ctx.buf.low_latency_combine(decoy, d["topk"], d["weights"], handle, zero_copy=True,
+                                                    async_finish=not hook, return_recv_hook=hook))
+    for _, event, recv_hook in combines:
+        recv_hook() if hook else event.current_stream_wait()
+    ctx.synchronize()
+    for b in range(2):
+        check_combine(combines[b][0], batches[b], results[b], ctx.rank, f"zero-copy combine {b}")
+
+
 def case_stats(ctx):
     inputs = draw(400, ctx.R, ctx.E)
     mine = inputs[ctx.rank]
@@ -402,8 +433,8 @@ class GraphStep:
     """Fixed input buffers and the decode step a graph captures: dispatch, a stand-in expert (the
     received BF16 rows as they are, or the fixed rows y after an FP8 dispatch), combine."""
 
-    def __init__(self, ctx, lib, mode, hook, num_tokens):
-        self.ctx, self.lib, self.mode, self.hook = ctx, lib, mode, hook
+    def __init__(self, ctx, lib, mode, hook, num_tokens, async_finish=False):
+        self.ctx, self.lib, self.mode, self.hook, self.async_finish = ctx, lib, mode, hook, async_finish
         zeros = np.zeros
         self.x = to_device(zeros((num_tokens, H), np.uint16), lib)
         self.topk = to_device(np.full((num_tokens, K), -1, np.int64), lib)
@@ -429,17 +460,23 @@ class GraphStep:
 
     def __call__(self):
         buf, E = self.ctx.buf, self.ctx.E
-        out = buf.low_latency_dispatch(self.x, self.topk, M, E, return_recv_hook=self.hook, **FP8_MODES[self.mode])
+        out = buf.low_latency_dispatch(self.x, self.topk, M, E, return_recv_hook=self.hook,
+                                       async_finish=self.async_finish, **FP8_MODES[self.mode])
         if self.hook:
             out[4]()
+        if self.async_finish:
+            out[3].current_stream_wait()
         rows = self.y if FP8_MODES[self.mode]["use_fp8"] else out[0]
-        combined, _, hook = buf.low_latency_combine(rows, self.topk, self.weights, out[2], return_recv_hook=self.hook)
+        combined, event, hook = buf.low_latency_combine(rows, self.topk, self.weights, out[2],
+                                                        return_recv_hook=self.hook, async_finish=self.async_finish)
         if self.hook:
             hook()
+        if self.async_finish:
+            event.current_stream_wait()
         return out, combined
 
 
-def graph_case(ctx, lib, mode, hook, seed):
+def graph_case(ctx, lib, mode, hook, seed, async_finish=False):
     from deepep_cupy.bench.graphs import Replay
 
     if lib == "cupy" and ctx.sharing:
@@ -449,7 +486,7 @@ def graph_case(ctx, lib, mode, hook, seed):
         raise Skip("CuPy cannot allocate during a capture with the async memory pool of ranks sharing a GPU")
 
     counts = [64] * ctx.R  # a captured step has a fixed token count
-    step = GraphStep(ctx, lib, mode, hook, counts[0])
+    step = GraphStep(ctx, lib, mode, hook, counts[0], async_finish)
     step.write(draw(seed, ctx.R, ctx.E, counts)[ctx.rank])
     ctx.together()
     graph = Replay(lib, step, ctx.device, thread_local=ctx.group.in_process)
@@ -492,7 +529,12 @@ def run_case(ctx, name):
              "graph_cupy": lambda c: graph_case(c, "cupy", "bf16", False, 700),
              "graph_torch": lambda c: graph_case(c, "torch", "bf16", False, 710),
              "graph_torch_hook_fp8": lambda c: graph_case(c, "torch", "fp8_ue8m0", True, 720),
-             "deepep_style_torch": case_deepep_style}
+             "deepep_style_torch": case_deepep_style,
+             "two_zero_copy_combines_in_flight_async": lambda c: case_two_zero_copy_in_flight(c, False),
+             "two_zero_copy_combines_in_flight_hook": lambda c: case_two_zero_copy_in_flight(c, True),
+             # async_finish=True inside the capture: the outputs come from the capturing stream's pool
+             "graph_torch_async": lambda c: graph_case(c, "torch", "fp8", False, 730, async_finish=True),
+             "graph_cupy_async": lambda c: graph_case(c, "cupy", "bf16", False, 740, async_finish=True)}
     return cases[name](ctx)
 
 
