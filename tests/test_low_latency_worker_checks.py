@@ -19,7 +19,8 @@ sys.path.insert(0, str(WORKERS))
 import low_latency_worker as worker  # noqa: E402  (a script's folder)
 
 #: The cases that need a GPU library (graphs, PyTorch) or the kernels' own reports.
-GPU_ONLY = {"graph_cupy", "graph_torch", "graph_torch_hook_fp8", "deepep_style_torch", "bad_expert_id_is_reported",
+GPU_ONLY = {"graph_cupy", "graph_torch", "graph_torch_hook_fp8", "graph_torch_async", "graph_cupy_async",
+            "deepep_style_torch", "bad_expert_id_is_reported",
             "lone_call_times_out"}
 CPU_CASES = [c for c in worker.CASES if c not in GPU_ONLY]
 
