@@ -9,6 +9,9 @@
 #     `pip install -e .[$(EXTRAS)]` runs once (and again whenever pyproject.toml changes, or
 #     EXTRAS given on the command line differs from what was installed).
 # An existing $(VENV) is used when PYTHON is not given. Force a choice with USE_VENV=1 or 0.
+# The targets that need a GPU (bench and the soaks) first ask the NVIDIA driver, with $(PYTHON) and
+# the standard library alone (deepep_cupy/driver_check.py): without a GPU they stop in one sentence
+# before $(VENV) is made or anything is installed (`make bench BENCH_ARGS=--help` does not ask).
 #
 # Examples: make test PYTEST_ARGS='-k comm'   make bench BENCH_ARGS='--help'
 #           make test PYTHON=python3.12       make install EXTRAS=cuda13,test
@@ -74,7 +77,18 @@ endif
 # The checkout comes first on the import path (no install needed, and it wins over stale installs).
 export PYTHONPATH := $(REPO)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test lint bench soak soak-cases soak-sequences soak-internode install clean distclean which
+.PHONY: test lint bench soak soak-cases soak-sequences soak-internode install clean distclean which gpu-driver
+
+# The goals that need a GPU. When one is asked for, gpu-driver runs before anything else: it is an
+# order-only prerequisite of the venv and of the install stamp too, so that even `make -j` asks the
+# driver before it installs.
+GPU_GOALS  := bench soak soak-cases soak-sequences soak-internode
+GPU_GOAL   := $(firstword $(filter $(GPU_GOALS),$(MAKECMDGOALS)))
+NEEDS_GPU  := $(if $(GPU_GOAL),$(if $(filter -h --help,$(BENCH_ARGS)),,1))
+GPU_FIRST  := $(if $(NEEDS_GPU),gpu-driver)
+
+gpu-driver:
+	@$(PYTHON) $(REPO)/deepep_cupy/driver_check.py "make $(or $(GPU_GOAL),gpu-driver)"
 
 # One line before the tests when an optional package is missing: which tests skip, and how to add it.
 define OPTIONAL_NOTE
@@ -97,19 +111,19 @@ test: $(SETUP)
 lint: $(SETUP)
 	$(PY) -m ruff check .
 
-bench: $(SETUP)
+bench: $(GPU_FIRST) $(SETUP)
 	$(PY) -m deepep_cupy.bench $(BENCH_ARGS)
 
 soak: soak-cases soak-sequences soak-internode
 
-soak-cases: $(SETUP)
+soak-cases: $(GPU_FIRST) $(SETUP)
 	$(PY) tests/workers/random_soak.py --cases $(SOAK_CASES) --seed $(SOAK_SEED) $(SOAK_ARGS)
 
-soak-sequences: $(SETUP)
+soak-sequences: $(GPU_FIRST) $(SETUP)
 	$(PY) tests/workers/sequence_soak.py --sequences $(SOAK_SEQUENCES) --steps $(SOAK_STEPS) \
 		--seed $(SOAK_SEQUENCE_SEED) $(SOAK_SEQUENCE_ARGS)
 
-soak-internode: $(SETUP)
+soak-internode: $(GPU_FIRST) $(SETUP)
 	$(PY) tests/workers/internode_soak.py --cases $(SOAK_INTERNODE_CASES) --seed $(SOAK_INTERNODE_SEED) \
 		$(SOAK_INTERNODE_ARGS)
 
@@ -122,7 +136,7 @@ install:
 	$(PY) -m pip install --no-deps --no-build-isolation $(PIP_FLAGS) -e .
 endif
 
-$(VENV_PY):
+$(VENV_PY): | $(GPU_FIRST)
 	$(PYTHON) -m venv $(VENV)
 
 # The stamp holds the extras installed; EXTRAS given explicitly (command line or environment) and
@@ -136,7 +150,7 @@ ifneq ($(origin EXTRAS),file)
 endif
 .PHONY: .extras-changed
 
-$(STAMP): $(VENV_PY) pyproject.toml
+$(STAMP): $(VENV_PY) pyproject.toml | $(GPU_FIRST)
 	$(VENV_PY) -m pip install $(PIP_FLAGS) -e '.[$(EXTRAS)]'
 	@echo '$(EXTRAS)' > $@
 
@@ -145,7 +159,7 @@ which:
 	@echo "PYTHONPATH: $(PYTHONPATH)"
 
 clean:
-	rm -rf build dist .whl wheelhouse .eggs .pytest_cache *.egg-info
+	rm -rf build dist .whl wheelhouse .eggs .pytest_cache .ruff_cache *.egg-info
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -15,6 +15,7 @@ from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buf
 from .errors import (
     DeepEPError,
     DeepEPTimeoutError,
+    GpuUnavailableError,
     GroupAbortedError,
     KernelBuildError,
     PeerAbortedError,
@@ -32,6 +33,7 @@ __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "TorchGroup", "as_group",
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
     "DeepEPError", "DeepEPTimeoutError", "PeerAbortedError", "PeerFailedError", "RankMismatchError", "KernelBuildError",
+    "GpuUnavailableError",
     "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",
     "NodeTopology", "discover_topology",
 ]

@@ -67,6 +67,9 @@ def resolve_device(device: Optional[int], group: Any) -> int:
             raise ValueError(f"device: expected a CUDA device id (a non-negative int), got {device!r}")
         return device
     from .comm import TorchGroup
+    from .gpu_check import require_gpu
+
+    require_gpu("deepep_cupy.Buffer")  # before the first CUDA call: one sentence, not CuPy's bare error
 
     if isinstance(group, TorchGroup):
         import torch

@@ -96,3 +96,9 @@ class GroupAbortedError(DeepEPError):
 class NcclUnavailable(DeepEPError):
     """NCCL cannot be used here (no libnccl loads, or the benchmark's NCCL baseline cannot run); the
     message says why."""
+
+
+class GpuUnavailableError(DeepEPError):
+    """This process has no usable CUDA GPU (CuPy does not import, no driver, or no device): raised
+    by ``Buffer()`` and :func:`run_local_group` before any CUDA call, with one sentence saying what
+    is missing (``deepep_cupy.gpu_check``)."""

@@ -16,9 +16,17 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import gpu_check
 from .comm import Group
 from .device_pools import allocator_for
-from .errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, RankFailed, RankMismatchError
+from .errors import (
+    DeepEPError,
+    DeepEPTimeoutError,
+    GpuUnavailableError,
+    GroupAbortedError,
+    RankFailed,
+    RankMismatchError,
+)
 from .sm_budget import check_sm_budget
 
 #: How long a rank of a :class:`ThreadGroup` waits in a collective for the others by default.
@@ -287,16 +295,15 @@ def _resolve_devices(num_ranks: Optional[int], devices: Optional[Sequence[int]],
         if num_ranks is None:
             raise ValueError("num_ranks: required when use_devices=False and no devices are given")
         return [None] * num_ranks
-    if device_count is None:
-        try:
-            import cupy
-
-            device_count = int(cupy.cuda.runtime.getDeviceCount())
-        except Exception as exc:
-            raise DeepEPError(f"run_local_group: no CUDA device is usable ({type(exc).__name__}: {exc}); "
-                               "pass use_devices=False to run pure-Python ranks") from exc
-    if device_count <= 0:
-        raise DeepEPError("run_local_group: no CUDA device is visible")
+    if device_count is None or device_count <= 0:
+        found = gpu_check.probe() if device_count is None else gpu_check.GpuProbe(device_count)
+        reason = gpu_check.missing_gpu_reason(found)
+        if reason is not None:
+            # Says what use_devices=False gives, so that nobody takes it for a way to run a Buffer.
+            raise GpuUnavailableError(gpu_check.no_gpu_sentence(
+                "run_local_group", f"{reason}; use_devices=False runs pure-Python ranks, whose groups have "
+                                   "collectives but no GPU for a Buffer"))
+        device_count = found.count
     if devices is None:
         if num_ranks is None:
             num_ranks = device_count

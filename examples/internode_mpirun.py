@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 import deepep_cupy as ep
 from deepep_cupy import reference
+from deepep_cupy.gpu_check import exit_unless_gpu
 
 
 def grouped_routing(rng, num_tokens, num_experts, num_topk, num_nodes, num_groups):
@@ -66,6 +67,8 @@ def main():
 
     comm = MPI.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    # Without a GPU or driver: one sentence (from rank 0 alone) and exit status 2, no traceback.
+    exit_unless_gpu("examples/internode_mpirun.py", say=rank == 0)
     local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     cupy.cuda.Device(local_rank % cupy.cuda.runtime.getDeviceCount()).use()
     T, H, K, E = args.num_tokens, args.hidden, args.num_topk, args.num_experts

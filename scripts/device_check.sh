@@ -4,6 +4,8 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Without a GPU: one sentence and exit status 2 before any stage (the standard library alone asks).
+python3 deepep_cupy/driver_check.py scripts/device_check.sh || exit
 OUT=${OUT:-/tmp/deepep_out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"env worker perf"}
 for stage in $STAGES; do

@@ -83,12 +83,10 @@ def one_run() -> dict:
 
 
 def gpu_mode() -> None:
-    import cupy
+    from deepep_cupy.gpu_check import exit_unless_gpu
 
-    try:
-        cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        sys.exit(f"first_use_time.py: no usable GPU ({exc}); --nvrtc times the compile without one")
+    # Without a GPU: one sentence and exit status 2, as every command (--nvrtc needs none).
+    exit_unless_gpu("scripts/first_use_time.py without --nvrtc")
     with tempfile.TemporaryDirectory(prefix="deepep_cupy-first-use-") as cache:
         for label in ("empty cache", "warm cache"):
             command = [sys.executable, os.path.abspath(__file__), "--child", "--ranks", str(args.ranks),

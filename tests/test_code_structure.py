@@ -55,9 +55,13 @@ def test_no_module_below_the_buffer_imports_it(module):
     assert "buffer" not in ours_imported_by(module)
 
 
-@pytest.mark.parametrize("leaf", ["constants", "tensors", "errors", "gpu_check"])
+@pytest.mark.parametrize("leaf", ["constants", "tensors", "errors", "driver_check"])
 def test_the_leaves_import_nothing_of_ours(leaf):
     assert ours_imported_by(leaf) == set()
+
+
+def test_the_gpu_check_imports_only_the_exception_it_raises():
+    assert ours_imported_by("gpu_check") == {"errors"}
 
 
 @pytest.mark.parametrize("reference", ["reference", "internode_reference", "low_latency_reference"])

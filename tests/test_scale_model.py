@@ -166,3 +166,18 @@ def test_the_tables_of_docs_scale_model_are_what_the_command_prints():
     assert len(table_rows) > 60
     missing = [line for line in table_rows if line not in doc]
     assert not missing, f"docs/SCALE_MODEL.md is out of date (rerun the command): {missing[:3]}"
+
+
+def test_a_reader_that_stops_early_ends_the_output_not_the_program():
+    # `python -m deepep_cupy.bench.scale_model | head -1`: the reader closes the pipe after a line.
+    import subprocess
+    import sys
+
+    from _harness import REPO_ROOT, mpi_env
+
+    command = [sys.executable, "-m", "deepep_cupy.bench.scale_model", "--ep", "16", "--samples", "256"]
+    model = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT, env=mpi_env())
+    assert model.stdout.readline().startswith(b"Workload: ")
+    model.stdout.close()
+    _, stderr = model.communicate(timeout=120)
+    assert model.returncode == 0 and stderr == b"", stderr.decode()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence
@@ -568,8 +569,21 @@ def render(args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
+def _print_to_a_reader_that_may_stop(text: str) -> None:
+    """Print ``text``; a reader that stopped early (``| head``) ends the output, not the program.
+
+    After a BrokenPipeError stdout is pointed at /dev/null, so that the interpreter's own flush at
+    exit does not raise again (the recipe of Python's ``signal`` documentation, SIGPIPE)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    print(render(build_parser().parse_args(argv)))
+    """Print the tables; 0 also when the reader stopped early: it has the lines it asked for."""
+    _print_to_a_reader_that_may_stop(render(build_parser().parse_args(argv)))
     return 0
 
 
