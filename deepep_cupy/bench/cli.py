@@ -16,6 +16,7 @@ from ..constants import FP8_SCALE_BLOCK
 from ..gpu_check import exit_unless_gpu
 from .calls import DEFAULT_CALLS_TOKENS
 from .ceiling import run_copy_ceiling
+from .decode import DEFAULT_DECODE_TOKENS
 from .library import bench_library_rank, use_local_gpu
 from .nccl import run_nccl_baseline
 from .report import aggregate, plot_calls, plot_sm_sweep, plot_sweep, render_report, results_to_json
@@ -52,12 +53,35 @@ def _name_list(text: str) -> List[str]:
     return names
 
 
+def _shown(value: Any) -> str:
+    """A default as it is typed on the command line: lists comma-separated, as _int_list reads them."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends in its real default, written once.
+
+    Unlike argparse's ArgumentDefaultsHelpFormatter it adds nothing to a help text that already
+    says its default in words (``(default: the recommended config)``), nor to an on/off flag, whose
+    stored True or False (``--no-check``: True) reads as the opposite of what the flag does; options
+    without a value (None) state what happens without them in their own text (tests/test_bench.py)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.nargs == 0 or action.default is None or action.default is argparse.SUPPRESS
+                or "default" in text):
+            return text
+        return f"{text} (default: {_shown(action.default)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m deepep_cupy.bench``."""
     p = argparse.ArgumentParser(
         prog="python -m deepep_cupy.bench",
         description="Benchmark deepep_cupy dispatch/combine against NCCL all-to-all and a copy kernel.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelpFormatter)
     g = p.add_argument_group("launch")
     g.add_argument("--num-ranks", type=int, default=None,
                    help="in-process mode: ranks to run (default: number of visible GPUs); "
@@ -66,16 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: mpi when started by mpirun/mpiexec, else one process for all GPUs")
     g = p.add_argument_group("workload")
     g.add_argument("--num-tokens", type=int, default=4096, help="tokens per rank")
-    g.add_argument("--hidden", type=int, default=7168)
-    g.add_argument("--num-topk", type=int, default=8)
-    g.add_argument("--num-experts", type=int, default=256)
-    g.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    g.add_argument("--hidden", type=int, default=7168, help="values per token (a multiple of 128)")
+    g.add_argument("--num-topk", type=int, default=8, help="experts per token")
+    g.add_argument("--num-experts", type=int, default=256, help="experts in all, split evenly over the ranks")
+    g.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
+                   help="how tokens pick their experts: uniformly, or skewed towards low expert ids")
     g.add_argument("--skew", type=float, default=1.0, help="skew of --routing skewed")
     g.add_argument("--dtype", choices=("bf16", "fp8", "both"), default="both",
                    help="dispatch data types to time (combine is always BF16)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the random routing")
     g = p.add_argument_group("library config")
-    g.add_argument("--num-sms", type=int, default=24)
+    g.add_argument("--num-sms", type=int, default=24, help="SMs of the dispatch and combine configs (Config.num_sms)")
     g.add_argument("--send-chunk", type=int, default=None,
                    help="num_max_nvl_chunked_send_tokens (default: the recommended config)")
     g.add_argument("--recv-chunk", type=int, default=None,
@@ -85,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Buffer(allocate_ahead=False): the host waits for the receive counts before "
                         "it launches a fresh dispatch")
     g = p.add_argument_group("timing")
-    g.add_argument("--warmup", type=int, default=20)
-    g.add_argument("--iters", type=int, default=100)
+    g.add_argument("--warmup", type=int, default=20, help="untimed calls before the timed ones")
+    g.add_argument("--iters", type=int, default=100, help="timed calls per op")
     g.add_argument("--no-flush-l2", dest="flush_l2", action="store_false",
                    help="do not zero 256 MB before each timed call")
     g.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
@@ -96,52 +121,59 @@ def build_parser() -> argparse.ArgumentParser:
                         "else cupy.cuda.nccl; none = skip")
     g.add_argument("--no-copy", dest="copy", action="store_false", help="skip the copy-kernel ceiling")
     g.add_argument("--copy-mib", type=int, default=1024, help="bytes copied by the copy kernel, MiB")
-    g.add_argument("--copy-iters", type=int, default=10)
+    g.add_argument("--copy-iters", type=int, default=10, help="timed copies of the copy-kernel ceiling")
     g = p.add_argument_group("sweeps and output")
-    g.add_argument("--tokens-sweep", type=_int_list, default=None,
+    g.add_argument("--tokens-sweep", type=_int_list, default=None, metavar="LIST",
                    help="tokens per rank for the GB/s-vs-tokens sweep "
-                        f"(default with --plot: {','.join(map(str, DEFAULT_TOKENS_SWEEP))})")
+                        f"(default: no sweep; with --plot: {_shown(DEFAULT_TOKENS_SWEEP)})")
     g.add_argument("--sweep-iters", type=int, default=30, help="timed iterations per sweep point")
     g.add_argument("--sm-sweep", type=_int_list, default=None, metavar="LIST",
                    help="SM counts at which to time cached dispatch (BF16, FP8) and combine with the "
-                        "recommended chunk sizes, e.g. 4,8,16,24,32 (default with --sm-plot: "
-                        f"{','.join(map(str, DEFAULT_SM_SWEEP))})")
-    g.add_argument("--sm-plot", metavar="PATH", default=None, help="PNG of time vs SMs (the --sm-sweep)")
+                        "recommended chunk sizes (default: no sweep; with --sm-plot: "
+                        f"{_shown(DEFAULT_SM_SWEEP)})")
+    g.add_argument("--sm-plot", metavar="PATH", default=None,
+                   help="PNG of time vs SMs, the --sm-sweep (default: not drawn)")
     g.add_argument("--tune", action="store_true", help="grid search over SMs and chunk sizes")
-    g.add_argument("--tune-sms", type=_int_list, default=list(DEFAULT_TUNE_SMS))
-    g.add_argument("--tune-send", type=_int_list, default=list(DEFAULT_TUNE_SEND))
-    g.add_argument("--tune-recv", type=_int_list, default=list(DEFAULT_TUNE_RECV))
-    g.add_argument("--tune-warmup", type=int, default=5)
-    g.add_argument("--tune-iters", type=int, default=20)
+    g.add_argument("--tune-sms", type=_int_list, default=list(DEFAULT_TUNE_SMS), metavar="LIST",
+                   help="SM counts of the --tune grid")
+    g.add_argument("--tune-send", type=_int_list, default=list(DEFAULT_TUNE_SEND), metavar="LIST",
+                   help="send chunk sizes (tokens) of the --tune grid")
+    g.add_argument("--tune-recv", type=_int_list, default=list(DEFAULT_TUNE_RECV), metavar="LIST",
+                   help="receive chunk sizes (tokens) of the --tune grid")
+    g.add_argument("--tune-warmup", type=int, default=5, help="untimed calls per --tune point")
+    g.add_argument("--tune-iters", type=int, default=20, help="timed calls per --tune point")
     g.add_argument("--save-config", metavar="PATH", default=None,
-                   help="write the best --tune configs as JSON (see the module docstring)")
+                   help="write the best --tune configs as JSON, see the module docstring (default: not written)")
     g = p.add_argument_group("what a training loop sees (loop and host time per call)")
     g.add_argument("--no-calls", dest="calls", action="store_false",
                    help="skip the loop/host-time table per op, array library and token count")
-    g.add_argument("--calls-tokens", type=_int_list, default=list(DEFAULT_CALLS_TOKENS),
+    g.add_argument("--calls-tokens", type=_int_list, default=list(DEFAULT_CALLS_TOKENS), metavar="LIST",
                    help="tokens per rank of the loop/host-time table")
-    g.add_argument("--calls-libs", type=_name_list, default=["cupy", "torch"],
+    g.add_argument("--calls-libs", type=_name_list, default=["cupy", "torch"], metavar="LIST",
                    help="array libraries of the loop/host-time table (torch is skipped when it does not import)")
     g.add_argument("--calls-iters", type=int, default=40, help="calls per loop")
-    g.add_argument("--calls-warmup", type=int, default=10)
+    g.add_argument("--calls-warmup", type=int, default=10, help="untimed calls before each loop")
     g.add_argument("--calls-rounds", type=int, default=3,
                    help="rounds of loops, the libraries alternating; figures are medians over them")
     g.add_argument("--calls-plot", metavar="PATH", default=None,
-                   help="PNG of loop time vs tokens per rank, per op and array library")
+                   help="PNG of loop time vs tokens per rank, per op and array library (default: not drawn)")
     g = p.add_argument_group("internode (under mpirun; deepep_cupy/bench/internode.py)")
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="L",
                    help="benchmark an internode Buffer over nodes of L ranks (simulated when a host holds "
-                        "more): bytes to other nodes next to a flat all-to-all's, times, NCCL baseline")
+                        "more): bytes to other nodes next to a flat all-to-all's, times, NCCL baseline "
+                        "(default: the intranode benchmark)")
     g.add_argument("--transport", choices=("nccl", "mpi", "local"), default=None,
                    help="the internode Buffer's rail transport (default: chosen by the library)")
     g = p.add_argument_group("decode (DeepEP's low-latency calls)")
     g.add_argument("--decode", action="store_true",
                    help="only the decode table: low-latency dispatch (FP8) and combine, graph-replayed")
-    g.add_argument("--decode-tokens", type=_int_list, default=None,
-                   help="tokens per rank of the decode table (default 1,32,64,128,256)")
+    g.add_argument("--decode-tokens", type=_int_list, default=None, metavar="LIST",
+                   help=f"tokens per rank of the decode table (default: {_shown(DEFAULT_DECODE_TOKENS)})")
     g = p.add_argument_group("output")
-    g.add_argument("--json", metavar="PATH", default=None, help="write every figure and the settings")
-    g.add_argument("--plot", metavar="PATH", default=None, help="PNG of GB/s vs tokens per rank")
+    g.add_argument("--json", metavar="PATH", default=None,
+                   help="write every figure and the settings as JSON (default: not written)")
+    g.add_argument("--plot", metavar="PATH", default=None,
+                   help="PNG of GB/s vs tokens per rank, the --tokens-sweep (default: not drawn)")
     return p
 
 
