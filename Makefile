@@ -160,7 +160,7 @@ which:
 
 clean:
 	rm -rf build dist .whl wheelhouse .eggs .pytest_cache .ruff_cache *.egg-info
-	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path './.venv-*' \) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
 	rm -rf $(VENV)
