@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from _harness import WORKERS, describe, gloo_records, run_mpi, worker_records
+from _harness import WORKERS, describe, gloo_records, import_or_skip, run_mpi, worker_records
 from transport_fakes import FakeComm
 
 from deepep_cupy.comm import MPIGroup, check_partition
@@ -224,8 +224,8 @@ def _torch_rank_main(rank: int, size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def torch_records(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("torch.distributed")
+    import_or_skip("torch", "the torch.distributed split tests")
+    import_or_skip("torch.distributed", "the torch.distributed split tests")
     return gloo_records(_torch_rank_main, 4, tmp_path_factory.mktemp("torch_split"))
 
 
