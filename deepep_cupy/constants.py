@@ -175,6 +175,7 @@ def cuda_defines() -> Dict[str, int]:
         "VERDICT_OVER_CAPACITY": VERDICT_OVER_CAPACITY,
         "VERDICT_BUFFER_TOO_SMALL": VERDICT_BUFFER_TOO_SMALL,
         "MAX_EXPERTS": MAX_EXPERTS,
+        "MAX_TOPK": MAX_TOPK,
         "FP8_SCALE_BLOCK": FP8_SCALE_BLOCK,
         "UE8M0_PER_INT": UE8M0_PER_INT,
         # float32 literals, as the kernels compute in float32

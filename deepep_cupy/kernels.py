@@ -297,7 +297,8 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
     "deepep_cupy::low_latency::combine": _signature(
         "combined_x:ptr x:ptr topk_idx:ptr topk_weights:ptr src_info:ptr layout_range:ptr num_tokens:i32 "
-        "num_topk:i32 hidden:i32 num_max:i32 num_experts:i32 phases:i32 combine_off:i64 half_bytes:i64 "
+        "num_topk:i32 hidden:i32 num_max:i32 num_experts:i32 phases:i32 logfmt_unroll:i32 slot_bytes:i64 "
+        "combine_off:i64 half_bytes:i64 "
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
 }
 

@@ -50,6 +50,10 @@ DISPATCH_KERNEL = "deepep_cupy::low_latency::dispatch"
 COMBINE_KERNEL = "deepep_cupy::low_latency::combine"
 #: Blocks per launch when the GPU is not shared (latency, not bandwidth: every block spins).
 DEFAULT_NUM_SMS = 32
+#: LogFMT combines (DeepEP's) need hidden a multiple of this; with a multiple of 1024 their chunks
+#: are 1024 channels (unroll 4), else 512 (unroll 2); at most 32 chunks (kernels/low_latency.cu).
+LOGFMT_HIDDEN_MULTIPLE = 512
+LOGFMT_MAX_CHUNKS = 32
 #: Calls of an op whose receive may be owed at once (the buffer's two halves).
 CALLS_IN_FLIGHT = 2
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
@@ -92,10 +96,21 @@ class LowLatencyLayout:
         return -(-(self.hidden * 2 + 16) // 16) * 16
 
     @property
+    def logfmt_slot_bytes(self) -> int:
+        """A row's slot in a combine half with LogFMT (kernels/low_latency.cu): one (amax, amin) BF16
+        pair per 128 channels, then at most the BF16 row."""
+        return self.hidden * 2 + self.hidden // FP8_SCALE_BLOCK * 4
+
+    def combine_slot_bytes(self, use_logfmt: bool) -> int:
+        """A row's slot in a combine half: the BF16 row, or its LogFMT slot."""
+        return self.logfmt_slot_bytes if use_logfmt else self.hidden * 2
+
+    @property
     def area_bytes_needed(self) -> int:
-        """The largest of the areas these sizes use (a dispatch half: records are the longest rows)."""
+        """The largest of the areas these sizes use (a dispatch half or, with LogFMT possible, a combine half)."""
+        combine_slot = self.combine_slot_bytes(self.hidden % LOGFMT_HIDDEN_MULTIPLE == 0)
         return max(self.num_local_experts * self.rows_per_expert * self.record_bytes,
-                   self.num_experts * self.num_max_dispatch_tokens_per_rank * self.hidden * 2)
+                   self.num_experts * self.num_max_dispatch_tokens_per_rank * combine_slot)
 
     @property
     def area_bytes(self) -> int:
@@ -470,10 +485,10 @@ class LowLatencyPath:
         """See :meth:`deepep_cupy.Buffer.low_latency_combine`."""
         self._slots.raise_if_failed()
         self._owed_combine.check_call(return_recv_hook)
-        if use_logfmt:
-            raise ValueError("use_logfmt=True: LogFMT-compressed combine is not implemented; pass use_logfmt=False "
-                             "(BF16 rows)")
         _check_handle(handle)
+        use_logfmt = bool(use_logfmt)
+        if use_logfmt:
+            _check_logfmt(handle.hidden, zero_copy)
         lib, x_ptr, x_rows, x_key = read(x)
         _, topk_ptr, num_tokens, topk_key = read(topk_idx)
         _, weights_ptr, weight_rows, weights_key = read(topk_weights)
@@ -483,10 +498,11 @@ class LowLatencyPath:
         # x's rows (one block per local expert, all read by the kernel) are in the key as the other
         # axes are: x of fewer experts is checked anew.
         key = (x_key, x_rows, topk_key, weights_key, out_key, src_key, range_key,
-               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, use_logfmt)
         plan = self._combine_plans.get(key)
         if plan is None:
-            plan = self._combine_plans.make(key, self._combine_plan, x, topk_idx, topk_weights, handle, out)
+            plan = self._combine_plans.make(key, self._combine_plan, x, topk_idx, topk_weights, handle, out,
+                                            use_logfmt)
         if weight_rows != num_tokens or (out is not None and out_rows != num_tokens):
             raise ValueError(f"topk_weights/out: expected {num_tokens} rows (those of topk_idx), got {weight_rows}"
                              + ("" if out is None else f" and {out_rows}"))
@@ -510,7 +526,7 @@ class LowLatencyPath:
         self._combine_calls += 1  # launched: the next combine's rows go to the other area
         return out, event, hook
 
-    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out) -> _Plan:
+    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out, use_logfmt: bool) -> _Plan:
         layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         info = describe(x, "x", self.device_id)
         check_array(info, "x", ("bfloat16",), 3, (layout.num_local_experts, layout.rows_per_expert, layout.hidden))
@@ -530,7 +546,8 @@ class LowLatencyPath:
         per_call = ("combined_x", "x", "topk_idx", "topk_weights", "src_info", "layout_range", "num_tokens")
         fixed = dict(num_topk=num_topk, hidden=layout.hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
                      num_experts=layout.num_experts, combine_off=layout.combine_offset,
-                     half_bytes=layout.combine_half_bytes)
+                     half_bytes=layout.combine_half_bytes, logfmt_unroll=logfmt_unroll(layout.hidden) if use_logfmt else 0,
+                     slot_bytes=layout.combine_slot_bytes(use_logfmt))
         return self._plan(COMBINE_KERNEL, layout, per_call, **fixed)
 
     def next_combine_buffer(self, handle: LowLatencyHandle):
@@ -568,6 +585,22 @@ class LowLatencyPath:
             self._owed_combine.clear()
             self._order.synchronize()
             barrier()
+
+
+def logfmt_unroll(hidden: int) -> int:
+    """The int4 per lane of a LogFMT chunk (DeepEP's kNumSendUnrolls): 4 (1024 channels) when hidden
+    is a multiple of 1024, else 2 (512)."""
+    return 4 if hidden % 1024 == 0 else 2
+
+
+def _check_logfmt(hidden: int, zero_copy: bool) -> None:
+    if zero_copy:
+        raise ValueError("use_logfmt=True with zero_copy=True: the LogFMT cast reads x itself (DeepEP refuses "
+                         "them together too); pass one of them")
+    if hidden % LOGFMT_HIDDEN_MULTIPLE:
+        raise ValueError(f"use_logfmt=True: LogFMT needs hidden a multiple of {LOGFMT_HIDDEN_MULTIPLE}, got {hidden}")
+    if hidden // (256 * logfmt_unroll(hidden)) > LOGFMT_MAX_CHUNKS:
+        raise ValueError(f"use_logfmt=True: hidden {hidden} is more than {LOGFMT_MAX_CHUNKS} LogFMT chunks")
 
 
 def _check_handle(handle: Any) -> None:

@@ -317,20 +317,260 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
 }
 
 // ---------------------------------------------------------------------------------------------
+// LogFMT: DeepEP's LogFMT-10 compression of the combine's rows (use_logfmt=True)
+//
+// The format and rounding are DeepEP's (csrc/kernels/internode_ll.cu, logfmt_encode and
+// decode_and_accumulate). A row's slot holds one (amax, amin) BF16 pair per 128 channels (meta,
+// hidden / 128 words), then the row in chunks of 32 * unroll int4 (1024 channels with unroll 4
+// when hidden % 1024 == 0, else 512 with unroll 2), each either as its BF16 values or, when every
+// 128-channel group of the chunk has amax < 1 and log2(amin) < log2(amax), as 10 bits per value:
+// the sign and a 9-bit code. Per group: log_amin = max(log2(amin), log2(amax) - 32), step =
+// (log2(amax) - log_amin) / 510; a value's code is floor(max(log2|x| / step + rounding -
+// log_amin / step, 0)) where rounding = 2 - log2((1 + 2^step) / 2) / step (the level nearest in
+// linear scale), and it decodes to 0 (code 0) or 2^((code - 1) * step + log_amin). Lane l of a
+// chunk owns its int4 [l * unroll, (l + 1) * unroll): 2 * unroll * 8 bytes of BF16, or 10 * unroll
+// bytes of codes (per 16 values 5 words: 16 9-bit codes, then the 16 signs in the upper half).
+//
+// Unlike DeepEP's (lg2.approx / ex2.approx), log2 and exp2 are computed with IEEE round-to-nearest
+// float operations only, so that deepep_cupy/low_latency_reference.py states every bit.
+
+__device__ __forceinline__ float repro_log2(float x) {  // x >= 0 (0 -> -inf)
+    if (x == 0.0f)
+        return __int_as_float(0xff800000);
+    int bits = __float_as_int(x);
+    int e = 0;
+    if ((bits >> 23) == 0) {  // subnormal: scale by 2^23 (exact)
+        bits = __float_as_int(__fmul_rn(x, 0x1p+23f));
+        e = -23;
+    }
+    e += (bits >> 23) - 127;
+    float m = __int_as_float((bits & 0x7fffff) | 0x3f800000);
+    if (m > 0x1.6a09e6p+0f) {  // into [sqrt(1/2), sqrt(2)]
+        m = __fmul_rn(m, 0.5f);
+        e += 1;
+    }
+    // log2(m) = 2 / ln 2 * atanh(s), s = (m - 1) / (m + 1): s + s^3 / 3 + ... + s^9 / 9
+    const float s = __fdiv_rn(__fsub_rn(m, 1.0f), __fadd_rn(m, 1.0f));
+    const float s2 = __fmul_rn(s, s);
+    float p = 0x1.484b14p-2f;
+    p = __fadd_rn(__fmul_rn(p, s2), 0x1.a61762p-2f);
+    p = __fadd_rn(__fmul_rn(p, s2), 0x1.2776c6p-1f);
+    p = __fadd_rn(__fmul_rn(p, s2), 0x1.ec709ep-1f);
+    p = __fadd_rn(__fmul_rn(p, s2), 0x1.715476p+1f);
+    return __fadd_rn((float)e, __fmul_rn(p, s));
+}
+
+__device__ __forceinline__ float repro_exp2(float y) {  // y finite, y < 128
+    const float n = floorf(y);
+    const float f = __fsub_rn(y, n);  // exact, in [0, 1)
+    float p = 0x1.b5253ep-24f;        // ln(2)^k / k!, k = 9 .. 1
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.62c022p-20f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.ffcbfcp-17f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.430912p-13f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.5d87fep-10f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.3b2ab6p-7f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.c6b08ep-5f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.ebfbe0p-3f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.62e430p-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 1.0f);
+    const int k = max((int)n, -252);
+    if (k >= -126)
+        return __fmul_rn(p, __int_as_float((k + 127) << 23));
+    return __fmul_rn(__fmul_rn(p, 0x1p-126f), __int_as_float((k + 126 + 127) << 23));  // one rounding
+}
+
+// A group's LogFMT parameters from its amax and amin (exact BF16 values); false if it stays BF16.
+struct LogFmtGroup {
+    float log_amin, step, step_inv;
+    bool cast;
+    __device__ __forceinline__ LogFmtGroup(float amax, float amin) {
+        const float log_amax = repro_log2(amax);
+        log_amin = fmaxf(repro_log2(amin), __fsub_rn(log_amax, 32.0f));
+        cast = log_amax < 0.0f && log_amin < log_amax;
+        step = __fdiv_rn(__fsub_rn(log_amax, log_amin), 510.0f);
+        step_inv = __fdiv_rn(1.0f, step);
+    }
+    // floor(max(log2(a) / step + rounding - log_amin / step, 0)), at most 511
+    __device__ __forceinline__ unsigned encode(float a, float fused) const {
+        const float v = fmaxf(__fadd_rn(__fmul_rn(repro_log2(a), step_inv), fused), 0.0f);
+        return min((unsigned)floorf(v), 511u);
+    }
+    __device__ __forceinline__ float fused_rounding() const {
+        const float mean = __fmul_rn(__fadd_rn(1.0f, repro_exp2(step)), 0.5f);
+        const float rounding = __fsub_rn(2.0f, __fmul_rn(repro_log2(mean), step_inv));
+        return __fsub_rn(rounding, __fmul_rn(log_amin, step_inv));
+    }
+    __device__ __forceinline__ float decode(unsigned code) const {
+        return code == 0 ? 0.0f : repro_exp2(__fadd_rn(__fmul_rn((float)(code - 1), step), log_amin));
+    }
+};
+
+__device__ __forceinline__ float bf16_bits_to_float(unsigned bits) { return __uint_as_float(bits << 16); }
+__device__ __forceinline__ unsigned ld_word(const unsigned* p) { return (unsigned)ld_stream(reinterpret_cast<const int*>(p)); }
+
+// One warp writes the BF16 row `x_row` into `slot` in LogFMT (see above).
+template <int kUnroll>
+__device__ __forceinline__ void logfmt_write_row(char* slot, const int4* x_row, int hidden, int lane) {
+    constexpr int kChunkInt4 = 32 * kUnroll;
+    constexpr int kLanesPerGroup = FP8_SCALE_BLOCK / (8 * kUnroll);  // 128 channels
+    const int num_groups = hidden / 128;
+    unsigned* meta = reinterpret_cast<unsigned*>(slot);
+    char* data = slot + num_groups * 4;
+    int64_t_ offset = 0;
+    for (int chunk = 0; chunk < hidden / 8; chunk += kChunkInt4) {
+        int4 v[kUnroll];
+        #pragma unroll
+        for (int j = 0; j < kUnroll; ++j)
+            v[j] = ld_stream(x_row + chunk + lane * kUnroll + j);
+        const unsigned* words = reinterpret_cast<const unsigned*>(v);
+        float amax = 0.0f, amin = __int_as_float(0x7f800000);
+        unsigned signs = 0;
+        #pragma unroll
+        for (int k = 0; k < kUnroll * 4; ++k) {
+            signs |= ((words[k] >> 15) & 1u) << (k * 2);
+            signs |= ((words[k] >> 31) & 1u) << (k * 2 + 1);
+            const float lo = bf16_bits_to_float(words[k] & 0x7fffu), hi = bf16_bits_to_float((words[k] >> 16) & 0x7fffu);
+            amax = fmaxf(amax, fmaxf(lo, hi));
+            amin = fminf(amin, fminf(lo, hi));
+        }
+        #pragma unroll
+        for (int o = 1; o < kLanesPerGroup; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            amin = fminf(amin, __shfl_xor_sync(0xffffffffu, amin, o));
+        }
+        const LogFmtGroup group(amax, amin);
+        const bool cast = __all_sync(0xffffffffu, group.cast);
+        if (lane % kLanesPerGroup == 0)
+            meta[(chunk * 8 + lane * kUnroll * 8) / 128] = (__float_as_uint(amax) >> 16) | (__float_as_uint(amin) & 0xffff0000u);
+        if (cast) {
+            const float fused = group.fused_rounding();
+            unsigned* out = reinterpret_cast<unsigned*>(data + offset + lane * kUnroll * 10);
+            #pragma unroll
+            for (int i = 0; i < kUnroll / 2; ++i) {
+                unsigned e[16];
+                #pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const unsigned w = words[i * 8 + k];
+                    e[k * 2 + 0] = group.encode(bf16_bits_to_float(w & 0x7fffu), fused);
+                    e[k * 2 + 1] = group.encode(bf16_bits_to_float((w >> 16) & 0x7fffu), fused);
+                }
+                out[i * 5 + 0] = (e[0] >> 0) | (e[1] << 9) | (e[2] << 18) | (e[3] << 27);
+                out[i * 5 + 1] = (e[3] >> 5) | (e[4] << 4) | (e[5] << 13) | (e[6] << 22) | (e[7] << 31);
+                out[i * 5 + 2] = (e[7] >> 1) | (e[8] << 8) | (e[9] << 17) | (e[10] << 26);
+                out[i * 5 + 3] = (e[10] >> 6) | (e[11] << 3) | (e[12] << 12) | (e[13] << 21) | (e[14] << 30);
+                out[i * 5 + 4] = (e[14] >> 2) | (e[15] << 7) | (i == 0 ? (signs << 16) : (signs & 0xffff0000u));
+            }
+            offset += 32 * kUnroll * 10;
+        } else {
+            int4* out = reinterpret_cast<int4*>(data + offset) + lane * kUnroll;
+            #pragma unroll
+            for (int j = 0; j < kUnroll; ++j)
+                out[j] = v[j];
+            offset += 32 * kUnroll * 16;
+        }
+    }
+}
+
+// One warp sums token `t`'s LogFMT rows (the slots of its top-k experts in `area`) with their
+// weights into its BF16 row of combined_x, as the BF16 receive does (products and sums rounded,
+// in top-k order).
+template <int kUnroll>
+__device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* area, const int64_t_* topk_idx,
+                                                 const float* topk_weights, int t, int num_topk, int hidden,
+                                                 int num_max, int num_experts, int64_t_ slot_bytes, int lane) {
+    constexpr int kChunkInt4 = 32 * kUnroll;
+    constexpr int kGroupsPerChunk = kChunkInt4 * 8 / 128;
+    constexpr int kCastBytes = 32 * kUnroll * 10, kRawBytes = 32 * kUnroll * 16;
+    const int num_groups = hidden / 128;
+    const int num_chunks = hidden / 8 / kChunkInt4;
+    // Which chunks of each row are LogFMT (lane c decides chunk c from the row's meta).
+    unsigned cast_chunks[MAX_TOPK];
+    for (int k = 0; k < num_topk; ++k) {
+        const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
+        bool cast = false;
+        if (expert >= 0 && expert < num_experts && lane < num_chunks) {
+            const unsigned* meta = reinterpret_cast<const unsigned*>(area + (expert * num_max + t) * slot_bytes);
+            cast = true;
+            for (int g = lane * kGroupsPerChunk; g < (lane + 1) * kGroupsPerChunk; ++g) {
+                const unsigned m = ld_word(meta + g);
+                cast = cast && LogFmtGroup(bf16_bits_to_float(m & 0xffffu), bf16_bits_to_float(m >> 16)).cast;
+            }
+        }
+        cast_chunks[k] = __ballot_sync(0xffffffffu, cast);
+    }
+    for (int c = 0; c < num_chunks; ++c) {
+        float sum[kUnroll * 8];
+        #pragma unroll
+        for (int j = 0; j < kUnroll * 8; ++j)
+            sum[j] = 0.0f;
+        const int group = (c * kChunkInt4 + lane * kUnroll) * 8 / 128;
+        for (int k = 0; k < num_topk; ++k) {
+            const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
+            if (expert < 0 || expert >= num_experts)
+                continue;
+            const float weight = topk_weights[(int64_t_)t * num_topk + k];
+            const char* slot = area + (expert * num_max + t) * slot_bytes;
+            const int cast_before = __popc(cast_chunks[k] & ((1u << c) - 1u));
+            const char* data = slot + num_groups * 4 + (int64_t_)cast_before * kCastBytes
+                               + (int64_t_)(c - cast_before) * kRawBytes;
+            float v[kUnroll * 8];
+            if ((cast_chunks[k] >> c) & 1u) {
+                const unsigned m = ld_word(reinterpret_cast<const unsigned*>(slot) + group);
+                const LogFmtGroup g(bf16_bits_to_float(m & 0xffffu), bf16_bits_to_float(m >> 16));
+                const unsigned* in = reinterpret_cast<const unsigned*>(data + lane * kUnroll * 10);
+                #pragma unroll
+                for (int i = 0; i < kUnroll / 2; ++i) {
+                    unsigned w[5];
+                    #pragma unroll
+                    for (int q = 0; q < 5; ++q)
+                        w[q] = ld_word(in + i * 5 + q);
+                    unsigned concat[6];
+                    concat[0] = w[0];
+                    #pragma unroll
+                    for (int q = 1; q < 5; ++q)
+                        concat[q] = (w[q - 1] >> (32 - q * 5)) | (w[q] << (q * 5));
+                    concat[5] = w[4] >> 7;
+                    const unsigned signs = w[4] >> 16;
+                    #pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        const unsigned code = (concat[j / 3] >> ((j % 3) * 9)) & 0x1ffu;
+                        const float d = g.decode(code);
+                        v[i * 16 + j] = ((signs >> j) & 1u) ? -d : d;
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (int j = 0; j < kUnroll; ++j)
+                    Elem<bf16_t>::unpack(ld_stream(reinterpret_cast<const int4*>(data) + lane * kUnroll + j), v + j * 8);
+            }
+            #pragma unroll
+            for (int j = 0; j < kUnroll * 8; ++j)
+                sum[j] = __fadd_rn(sum[j], __fmul_rn(weight, v[j]));
+        }
+        int4* out = reinterpret_cast<int4*>(combined_x) + (int64_t_)t * (hidden / 8) + c * kChunkInt4 + lane * kUnroll;
+        #pragma unroll
+        for (int j = 0; j < kUnroll; ++j)
+            st_stream(out + j, Elem<bf16_t>::pack(sum + j * 8));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Combine
 
 // x: BF16 [L][R * M][hidden], the rows of the dispatch whose handle gives src_info and
 // layout_range (the zero-copy area when the caller wrote its rows there). combined_x: BF16
-// [num_tokens][hidden]. phases as for dispatch.
+// [num_tokens][hidden]. phases as for dispatch. logfmt_unroll: 0 for BF16 rows, else the rows
+// travel in LogFMT with that unroll (2 or 4, see above). slot_bytes: a row's slot in the combine
+// area (hidden * 2, or with LogFMT hidden * 2 + hidden / 32 for its meta).
 __global__ void __launch_bounds__(LL_THREADS) combine(
         void* combined_x, const void* x, const int64_t_* topk_idx, const float* topk_weights, const int* src_info,
         const int64_t_* layout_range, int num_tokens, int num_topk, int hidden, int num_max, int num_experts,
-        int phases, int64_t_ combine_off, int64_t_ half_bytes,
+        int phases, int logfmt_unroll, int64_t_ slot_bytes, int64_t_ combine_off, int64_t_ half_bytes,
         void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int num_local = num_experts / num_ranks;
     const int row_int4 = hidden / 8;
-    const int64_t_ row_bytes = (int64_t_)hidden * 2;
+    const int64_t_ row_bytes = slot_bytes;
     int send_call, recv_call;
     if (enter(buffer_ptrs, rank, 1, KERNEL_LOW_LATENCY_COMBINE_SEND, error_record, send_call, recv_call))
         return;
@@ -351,8 +591,13 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                 for (int i = warp; i < count; i += kLLWarps) {
                     const int64_t_ row = (int64_t_)local * rows_per_expert + begin + i;
                     const int token = src_info[row];
-                    warp_copy<4>(reinterpret_cast<int4*>(area + token * row_bytes),
-                                 reinterpret_cast<const int4*>(x) + row * row_int4, row_int4, lane);
+                    const int4* x_row = reinterpret_cast<const int4*>(x) + row * row_int4;
+                    if (logfmt_unroll == 4)
+                        logfmt_write_row<4>(area + token * row_bytes, x_row, hidden, lane);
+                    else if (logfmt_unroll == 2)
+                        logfmt_write_row<2>(area + token * row_bytes, x_row, hidden, lane);
+                    else
+                        warp_copy<4>(reinterpret_cast<int4*>(area + token * row_bytes), x_row, row_int4, lane);
                 }
             }
             __threadfence_system();
@@ -384,6 +629,16 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
             return;
         const char* area = reinterpret_cast<const char*>(buffer_ptrs[rank]) + combine_off + half * half_bytes;
         for (int t = blockIdx.x * kLLWarps + warp; t < num_tokens; t += gridDim.x * kLLWarps) {
+            if (logfmt_unroll == 4) {
+                logfmt_sum_token<4>(combined_x, area, topk_idx, topk_weights, t, num_topk, hidden, num_max,
+                                    num_experts, row_bytes, lane);
+                continue;
+            }
+            if (logfmt_unroll == 2) {
+                logfmt_sum_token<2>(combined_x, area, topk_idx, topk_weights, t, num_topk, hidden, num_max,
+                                    num_experts, row_bytes, lane);
+                continue;
+            }
             for (int i = lane; i < row_int4; i += 32) {
                 float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 for (int k = 0; k < num_topk; ++k) {

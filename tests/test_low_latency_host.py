@@ -521,7 +521,6 @@ def test_the_next_combine_buffer_is_one_view_for_every_handle_of_the_same_sizes(
 
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(use_logfmt=True), ValueError, "use_logfmt=True: LogFMT-compressed combine is not implemented"),
     (dict(handle=(1, 2, 3)), TypeError, "handle: expected the handle returned by low_latency_dispatch"),
     (dict(x=on_device(np.zeros((L, R * M, H + 8), np.uint16))), ValueError, "x: expected shape"),
     (dict(x=on_device(np.zeros((L, R * M, H), np.float32))), TypeError, "x: expected dtype bfloat16"),
@@ -538,6 +537,33 @@ def test_bad_combine_arguments_are_refused_before_any_launch(path, change, error
     with pytest.raises(error, match=message):
         path.path.combine(args["x"], args["topk"], args["weights"], args["handle"], use_logfmt=args["use_logfmt"],
                           out=args["out"])
+    assert len(path.log) == launches
+
+
+def test_a_logfmt_combine_launches_with_its_unroll_and_its_slots_and_bf16_ones_without(path):
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    path.path.combine(recv_x, topk, weights, handle)
+    path.path.combine(recv_x, topk, weights, handle, use_logfmt=True)
+    bf16, logfmt = (entry[2] for entry in path.log[-2:])
+    assert (bf16["logfmt_unroll"], bf16["slot_bytes"]) == (0, H * 2)
+    # H = 512: chunks of 512 channels (unroll 2); one (amax, amin) word per 128 channels before the row
+    assert (logfmt["logfmt_unroll"], logfmt["slot_bytes"]) == (2, H * 2 + H // 128 * 4)
+    assert low_latency.logfmt_unroll(7168) == 4 and low_latency.logfmt_unroll(2560) == 2
+    layout = LowLatencyLayout(M, H, R, E, path.nvl.num_bytes)
+    assert layout.combine_half_bytes >= E * M * layout.logfmt_slot_bytes  # the size hint counts the meta
+
+
+@pytest.mark.parametrize("hidden, zero_copy, message", [
+    (H, True, "use_logfmt=True with zero_copy=True"),
+    (256, False, "LogFMT needs hidden a multiple of 512, got 256"),
+])
+def test_a_logfmt_combine_refuses_zero_copy_and_hidden_not_a_multiple_of_512(path, hidden, zero_copy, message):
+    x, topk, weights = inputs(hidden=hidden)
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    launches = len(path.log)
+    with pytest.raises(ValueError, match=message):
+        path.path.combine(recv_x, topk, weights, handle, use_logfmt=True, zero_copy=zero_copy)
     assert len(path.log) == launches
 
 

@@ -19,9 +19,6 @@ def test_the_decode_kernels_sit_in_a_namespace_named_as_deepep_s_benchmark_looks
     for word in ("dispatch", "combine"):
         assert sum(word in name for name in names) == 1
         assert sum(name.endswith(f"::{word}") for name in names) == 1
-    # No other kernel a decode step runs carries either word after "::".
-    others = [name for file_name, exprs in kernels.SOURCES.items() if file_name != "low_latency.cu" for name in exprs]
-    assert not [name for name in others if "::dispatch" in name or "::combine" in name]
 
 
 def test_the_compiled_decode_kernels_carry_their_namespace_in_the_symbol():

@@ -65,7 +65,7 @@ class ReferenceBuffer:
         everyone = self.group.allgather((rows, np.asarray(topk_idx), np.asarray(topk_weights)))
         results = self.results[id(handle.src_info)]
         combined = ll.combine([e[0] for e in everyone], [e[1] for e in everyone], [e[2] for e in everyone], results,
-                              ranks=[self.group.rank])[self.group.rank]
+                              ranks=[self.group.rank], use_logfmt=use_logfmt)[self.group.rank]
         if self.corrupt == "combined" and combined.size:
             combined[-1, -1] ^= 1
         event = SimpleNamespace(current_stream_wait=lambda: None)

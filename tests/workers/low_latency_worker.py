@@ -44,7 +44,7 @@ CASES = ("bf16_eager", "bf16_hook", "fp8_eager", "fp8_hook", "fp8_round_scale_ea
          "hidden_7168_fp8", "async_finish", "clean_then_calls", "bad_expert_id_is_reported", "graph_cupy",
          "graph_torch", "graph_torch_hook_fp8", "deepep_style_torch", "lone_call_times_out",
          "two_zero_copy_combines_in_flight_async", "two_zero_copy_combines_in_flight_hook", "graph_torch_async",
-         "graph_cupy_async")
+         "graph_cupy_async", "logfmt_hidden_2048", "logfmt_hidden_1536_hook", "logfmt_hidden_7168_fp8")
 assert set(CASES) >= {f"{mode}_{hook}" for mode in FP8_MODES for hook in ("eager", "hook")}
 
 
@@ -199,11 +199,12 @@ def check_dispatch(out, want, mode, what):
             expect_equal(f"{what}: scales[{local}]", scales[local, :c], want["scales"][local, :c])
 
 
-def check_combine(combined, inputs, results, rank, what, ys=None):
+def check_combine(combined, inputs, results, rank, what, ys=None, use_logfmt=False):
     from deepep_cupy import low_latency_reference as ll
 
     ys = [i["y"] for i in inputs] if ys is None else ys
-    want = ll.combine(ys, [i["topk"] for i in inputs], [i["weights"] for i in inputs], results, ranks=[rank])[rank]
+    want = ll.combine(ys, [i["topk"] for i in inputs], [i["weights"] for i in inputs], results, ranks=[rank],
+                      use_logfmt=use_logfmt)[rank]
     expect_equal(f"{what}: combined_x", to_numpy(combined), want)
 
 
@@ -326,6 +327,39 @@ def case_two_zero_copy_in_flight(ctx, hook):
     ctx.synchronize()
     for b in range(2):
         check_combine(combines[b][0], batches[b], results[b], ctx.rank, f"zero-copy combine {b}")
+
+
+def logfmt_rows(y):
+    """Expert rows whose 128-channel groups mix what LogFMT casts (every value below 1) and what it
+    sends as BF16: the first half of every row scaled down by 2**-10 (exponent field - 10), every
+    fourth row's first group zero, and a group with a single zero value."""
+    bits = y.full().copy()
+    half = bits.shape[-1] // 2
+    bits[..., :half] -= np.uint16(10 << 7)
+    bits[:, ::4, :128] = 0
+    bits[:, 1::4, 128] = 0
+    return bits
+
+
+def case_logfmt(ctx, hidden, hook, mode):
+    """A LogFMT combine (DeepEP's LogFMT-10) bit-exact against the model: rows whose chunks are cast
+    and rows sent as BF16, with unroll 4 (hidden a multiple of 1024) and 2."""
+    inputs = draw(1100 + hidden, ctx.R, ctx.E, hidden=hidden)
+    ys = [logfmt_rows(i["y"]) for i in inputs]
+    x, topk, weights = (to_device(inputs[ctx.rank][k]) for k in ("x", "topk", "weights"))
+    y = to_device(ys[ctx.rank])
+    results = reference(inputs, ctx.E, mode)
+    ctx.together()
+    out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, **FP8_MODES[mode])
+    ctx.synchronize()
+    check_dispatch(out, results[ctx.rank], mode, "dispatch")
+    ctx.together()
+    combined, _, recv_hook = ctx.buf.low_latency_combine(y, topk, weights, out[2], use_logfmt=True,
+                                                         return_recv_hook=hook)
+    if hook:
+        recv_hook()
+    ctx.synchronize()
+    check_combine(combined, inputs, results, ctx.rank, f"LogFMT combine, hidden {hidden}", ys, use_logfmt=True)
 
 
 def case_stats(ctx):
@@ -534,7 +568,10 @@ def run_case(ctx, name):
              "two_zero_copy_combines_in_flight_hook": lambda c: case_two_zero_copy_in_flight(c, True),
              # async_finish=True inside the capture: the outputs come from the capturing stream's pool
              "graph_torch_async": lambda c: graph_case(c, "torch", "fp8", False, 730, async_finish=True),
-             "graph_cupy_async": lambda c: graph_case(c, "cupy", "bf16", False, 740, async_finish=True)}
+             "graph_cupy_async": lambda c: graph_case(c, "cupy", "bf16", False, 740, async_finish=True),
+             "logfmt_hidden_2048": lambda c: case_logfmt(c, 2048, False, "bf16"),
+             "logfmt_hidden_1536_hook": lambda c: case_logfmt(c, 1536, True, "bf16"),
+             "logfmt_hidden_7168_fp8": lambda c: case_logfmt(c, BIG_HIDDEN, False, "fp8")}
     return cases[name](ctx)
 
 
