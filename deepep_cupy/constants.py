@@ -108,6 +108,11 @@ ERROR_BAD_EXPERT_ID = 7
 LL_CALLS_INT = 64
 LL_EXITS_INT = 72
 LL_RELEASED_INT = 128
+#: Shrink mode (DeepEP's enable_shrink): the rank's mask words (LL_MASK_INT + r: rank r is masked when
+#: not 0; the rank's own, never written by peers) and the counts of the masked clean barrier
+#: (LL_SYNC_INT + r: rank r's count, written by r). A clean zeroes neither.
+LL_MASK_INT = 192
+LL_SYNC_INT = 200
 LL_DISPATCH_COUNTS_OFFSET = 1024
 LL_COMBINE_FLAGS_OFFSET = LL_DISPATCH_COUNTS_OFFSET + 2 * 8 * MAX_EXPERTS
 LL_SIGNALS_END = LL_COMBINE_FLAGS_OFFSET + 2 * 4 * MAX_EXPERTS
@@ -134,6 +139,7 @@ BLOCK_THREADS: Dict[str, int] = {
     "expand_kernel": 512,
     "deepep_cupy::low_latency::dispatch": 512,
     "deepep_cupy::low_latency::combine": 512,
+    "deepep_cupy::low_latency::barrier": 32,
 }
 
 
@@ -185,6 +191,8 @@ def cuda_defines() -> Dict[str, int]:
         "LL_CALLS_INT": LL_CALLS_INT,
         "LL_EXITS_INT": LL_EXITS_INT,
         "LL_RELEASED_INT": LL_RELEASED_INT,
+        "LL_MASK_INT": LL_MASK_INT,
+        "LL_SYNC_INT": LL_SYNC_INT,
         "LL_DISPATCH_COUNTS_OFFSET": LL_DISPATCH_COUNTS_OFFSET,
         "LL_COMBINE_FLAGS_OFFSET": LL_COMBINE_FLAGS_OFFSET,
     }

@@ -45,7 +45,8 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "expand.cu": ("expand_kernel",),
     # Decode (DeepEP's low-latency API): the settings are run-time arguments, so one instance each.
     # Namespaced as DeepEP's are: its bench_kineto finds them by "::dispatch" / "::combine".
-    "low_latency.cu": ("deepep_cupy::low_latency::dispatch", "deepep_cupy::low_latency::combine"),
+    "low_latency.cu": ("deepep_cupy::low_latency::dispatch", "deepep_cupy::low_latency::combine",
+                       "deepep_cupy::low_latency::barrier"),
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
 OPTIONAL_KERNELS = ("expand_kernel",)
@@ -293,13 +294,14 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "deepep_cupy::low_latency::dispatch": _signature(
         "recv_x:ptr recv_scales:ptr recv_count:ptr src_info:ptr layout_range:ptr cumulative_recv_stats:ptr "
         "wait_recv_cost_stats:ptr x:ptr topk_idx:ptr num_tokens:i32 num_topk:i32 hidden:i32 num_max:i32 "
-        "num_experts:i32 fp8_mode:i32 phases:i32 record_bytes:i64 dispatch_off:i64 half_bytes:i64 "
+        "num_experts:i32 fp8_mode:i32 phases:i32 shrink:i32 record_bytes:i64 dispatch_off:i64 half_bytes:i64 "
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
     "deepep_cupy::low_latency::combine": _signature(
-        "combined_x:ptr x:ptr topk_idx:ptr topk_weights:ptr src_info:ptr layout_range:ptr num_tokens:i32 "
-        "num_topk:i32 hidden:i32 num_max:i32 num_experts:i32 phases:i32 logfmt_unroll:i32 slot_bytes:i64 "
-        "combine_off:i64 half_bytes:i64 "
+        "combined_x:ptr x:ptr topk_idx:ptr topk_weights:ptr src_info:ptr layout_range:ptr "
+        "wait_recv_cost_stats:ptr num_tokens:i32 num_topk:i32 hidden:i32 num_max:i32 num_experts:i32 phases:i32 "
+        "shrink:i32 logfmt_unroll:i32 slot_bytes:i64 combine_off:i64 half_bytes:i64 "
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
+    "deepep_cupy::low_latency::barrier": _signature("buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
 }
 
 def block_threads(kernel: str) -> int:

@@ -36,7 +36,17 @@ import dataclasses
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from . import launch, tensors
-from .constants import FP8_SCALE_BLOCK, LL_CALLS_INT, LL_DATA_OFFSET, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, UE8M0_PER_INT
+from .constants import (
+    FP8_SCALE_BLOCK,
+    LL_CALLS_INT,
+    LL_DATA_OFFSET,
+    LL_MASK_INT,
+    LL_SYNC_INT,
+    MAX_EXPERTS,
+    MAX_RANKS,
+    MAX_TOPK,
+    UE8M0_PER_INT,
+)
 from .launch import KernelCall
 from .plans import PlanCache
 from .slots import ERROR_RECORD
@@ -48,6 +58,8 @@ __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "get_low_la
 #: finds them by ``::dispatch`` / ``::combine`` in the profiler's kernel names.
 DISPATCH_KERNEL = "deepep_cupy::low_latency::dispatch"
 COMBINE_KERNEL = "deepep_cupy::low_latency::combine"
+#: The masked barrier of a clean in shrink mode.
+BARRIER_KERNEL = "deepep_cupy::low_latency::barrier"
 #: Blocks per launch when the GPU is not shared (latency, not bandwidth: every block spins).
 DEFAULT_NUM_SMS = 32
 #: LogFMT combines (DeepEP's) need hidden a multiple of this; with a multiple of 1024 their chunks
@@ -253,10 +265,13 @@ class LowLatencyPath:
         num_sms: blocks per launch.
         on_device: a context that makes the rank's GPU current.
         owner: what the buffer views returned to the caller keep alive (the NvlBuffer).
+        enable_shrink: DeepEP's shrink mode: a rank whose wait times out is masked (its peers go on
+            without it) instead of the call failing; the mask calls (:meth:`update_mask` ...).
     """
 
     def __init__(self, *, peer_table_ptr: int, local_ptr: int, num_bytes: int, rank: int, num_ranks: int,
-                 device_id: int, order, slots, timeout_s: float, num_sms: int, on_device, owner: Any = None):
+                 device_id: int, order, slots, timeout_s: float, num_sms: int, on_device, owner: Any = None,
+                 enable_shrink: bool = False):
         self.peer_table_ptr = peer_table_ptr
         self.local_ptr = local_ptr
         self.num_bytes = num_bytes
@@ -264,6 +279,7 @@ class LowLatencyPath:
         self._order = order
         self._slots = slots
         self.num_sms = num_sms
+        self.enable_shrink = bool(enable_shrink)
         self._on_device = on_device
         self._owner = owner
         self._shared = launch.shared_arguments(peer_table_ptr, num_ranks, rank, timeout_s,
@@ -273,6 +289,7 @@ class LowLatencyPath:
         self._zero_copy_views: Dict[tuple, Any] = {}
         #: Combine calls issued (host side): call n's zero-copy rows are in area n & 1.
         self._combine_calls = 0
+        self._barrier_call = None
         self._owed_dispatch = _OwedReceives("dispatch")
         self._owed_combine = _OwedReceives("combine")
 
@@ -281,7 +298,7 @@ class LowLatencyPath:
 
     @classmethod
     def create(cls, group, num_bytes: int, *, order, slots, timeout_s: float, device_id: int, on_device,
-               ranks_on_gpu: int = 1) -> "LowLatencyPath":
+               ranks_on_gpu: int = 1, enable_shrink: bool = False) -> "LowLatencyPath":
         """Map a new low-latency buffer of ``num_bytes`` on every rank (collective) and load the
         kernels. ``ranks_on_gpu``: ranks of this process on the GPU (their grids must fit at once)."""
         from . import kernels
@@ -296,14 +313,14 @@ class LowLatencyPath:
         check_sm_budget({device_id: ranks_on_gpu}, num_sms)
         nvl = NvlBuffer(group, num_bytes)
         try:
-            for name in (DISPATCH_KERNEL, COMBINE_KERNEL):
+            for name in (DISPATCH_KERNEL, COMBINE_KERNEL) + ((BARRIER_KERNEL,) if enable_shrink else ()):
                 kernels.get_kernel(name)
         except BaseException:
             nvl.close()
             raise
         return cls(peer_table_ptr=nvl.peer_ptrs.data.ptr, local_ptr=nvl.local_ptr, num_bytes=num_bytes,
                    rank=group.rank, num_ranks=group.size, device_id=device_id, order=order, slots=slots,
-                   timeout_s=timeout_s, num_sms=num_sms, on_device=on_device, owner=nvl)
+                   timeout_s=timeout_s, num_sms=num_sms, on_device=on_device, owner=nvl, enable_shrink=enable_shrink)
 
     def close(self) -> None:
         """Unmap and free the buffer (the Buffer's destroy waits for the kernels first)."""
@@ -428,7 +445,7 @@ class LowLatencyPath:
         per_call = ("recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "cumulative_recv_stats",
                     "wait_recv_cost_stats", "x", "topk_idx", "num_tokens")
         fixed = dict(num_topk=num_topk, hidden=hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
-                     num_experts=layout.num_experts, fp8_mode=fp8_mode,
+                     num_experts=layout.num_experts, fp8_mode=fp8_mode, shrink=int(self.enable_shrink),
                      record_bytes=layout.record_bytes, dispatch_off=layout.dispatch_offset,
                      half_bytes=layout.dispatch_half_bytes)
         return self._plan(DISPATCH_KERNEL, layout, per_call, **fixed)
@@ -481,7 +498,8 @@ class LowLatencyPath:
     # Combine
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt: bool = False,
-                zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None):
+                zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None,
+                combine_wait_recv_cost_stats=None):
         """See :meth:`deepep_cupy.Buffer.low_latency_combine`."""
         self._slots.raise_if_failed()
         self._owed_combine.check_call(return_recv_hook)
@@ -495,14 +513,16 @@ class LowLatencyPath:
         _, out_ptr, out_rows, out_key = read(out)
         _, src_ptr, src_rows, src_key = read(handle.src_info)
         _, range_ptr, range_rows, range_key = read(handle.layout_range)
+        _, wait_ptr, wait_rows, wait_key = read(combine_wait_recv_cost_stats)
         # x's rows (one block per local expert, all read by the kernel) are in the key as the other
         # axes are: x of fewer experts is checked anew.
         key = (x_key, x_rows, topk_key, weights_key, out_key, src_key, range_key,
-               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, use_logfmt)
+               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, use_logfmt, wait_key,
+               wait_rows)
         plan = self._combine_plans.get(key)
         if plan is None:
             plan = self._combine_plans.make(key, self._combine_plan, x, topk_idx, topk_weights, handle, out,
-                                            use_logfmt)
+                                            use_logfmt, combine_wait_recv_cost_stats)
         if weight_rows != num_tokens or (out is not None and out_rows != num_tokens):
             raise ValueError(f"topk_weights/out: expected {num_tokens} rows (those of topk_idx), got {weight_rows}"
                              + ("" if out is None else f" and {out_rows}"))
@@ -519,14 +539,17 @@ class LowLatencyPath:
         with self._on_device:
             if out is None:  # on the caller's current stream, as dispatch's outputs
                 out = lib.empty((num_tokens, layout.hidden), "bfloat16", dev)
-            values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, num_tokens)
+            values = (lib.pointer(out), x_ptr, topk_ptr, weights_ptr, src_ptr, range_ptr, wait_ptr, num_tokens)
             arrays = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
+            if combine_wait_recv_cost_stats is not None:
+                arrays += (combine_wait_recv_cost_stats,)
             event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook,
                                        self._owed_combine)
         self._combine_calls += 1  # launched: the next combine's rows go to the other area
         return out, event, hook
 
-    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out, use_logfmt: bool) -> _Plan:
+    def _combine_plan(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, out, use_logfmt: bool,
+                      wait_stats) -> _Plan:
         layout = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         info = describe(x, "x", self.device_id)
         check_array(info, "x", ("bfloat16",), 3, (layout.num_local_experts, layout.rows_per_expert, layout.hidden))
@@ -543,10 +566,15 @@ class LowLatencyPath:
                     (layout.num_local_experts, self.num_ranks))
         if out is not None:
             check_array(describe(out, "out", self.device_id), "out", ("bfloat16",), 2, (None, layout.hidden))
-        per_call = ("combined_x", "x", "topk_idx", "topk_weights", "src_info", "layout_range", "num_tokens")
+        if wait_stats is not None:
+            check_array(describe(wait_stats, "combine_wait_recv_cost_stats", self.device_id),
+                        "combine_wait_recv_cost_stats", ("int64",), 1, (self.num_ranks,))
+        per_call = ("combined_x", "x", "topk_idx", "topk_weights", "src_info", "layout_range", "wait_recv_cost_stats",
+                    "num_tokens")
         fixed = dict(num_topk=num_topk, hidden=layout.hidden, num_max=layout.num_max_dispatch_tokens_per_rank,
                      num_experts=layout.num_experts, combine_off=layout.combine_offset,
-                     half_bytes=layout.combine_half_bytes, logfmt_unroll=logfmt_unroll(layout.hidden) if use_logfmt else 0,
+                     half_bytes=layout.combine_half_bytes, shrink=int(self.enable_shrink),
+                     logfmt_unroll=logfmt_unroll(layout.hidden) if use_logfmt else 0,
                      slot_bytes=layout.combine_slot_bytes(use_logfmt))
         return self._plan(COMBINE_KERNEL, layout, per_call, **fixed)
 
@@ -572,19 +600,124 @@ class LowLatencyPath:
 
     def clean(self, barrier: Callable[[], None]) -> None:
         """Zero this rank's call counters and signal words, between two group barriers (``barrier``):
-        every rank's next call then starts from call 0, in step. Not for a capture (it waits)."""
+        every rank's next call then starts from call 0, in step. Not for a capture (it waits).
+
+        In shrink mode the barriers are DeepEP's masked ones, on the device (:data:`BARRIER_KERNEL`):
+        masked ranks are not waited for, and a rank that does not arrive in time is masked, so a
+        rank that stopped calling holds up no one. The mask and the barrier counts are kept."""
         from .launch import fill_bytes
 
+        if self.enable_shrink:
+            barrier = self._device_barrier
         with self._on_device:
             self._order.synchronize()
             barrier()
-            start = LL_CALLS_INT * 4
-            fill_bytes(self.local_ptr + start, 0, LL_DATA_OFFSET - start, self._order.ptr)
+            for start, end in ((LL_CALLS_INT * 4, LL_MASK_INT * 4), (SHRINK_WORDS_END * 4, LL_DATA_OFFSET)):
+                fill_bytes(self.local_ptr + start, 0, end - start, self._order.ptr)
             # The counters that paired receives with sends start again: no receive is owed.
             self._owed_dispatch.clear()
             self._owed_combine.clear()
             self._order.synchronize()
             barrier()
+
+    def _device_barrier(self) -> None:
+        """The masked barrier of a shrink-mode clean: one launch on the communication stream, then
+        the host waits for it."""
+        call = self._barrier_call
+        if call is None:
+            call = self._barrier_call = launch.bind(BARRIER_KERNEL, self._shared, grid=1)
+        call.run(self._order.ptr)
+        self._order.synchronize()
+        self._slots.raise_if_failed()
+
+    # -----------------------------------------------------------------------------------------
+    # Shrink mode: the mask (DeepEP's low_latency_*_mask_buffer)
+
+    def _mask_ptr(self) -> int:
+        if not self.enable_shrink:
+            raise ValueError("enable_shrink: the mask calls need a Buffer made with enable_shrink=True "
+                             "(and low_latency_mode=True)")
+        return self.local_ptr + LL_MASK_INT * 4
+
+    def update_mask(self, rank_to_mask: Any, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask ``rank_to_mask`` in this rank's mask: masked ranks are neither
+        sent to nor waited for. The host waits for this Buffer's calls first."""
+        import numpy as np
+        from cupy.cuda import runtime
+
+        ptr = self._mask_ptr()
+        rank_to_mask = check_int(rank_to_mask, "rank_to_mask", minimum=0)
+        if rank_to_mask >= self.num_ranks:
+            raise ValueError(f"rank_to_mask: expected a rank below {self.num_ranks}, got {rank_to_mask}")
+        value = np.array([1 if mask else 0], np.int32)
+        with self._on_device:
+            self._order.synchronize()
+            runtime.memcpy(ptr + 4 * rank_to_mask, value.ctypes.data, 4, runtime.memcpyHostToDevice)
+
+    def query_mask(self, mask_status) -> None:
+        """Copy this rank's mask into ``mask_status`` (int32 ``[num_ranks]``: 1 masked, 0 not), on the
+        caller's current stream, after this Buffer's calls."""
+        from cupy.cuda import runtime
+
+        ptr = self._mask_ptr()
+        info = describe(mask_status, "mask_status", self.device_id)
+        check_array(info, "mask_status", ("int32",), 1, (self.num_ranks,))
+        lib = info.lib
+        with self._on_device:
+            caller = lib.current_stream(self.device_id)
+            run_on = self._order.begin(caller, None, False, self.rank)
+            runtime.memcpyAsync(lib.pointer(mask_status), ptr, 4 * self.num_ranks, runtime.memcpyDeviceToDevice,
+                                run_on)
+            self._order.finish(caller, run_on, lib, False, (mask_status,), (), False, self._slots.raise_if_failed)
+
+    def clean_mask(self) -> None:
+        """Unmask every rank (this rank's mask). The host waits for this Buffer's calls first."""
+        from .launch import fill_bytes
+
+        ptr = self._mask_ptr()
+        with self._on_device:
+            self._order.synchronize()
+            fill_bytes(ptr, 0, 4 * self.num_ranks, self._order.ptr)
+            self._order.synchronize()
+
+
+#: The end (int index) of the shrink-mode words a clean keeps (constants.LL_MASK_INT, LL_SYNC_INT).
+SHRINK_WORDS_END = LL_SYNC_INT + MAX_RANKS
+
+
+def local_buffer_tensor(source: Any, dtype: Any, size: Any = None, offset: int = 0):
+    """DeepEP's ``Buffer.get_local_buffer_tensor``: this rank's buffer (``source``: the Buffer's
+    NvlBuffer, or its LowLatencyPath for ``use_rdma_buffer=True``) as a 1-D array of ``dtype`` (a
+    ``torch.dtype`` gives a tensor, any other dtype a CuPy array) from byte ``offset`` (DeepEP's C++
+    offsets the pointer in bytes) to the end of the buffer, or its first ``size`` elements shaped as
+    ``size``. A view: writes land in the buffer."""
+    if source is None:
+        raise ValueError("use_rdma_buffer: this Buffer has no such buffer (the NVLink buffer needs num_nvl_bytes "
+                         "> 0, the low-latency one low_latency_mode=True)")
+    offset = check_int(offset, "offset", minimum=0)
+    if offset > source.num_bytes:
+        raise ValueError(f"offset: at most the buffer's {source.num_bytes} bytes, got {offset}")
+    is_torch = type(dtype).__module__.startswith("torch")
+    lib = tensors.library("torch" if is_torch else "cupy")
+    owner = getattr(source, "_owner", None) or source
+    window = lib.window(source.local_ptr + offset, source.num_bytes - offset, source.device_id, owner)
+    if is_torch:
+        itemsize = dtype.itemsize
+        flat = window[:(source.num_bytes - offset) // itemsize * itemsize].view(dtype)
+    else:
+        import numpy as np
+
+        itemsize = np.dtype(dtype).itemsize
+        flat = window[:(source.num_bytes - offset) // itemsize * itemsize].view(dtype)
+    if size is None:
+        return flat
+    shape = tuple(size) if isinstance(size, (tuple, list)) or hasattr(size, "numel") else (int(size),)
+    count = 1
+    for extent in shape:
+        count *= int(extent)
+    if count > flat.shape[0]:
+        raise ValueError(f"size: {count} elements, more than the {flat.shape[0]} of the buffer from offset {offset}")
+    return flat[:count].reshape(shape)
 
 
 def logfmt_unroll(hidden: int) -> int:

@@ -72,18 +72,62 @@ __device__ __forceinline__ void fp8_scale(float amax, bool round_scale, float& s
     }
 }
 
+// Shrink mode (DeepEP's enable_shrink): this rank's mask words (LL_MASK_INT + r: rank r is masked
+// when not 0), or null without it. Nothing is sent to a masked rank nor waited for from it, and a
+// wait for a rank that times out masks it (DeepEP's behaviour) instead of failing the call.
+__device__ __forceinline__ int* mask_words(void* const* buffer_ptrs, int rank, int shrink) {
+    return shrink ? ll_words(buffer_ptrs, rank) + LL_MASK_INT : nullptr;
+}
+
+__device__ __forceinline__ bool is_masked(const int* mask, int r) {
+    return mask != nullptr && ld_volatile(mask + r) != 0;
+}
+
+// The block's view of the mask, read once (every thread of the block then decides alike).
+__device__ __forceinline__ void snapshot_mask(const int* mask, int num_ranks, int* masked) {
+    if (threadIdx.x < num_ranks)
+        masked[threadIdx.x] = is_masked(mask, threadIdx.x) ? 1 : 0;
+    __syncthreads();
+}
+
+constexpr int kKeepWaiting = 0, kGoOnWithout = 1, kStop = 2;
+
+// A wait for a peer: keep waiting, go on without the peer (it is masked, or masked now because the
+// wait timed out in shrink mode), or stop the kernel (the wait failed; recorded by PeerWait).
+struct LLWait {
+    PeerWait wait;
+    int* mask;
+    __device__ __forceinline__ LLWait(void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns,
+                                      int* error_record, int kernel, int channel, int* mask_)
+        : wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, kernel, channel), mask(mask_) {}
+    __device__ __forceinline__ int poll(int peer, int detail) {
+        if (mask == nullptr)
+            return wait.failed(peer, detail) ? kStop : kKeepWaiting;
+        if (ld_volatile(mask + peer) != 0)
+            return kGoOnWithout;
+        if (!wait.deadline.expired())
+            return kKeepWaiting;
+        atomicExch(mask + peer, 1);
+        printf("deepep_cupy: rank %d masks rank %d: a low-latency wait (kernel %d) timed out\n", wait.rank, peer,
+               wait.kernel);
+        return kGoOnWithout;
+    }
+};
+
 // Threads `peer < num_ranks` of the block wait until `peer` has released our area `half` of call
-// n - 2 of `op` (epoch n - 1); false on every thread when a wait failed.
+// n - 2 of `op` (epoch n - 1); false on every thread when a wait failed. Masked peers are not
+// waited for.
 __device__ __forceinline__ bool wait_released(void* const* buffer_ptrs, int num_ranks, int rank, int op, int n,
-                                              int64_t_ timeout_ns, int* error_record, int kernel) {
+                                              int64_t_ timeout_ns, int* error_record, int kernel, int* mask) {
     bool ok = true;
     const int peer = threadIdx.x;
-    if (n >= 2 && peer < num_ranks) {
-        PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, kernel, -1);
+    if (n >= 2 && peer < num_ranks && !is_masked(mask, peer)) {
+        LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, kernel, -1, mask);
         const int* word = released_word(buffer_ptrs, rank, op, n & 1, peer);
         while (ld_acquire_sys(word) - (n - 1) < 0) {
-            if (wait.failed(peer, n - 1)) {
-                ok = false;
+            const int state = wait.poll(peer, n - 1);
+            if (state != kKeepWaiting) {
+                ok = state != kStop;
                 break;
             }
         }
@@ -105,7 +149,7 @@ __device__ __forceinline__ bool enter(void* const* buffer_ptrs, int rank, int op
 // The end of a grid: the last block to leave advances this rank's call counters of `op` for the
 // phases it ran and, after a receive, tells every sender that our area `half` is free again.
 __device__ __forceinline__ void leave(void* const* buffer_ptrs, int num_ranks, int rank, int op, int phases,
-                                      int send_call, int recv_call) {
+                                      int send_call, int recv_call, const int* mask) {
     __syncthreads();
     if (threadIdx.x != 0)
         return;
@@ -120,7 +164,8 @@ __device__ __forceinline__ void leave(void* const* buffer_ptrs, int num_ranks, i
     if (phases & 2) {
         words[LL_CALLS_INT + op * 2 + 1] = recv_call + 1;
         for (int r = 0; r < num_ranks; ++r)
-            st_release_sys(released_word(buffer_ptrs, r, op, recv_call & 1, rank), recv_call + 1);
+            if (!is_masked(mask, r))
+                st_release_sys(released_word(buffer_ptrs, r, op, recv_call & 1, rank), recv_call + 1);
     }
 }
 
@@ -175,13 +220,15 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         void* recv_x, void* recv_scales, int* recv_count, int* src_info, int64_t_* layout_range,
         int* cumulative_recv_stats, int64_t_* wait_recv_cost_stats, const void* x, const int64_t_* topk_idx,
         int num_tokens, int num_topk, int hidden, int num_max, int num_experts, int fp8_mode, int phases,
-        int64_t_ record_bytes, int64_t_ dispatch_off, int64_t_ half_bytes,
+        int shrink, int64_t_ record_bytes, int64_t_ dispatch_off, int64_t_ half_bytes,
         void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
     __shared__ int tokens[LL_THREADS];
     __shared__ int warp_totals[kLLWarps];
     __shared__ int counts[DEEPEP_MAX_RANKS + 1];
+    __shared__ int masked[DEEPEP_MAX_RANKS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int num_local = num_experts / num_ranks;
+    int* mask = mask_words(buffer_ptrs, rank, shrink);
     int send_call, recv_call;
     if (enter(buffer_ptrs, rank, 0, KERNEL_LOW_LATENCY_DISPATCH_SEND, error_record, send_call, recv_call))
         return;
@@ -198,11 +245,14 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             }
         }
         if (!wait_released(buffer_ptrs, num_ranks, rank, 0, send_call, timeout_ns, error_record,
-                           KERNEL_LOW_LATENCY_DISPATCH_SEND))
+                           KERNEL_LOW_LATENCY_DISPATCH_SEND, mask))
             return;
+        snapshot_mask(mask, num_ranks, masked);
         const int4* x_rows = reinterpret_cast<const int4*>(x);
         for (int expert = blockIdx.x; expert < num_experts; expert += gridDim.x) {
             const int dst = expert / num_local, local = expert % num_local;
+            if (masked[dst])
+                continue;  // nothing for a masked rank (the block agrees: one snapshot)
             char* region = reinterpret_cast<char*>(buffer_ptrs[dst]) + dispatch_off + half * half_bytes
                            + (int64_t_)(local * num_ranks + rank) * num_max * record_bytes;
             int sent = 0;
@@ -247,19 +297,29 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             bool ok = true;
             const int source = threadIdx.x;
             if (source < num_ranks) {
-                PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local);
-                const int64_t_* word = my_counts + local * num_ranks + source;
-                int64_t_ value;
-                while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
-                    if (wait.failed(source, (int)epoch)) {
-                        ok = false;
-                        break;
+                // DeepEP's wait_recv_cost: the clock64 cycles this wait polled without the count (0
+                // for a masked source, not waited for).
+                const long long start = clock64();
+                long long cost = 0;
+                int64_t_ value = 0;
+                if (!is_masked(mask, source)) {
+                    LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
+                                KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local, mask);
+                    const int64_t_* word = my_counts + local * num_ranks + source;
+                    while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
+                        cost = clock64() - start;
+                        const int state = wait.poll(source, (int)epoch);
+                        if (state != kKeepWaiting) {
+                            ok = state != kStop;
+                            value = 0;  // a masked source sent nothing
+                            break;
+                        }
                     }
                 }
                 counts[source] = (int)(value & 0xffffffff);
                 if (wait_recv_cost_stats != nullptr)
                     atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
-                              (unsigned long long)(now_ns() - wait.deadline.start));
+                              (unsigned long long)cost);
             }
             if (__syncthreads_and(ok) == 0)
                 return;
@@ -313,7 +373,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             __syncthreads();
         }
     }
-    leave(buffer_ptrs, num_ranks, rank, 0, phases, send_call, recv_call);
+    leave(buffer_ptrs, num_ranks, rank, 0, phases, send_call, recv_call, mask);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -477,7 +537,8 @@ __device__ __forceinline__ void logfmt_write_row(char* slot, const int4* x_row, 
 template <int kUnroll>
 __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* area, const int64_t_* topk_idx,
                                                  const float* topk_weights, int t, int num_topk, int hidden,
-                                                 int num_max, int num_experts, int64_t_ slot_bytes, int lane) {
+                                                 int num_max, int num_experts, int64_t_ slot_bytes, int lane,
+                                                 const int* masked, int num_local) {
     constexpr int kChunkInt4 = 32 * kUnroll;
     constexpr int kGroupsPerChunk = kChunkInt4 * 8 / 128;
     constexpr int kCastBytes = 32 * kUnroll * 10, kRawBytes = 32 * kUnroll * 16;
@@ -488,7 +549,7 @@ __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* a
     for (int k = 0; k < num_topk; ++k) {
         const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
         bool cast = false;
-        if (expert >= 0 && expert < num_experts && lane < num_chunks) {
+        if (expert >= 0 && expert < num_experts && !masked[expert / num_local] && lane < num_chunks) {
             const unsigned* meta = reinterpret_cast<const unsigned*>(area + (expert * num_max + t) * slot_bytes);
             cast = true;
             for (int g = lane * kGroupsPerChunk; g < (lane + 1) * kGroupsPerChunk; ++g) {
@@ -506,7 +567,7 @@ __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* a
         const int group = (c * kChunkInt4 + lane * kUnroll) * 8 / 128;
         for (int k = 0; k < num_topk; ++k) {
             const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
-            if (expert < 0 || expert >= num_experts)
+            if (expert < 0 || expert >= num_experts || masked[expert / num_local])
                 continue;
             const float weight = topk_weights[(int64_t_)t * num_topk + k];
             const char* slot = area + (expert * num_max + t) * slot_bytes;
@@ -564,13 +625,16 @@ __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* a
 // area (hidden * 2, or with LogFMT hidden * 2 + hidden / 32 for its meta).
 __global__ void __launch_bounds__(LL_THREADS) combine(
         void* combined_x, const void* x, const int64_t_* topk_idx, const float* topk_weights, const int* src_info,
-        const int64_t_* layout_range, int num_tokens, int num_topk, int hidden, int num_max, int num_experts,
-        int phases, int logfmt_unroll, int64_t_ slot_bytes, int64_t_ combine_off, int64_t_ half_bytes,
+        const int64_t_* layout_range, int64_t_* wait_recv_cost_stats, int num_tokens, int num_topk, int hidden,
+        int num_max, int num_experts, int phases, int shrink, int logfmt_unroll, int64_t_ slot_bytes,
+        int64_t_ combine_off, int64_t_ half_bytes,
         void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int num_local = num_experts / num_ranks;
     const int row_int4 = hidden / 8;
     const int64_t_ row_bytes = slot_bytes;
+    __shared__ int masked[DEEPEP_MAX_RANKS];
+    int* mask = mask_words(buffer_ptrs, rank, shrink);
     int send_call, recv_call;
     if (enter(buffer_ptrs, rank, 1, KERNEL_LOW_LATENCY_COMBINE_SEND, error_record, send_call, recv_call))
         return;
@@ -578,12 +642,15 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
     if (phases & 1) {
         const int half = send_call & 1;
         if (!wait_released(buffer_ptrs, num_ranks, rank, 1, send_call, timeout_ns, error_record,
-                           KERNEL_LOW_LATENCY_COMBINE_SEND))
+                           KERNEL_LOW_LATENCY_COMBINE_SEND, mask))
             return;
+        snapshot_mask(mask, num_ranks, masked);
         const int rows_per_expert = num_ranks * num_max;
         for (int local = blockIdx.x; local < num_local; local += gridDim.x) {
             const int expert = rank * num_local + local;
             for (int dst = 0; dst < num_ranks; ++dst) {
+                if (masked[dst])
+                    continue;  // nothing for a masked rank
                 const int64_t_ range = layout_range[local * num_ranks + dst];
                 const int begin = (int)(range >> 32), count = (int)(range & 0xffffffff);
                 char* area = reinterpret_cast<char*>(buffer_ptrs[dst]) + combine_off + half * half_bytes
@@ -602,7 +669,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
             }
             __threadfence_system();
             __syncthreads();
-            if (threadIdx.x < num_ranks) {
+            if (threadIdx.x < num_ranks && !masked[threadIdx.x]) {
                 int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[threadIdx.x])
                                                    + LL_COMBINE_FLAGS_OFFSET) + half * MAX_EXPERTS + expert;
                 st_release_sys(flag, send_call + 1);
@@ -617,33 +684,45 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                                                         + LL_COMBINE_FLAGS_OFFSET) + half * MAX_EXPERTS;
         bool ok = true;
         for (int expert = threadIdx.x; expert < num_experts && ok; expert += blockDim.x) {
-            PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_COMBINE_RECEIVE, expert);
+            const int owner = expert / num_local;
+            if (is_masked(mask, owner))
+                continue;
+            // DeepEP's combine wait_recv_cost (block 0's waits: one per expert, summed per owner).
+            const long long start = clock64();
+            long long cost = 0;
+            LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_COMBINE_RECEIVE,
+                        expert, mask);
             while (ld_acquire_sys(flags + expert) != epoch) {
-                if (wait.failed(expert / num_local, epoch)) {
-                    ok = false;
+                cost = clock64() - start;
+                const int state = wait.poll(owner, epoch);
+                if (state != kKeepWaiting) {
+                    ok = state != kStop;
                     break;
                 }
             }
+            if (wait_recv_cost_stats != nullptr && blockIdx.x == 0)
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner), (unsigned long long)cost);
         }
         if (__syncthreads_and(ok) == 0)
             return;
+        snapshot_mask(mask, num_ranks, masked);  // the owners whose rows are summed: those unmasked now
         const char* area = reinterpret_cast<const char*>(buffer_ptrs[rank]) + combine_off + half * half_bytes;
         for (int t = blockIdx.x * kLLWarps + warp; t < num_tokens; t += gridDim.x * kLLWarps) {
             if (logfmt_unroll == 4) {
                 logfmt_sum_token<4>(combined_x, area, topk_idx, topk_weights, t, num_topk, hidden, num_max,
-                                    num_experts, row_bytes, lane);
+                                    num_experts, row_bytes, lane, masked, num_local);
                 continue;
             }
             if (logfmt_unroll == 2) {
                 logfmt_sum_token<2>(combined_x, area, topk_idx, topk_weights, t, num_topk, hidden, num_max,
-                                    num_experts, row_bytes, lane);
+                                    num_experts, row_bytes, lane, masked, num_local);
                 continue;
             }
             for (int i = lane; i < row_int4; i += 32) {
                 float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 for (int k = 0; k < num_topk; ++k) {
                     const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
-                    if (expert < 0 || expert >= num_experts)
+                    if (expert < 0 || expert >= num_experts || masked[expert / num_local])
                         continue;
                     const float weight = topk_weights[(int64_t_)t * num_topk + k];
                     float v[8];
@@ -657,7 +736,30 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
             }
         }
     }
-    leave(buffer_ptrs, num_ranks, rank, 1, phases, send_call, recv_call);
+    leave(buffer_ptrs, num_ranks, rank, 1, phases, send_call, recv_call, mask);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Barrier of a shrink-mode clean (DeepEP's masked barrier): one block; this rank counts its
+// barriers down in its LL_SYNC_INT + rank word, writes the count into every unmasked peer's word
+// for it and waits until each unmasked peer's count has reached ours; a peer that does not arrive
+// in time is masked.
+__global__ void __launch_bounds__(LOW_LATENCY_BARRIER_THREADS) barrier(
+        void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
+    int* sync = ll_words(buffer_ptrs, rank) + LL_SYNC_INT;
+    int* mask = mask_words(buffer_ptrs, rank, 1);
+    __shared__ int count;
+    if (threadIdx.x == 0)
+        count = atomicAdd(sync + rank, -1) - 1;
+    __syncthreads();
+    const int peer = threadIdx.x;
+    if (peer < num_ranks && peer != rank && !is_masked(mask, peer)) {
+        st_release_sys(ll_words(buffer_ptrs, peer) + LL_SYNC_INT + rank, count);
+        LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_DISPATCH_SEND, -1, mask);
+        while (ld_acquire_sys(sync + peer) - count > 0)  // counts go down; a peer may be one barrier ahead
+            if (wait.poll(peer, count) != kKeepWaiting)
+                break;
+    }
 }
 
 }  // namespace low_latency

@@ -13,10 +13,15 @@ import pytest
 from host_fakes import FakeArray, FakeGroup, FakeLib, FakeMapped, FakeNvlBuffer, FakeOrder, fake_buffer, on_device
 
 import deepep_cupy as ep
-from deepep_cupy import kernels, launch, low_latency, plans, slots, tensors
+from deepep_cupy import constants, kernels, launch, low_latency, plans, slots, tensors
 from deepep_cupy.constants import ERROR_BAD_EXPERT_ID, KERNEL_STAGES, LL_DATA_OFFSET, LL_SIGNALS_END
-from deepep_cupy.low_latency import (COMBINE_KERNEL, DISPATCH_KERNEL, LowLatencyLayout, LowLatencyPath,
-                                     get_low_latency_rdma_size_hint)
+from deepep_cupy.low_latency import (
+    COMBINE_KERNEL,
+    DISPATCH_KERNEL,
+    LowLatencyLayout,
+    LowLatencyPath,
+    get_low_latency_rdma_size_hint,
+)
 from deepep_cupy.slots import HostSlots
 
 R, E, M, H, K = 2, 8, 16, 512, 3
@@ -690,3 +695,97 @@ def test_plans_are_kept_per_kind_of_arguments_and_forgotten_past_a_bound(path, m
     monkeypatch.setattr(plans, "MAX_PLANS", 1)
     path.path.dispatch(x, topk, M, E, use_fp8=False)
     assert len(path.path._dispatch_plans) == 1 and len(path.log) == 3
+
+
+# --- shrink mode (DeepEP's enable_shrink), wait statistics, the local buffer -----------------------
+
+@pytest.fixture
+def shrink_path(path):
+    path.path.enable_shrink = True
+    return path
+
+
+def test_calls_carry_the_shrink_flag_to_the_kernels(path, shrink_path):
+    x, topk, weights = inputs()
+    for shrink in (True, False):
+        path.path.enable_shrink = shrink
+        path.path._dispatch_plans.clear()
+        path.path._combine_plans.clear()
+        recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+        path.path.combine(recv_x, topk, weights, handle)
+        assert [entry[2]["shrink"] for entry in path.log[-2:]] == [int(shrink)] * 2
+
+
+def test_a_shrink_mode_clean_uses_the_masked_device_barrier_and_keeps_the_mask(shrink_path, monkeypatch):
+    path = shrink_path
+    fills = []
+    monkeypatch.setattr(launch, "fill_bytes", lambda ptr, byte, num_bytes, stream: fills.append(
+        (ptr - path.nvl.local_ptr, num_bytes)))
+    host_barriers = []
+    path.path.clean(lambda: host_barriers.append(1))
+    assert host_barriers == []  # no host collective: a rank that stopped calling holds up no one
+    assert [name for name, _, _ in path.log] == [low_latency.BARRIER_KERNEL] * 2
+    assert all(entry[2]["num_ranks"] == R and entry[2]["rank"] == 0 for entry in path.log)
+    cleared = [(start, start + n) for start, n in fills]
+    mask = (constants.LL_MASK_INT * 4, (constants.LL_SYNC_INT + constants.MAX_RANKS) * 4)
+    assert cleared == [(constants.LL_CALLS_INT * 4, mask[0]), (mask[1], LL_DATA_OFFSET)]
+
+
+def test_a_clean_without_shrink_clears_between_host_barriers(path, monkeypatch):
+    fills = []
+    monkeypatch.setattr(launch, "fill_bytes", lambda ptr, byte, num_bytes, stream: fills.append(num_bytes))
+    host_barriers = []
+    path.path.clean(lambda: host_barriers.append(1))
+    assert host_barriers == [1, 1] and path.log == [] and len(fills) == 2
+
+
+def test_the_mask_calls_need_shrink_mode_and_check_their_arguments(path, shrink_path):
+    path.path.enable_shrink = False
+    status = on_device(np.zeros(R, np.int32))
+    for call in (lambda: path.path.update_mask(1, True), lambda: path.path.query_mask(status),
+                 path.path.clean_mask):
+        with pytest.raises(ValueError, match="enable_shrink: the mask calls need a Buffer made with enable_shrink"):
+            call()
+    path.path.enable_shrink = True
+    with pytest.raises(ValueError, match="rank_to_mask: expected a rank below 2, got 2"):
+        path.path.update_mask(2, True)
+    with pytest.raises(ValueError, match="mask_status: expected shape"):
+        path.path.query_mask(on_device(np.zeros(R + 1, np.int32)))
+    with pytest.raises(TypeError, match="mask_status: expected dtype int32"):
+        path.path.query_mask(on_device(np.zeros(R, np.int64)))
+
+
+def test_the_combine_wait_statistics_are_checked_and_passed_to_the_kernel(path):
+    x, topk, weights = inputs()
+    recv_x, _, handle, _, _ = path.path.dispatch(x, topk, M, E, use_fp8=False)
+    stats = on_device(np.zeros(R, np.int64))
+    path.path.combine(recv_x, topk, weights, handle, combine_wait_recv_cost_stats=stats)
+    assert path.log[-1][2]["wait_recv_cost_stats"] == stats.ctypes.data
+    path.path.combine(recv_x, topk, weights, handle)
+    assert path.log[-1][2]["wait_recv_cost_stats"] == 0
+    with pytest.raises(ValueError, match="combine_wait_recv_cost_stats: expected shape"):
+        path.path.combine(recv_x, topk, weights, handle,
+                          combine_wait_recv_cost_stats=on_device(np.zeros(R + 1, np.int64)))
+
+
+def test_the_local_buffer_tensor_is_a_view_of_the_buffer_from_a_byte_offset(path, monkeypatch):
+    monkeypatch.setattr(tensors, "library", lambda name: path.lib)
+    flat = low_latency.local_buffer_tensor(path.path, np.int32)
+    assert flat.dtype == np.int32 and flat.shape == (path.nvl.num_bytes // 4,)
+    assert flat.ctypes.data == path.nvl.local_ptr
+    part = low_latency.local_buffer_tensor(path.path, np.float32, (4, 8), offset=64)
+    assert part.shape == (4, 8) and part.ctypes.data == path.nvl.local_ptr + 64
+    part[...] = 1.5
+    assert (path.nvl.memory[64:64 + 128].view(np.float32) == 1.5).all()
+    with pytest.raises(ValueError, match="size: .* elements, more than"):
+        low_latency.local_buffer_tensor(path.path, np.float32, path.nvl.num_bytes, offset=0)
+    with pytest.raises(ValueError, match="use_rdma_buffer: this Buffer has no such buffer"):
+        low_latency.local_buffer_tensor(None, np.float32)
+
+
+def test_enable_shrink_is_accepted_with_low_latency_mode_only():
+    # DeepEP's shrink mode is a low-latency feature: refused before any collective without it.
+    with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup"):
+        ep.Buffer(object(), 0, 1 << 20, low_latency_mode=True, enable_shrink=True)
+    with pytest.raises(ValueError, match="enable_shrink=True"):
+        ep.Buffer(object(), 1 << 20, enable_shrink=True)

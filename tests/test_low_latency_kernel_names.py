@@ -15,7 +15,7 @@ from deepep_cupy import kernels, low_latency
 
 def test_the_decode_kernels_sit_in_a_namespace_named_as_deepep_s_benchmark_looks_for_them():
     names = kernels.SOURCES["low_latency.cu"]
-    assert set(names) == {low_latency.DISPATCH_KERNEL, low_latency.COMBINE_KERNEL}
+    assert set(names) == {low_latency.DISPATCH_KERNEL, low_latency.COMBINE_KERNEL, low_latency.BARRIER_KERNEL}
     for word in ("dispatch", "combine"):
         assert sum(word in name for name in names) == 1
         assert sum(name.endswith(f"::{word}") for name in names) == 1

@@ -134,7 +134,8 @@ def test_the_logfmt_combine_sums_the_decoded_rows_with_their_weights():
             for k in range(K):
                 owner, local = divmod(int(topks[rank][t, k]), E // R)
                 row = ll.expert_row_of(results[owner], local, rank, t)
-                want[t] = want[t] + weights[rank][t, k] * ll.logfmt_decode(ll.logfmt_encode(ys[owner][local, row]), hidden)
+                decoded = ll.logfmt_decode(ll.logfmt_encode(ys[owner][local, row]), hidden)
+                want[t] = want[t] + weights[rank][t, k] * decoded
         np.testing.assert_array_equal(logfmt[rank], float32_to_bfloat16_bits(want))
         assert (logfmt[rank] != plain[rank]).any()
         close = np.abs(bfloat16_bits_to_float32(logfmt[rank]) - bfloat16_bits_to_float32(plain[rank]))

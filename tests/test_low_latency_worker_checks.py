@@ -20,6 +20,7 @@ import low_latency_worker as worker  # noqa: E402  (a script's folder)
 
 #: The cases that need a GPU library (graphs, PyTorch) or the kernels' own reports.
 GPU_ONLY = {"graph_cupy", "graph_torch", "graph_torch_hook_fp8", "graph_torch_async", "graph_cupy_async",
+            "masked_rank_shrink",
             "deepep_style_torch", "bad_expert_id_is_reported",
             "lone_call_times_out"}
 CPU_CASES = [c for c in worker.CASES if c not in GPU_ONLY]
@@ -60,7 +61,7 @@ class ReferenceBuffer:
         return self.area
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
-                            async_finish=False, return_recv_hook=False, out=None):
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         rows = self.area if zero_copy else np.asarray(x)
         everyone = self.group.allgather((rows, np.asarray(topk_idx), np.asarray(topk_weights)))
         results = self.results[id(handle.src_info)]
