@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import compat, kernels, tensors
+from . import compat, kernels, low_latency, tensors
 from .combine_path import CombinePath
 from .comm import Group, as_group
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
@@ -78,7 +78,8 @@ class Buffer:
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
         explicitly_destroy, enable_shrink: DeepEP's arguments, accepted so that its scripts run
             unchanged (the first two are not used: NVLink carries everything). ``allow_mnnvl``,
-            ``use_fabric``, ``enable_shrink`` must be False (``ValueError``). ``explicitly_destroy``
+            ``use_fabric`` must be False (``ValueError``), ``enable_shrink`` too without low_latency_mode (with it:
+            DeepEP's rank masking, docs/DECODE.md). ``explicitly_destroy``
             is recorded; :meth:`destroy` may be called either way.
         timeout_s: how long a rank waits for its peers (in kernels and on the host) before it
             raises :class:`deepep_cupy.DeepEPTimeoutError`.
@@ -133,7 +134,7 @@ class Buffer:
         import cupy
 
         compat.check_supported(num_rdma_bytes, low_latency_mode=low_latency_mode, allow_mnnvl=allow_mnnvl,
-                               use_fabric=use_fabric, enable_shrink=enable_shrink)
+                               use_fabric=use_fabric, enable_shrink=enable_shrink and not low_latency_mode)
         self._set_up_host(compat.resolve_group(group, comm), num_nvl_bytes, timeout_s, device, allocate_ahead,
                           low_latency_mode=low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
@@ -159,7 +160,7 @@ class Buffer:
                     self._low_latency = LowLatencyPath.create(
                         self._group, self.num_rdma_bytes, order=self._order, slots=self._slots,
                         timeout_s=self.timeout_s, device_id=self.device_id, on_device=self._on_device,
-                        ranks_on_gpu=ranks_on_gpu)
+                        ranks_on_gpu=ranks_on_gpu, enable_shrink=enable_shrink)
             except BaseException:
                 self.destroy()
                 raise
@@ -324,10 +325,10 @@ class Buffer:
             cumulative_local_expert_recv_stats: None or int32 ``[num_local_experts]``: each
                 expert's received rows are added to it.
             dispatch_wait_recv_cost_stats: None or int64 ``[num_ranks]``: per source rank, the
-                nanoseconds (GPU global timer) this rank's receive waited for its counts are added,
-                summed over the local experts.
+                clock64 cycles this rank's receive waited for its counts are added, summed over the
+                local experts (DeepEP's wait_recv_cost).
             use_fp8: cast to FP8 e4m3 in the kernel, with a float32 scale per 128 channels
-                (``amax / 448``, amax of the group floored at 1e-4).
+                (``amax * (1 / 448)`` as DeepEP computes it, amax of the group floored at 1e-4).
             round_scale: round each scale up to a power of two; use_ue8m0: and return them as
                 packed exponent bytes (implies round_scale).
             async_finish: return an event instead of making the current stream wait.
@@ -351,30 +352,47 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None):
+                            out=None, combine_wait_recv_cost_stats=None):
         """Send each expert's rows back and sum them per token with their weights (decode).
 
         Args:
             x: BF16 ``[L, R * M, hidden]`` in the layout of the dispatch that gave ``handle``.
             topk_idx, topk_weights: that dispatch's routing (int64) and float32 weights
                 ``[num_tokens, num_topk]``.
-            use_logfmt: must be False (LogFMT is not implemented: ``ValueError``).
+            use_logfmt: send the rows LogFMT-compressed (DeepEP's LogFMT-10; hidden a multiple of 512).
             zero_copy: send the rows written into :meth:`get_next_low_latency_combine_buffer`
                 instead of ``x`` (then only checked for shape).
             async_finish, return_recv_hook: as for :meth:`low_latency_dispatch`.
             out: None or BF16 ``[num_tokens, hidden]`` to write into.
+            combine_wait_recv_cost_stats: None or int64 ``[num_ranks]``, as dispatch's.
 
         Returns:
             ``(combined_x, event, hook)``: combined_x[t] = sum over k (in order, ids != -1) of
             ``topk_weights[t, k] * row of (t, topk_idx[t, k])``, in float32, rounded to BF16.
         """
         return self._low_latency_path().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                                                async_finish, return_recv_hook, out)
+                                                async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
 
     def get_next_low_latency_combine_buffer(self, handle):
         """BF16 ``[L, R * M, hidden]``, a view of this rank's low-latency buffer: write the expert
         outputs there and call :meth:`low_latency_combine` with ``zero_copy=True``."""
         return self._low_latency_path().next_combine_buffer(handle)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (or unmask) a rank for this rank's decode calls (``enable_shrink=True``; DeepEP's)."""
+        self._low_latency_path().update_mask(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status) -> None:
+        """Write this rank's mask into int32 ``mask_status[num_ranks]`` (1: masked; DeepEP's)."""
+        self._low_latency_path().query_mask(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank (``enable_shrink=True``; DeepEP's)."""
+        self._low_latency_path().clean_mask()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
+        """This rank's NVLink buffer (or with ``use_rdma_buffer`` its low-latency one) as ``dtype`` (DeepEP's)."""
+        return low_latency.local_buffer_tensor(self._low_latency if use_rdma_buffer else self._nvl, dtype, size, offset)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency signal words and call counters on every rank (collective; the host
