@@ -136,7 +136,10 @@ class TorchNcclRailTransport(RailTransport):
         # A collective, so every rank of the rail takes part in every call (also with nothing to
         # move), as torch's lazily made NCCL communicators need; NCCL copies the self entry on the device.
         if self._stream[0] != stream:
-            self._stream = (stream, torch.cuda.ExternalStream(stream, device=self._device))
+            # 0 is the legacy default stream, which ExternalStream would take for a new stream of its pool.
+            named = torch.cuda.default_stream(self._device) if stream == 0 else \
+                torch.cuda.ExternalStream(stream, device=self._device)
+            self._stream = (stream, named)
         with torch.cuda.device(self.device_id), torch.cuda.stream(self._stream[1]):
             torch.distributed.all_to_all_single(
                 self._bytes(recv_ptr, sum(recv_bytes)), self._bytes(send_ptr, sum(send_bytes)),

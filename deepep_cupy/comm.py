@@ -49,6 +49,12 @@ class Group(abc.ABC):
     def barrier(self) -> None:
         """Block until every rank of the group has called ``barrier``."""
 
+    def allgather_within(self, obj: Any, timeout_s: float) -> List[Any]:
+        """:meth:`allgather`, raising :class:`deepep_cupy.DeepEPTimeoutError` when some rank has not
+        arrived after ``timeout_s`` (where the transport can wait with a deadline; a
+        ``torch.distributed`` group waits as long as its own timeout)."""
+        return self.allgather(obj)
+
     def host_name(self) -> str:
         """The name of the node this rank runs on (used to check that all ranks share one node)."""
         return socket.gethostname()
@@ -137,6 +143,23 @@ class MPIGroup(Group):
     def barrier(self) -> None:
         self._comm.Barrier()
 
+    def allgather_within(self, obj: Any, timeout_s: float) -> List[Any]:
+        # Pickled bytes through two non-blocking collectives (their sizes, then the bytes), polled
+        # until the deadline: a blocking allgather would wait for a rank that never comes.
+        import pickle
+
+        import numpy as np
+        from mpi4py import MPI
+
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        _wait_within(self._comm.Iallgather(np.array([data.size], np.int64), sizes), timeout_s, self.rank, "sizes")
+        gathered = np.empty(int(sizes.sum()), np.uint8)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        _wait_within(self._comm.Iallgatherv(data, [gathered, (sizes, offsets), MPI.BYTE]), timeout_s, self.rank,
+                     "objects")
+        return [pickle.loads(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+
     def _split(self, parts: List[List[int]], index: int) -> "MPIGroup":
         # Split orders a color's ranks by key: the position in the part.
         return MPIGroup(self._comm.Split(index, parts[index].index(self.rank)), _owned=True)
@@ -152,6 +175,27 @@ class MPIGroup(Group):
             return MPI.Get_processor_name()
         except Exception:  # pragma: no cover - mpi4py always has it; keep a fallback for stubs
             return socket.gethostname()
+
+
+def _wait_within(request: Any, timeout_s: float, rank: int, what: str) -> None:
+    """Poll ``request`` until it completes; DeepEPTimeoutError after ``timeout_s`` (the request is
+    left posted: MPI cannot cancel a collective, and the communicator is then out of step)."""
+    import os
+    import time
+
+    from .errors import DeepEPTimeoutError
+
+    deadline = time.monotonic() + timeout_s
+    polls = 0
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise DeepEPTimeoutError(f"rank {rank}: the group's allgather of {what} timed out after {timeout_s:g} s: "
+                                     "some rank never reached it", rank=rank, kernel="group allgather")
+        polls += 1
+        if polls > 1000:
+            time.sleep(1e-4)
+        else:
+            os.sched_yield()
 
 
 class TorchGroup(Group):

@@ -113,8 +113,10 @@ def capture(stream: Any = None) -> EventOverlap:
         lib = library("torch")
         device_id, stream_ptr = stream.device.index, stream.cuda_stream
     else:
-        device_id = getattr(stream, "device_id", None)
-        device_id, stream_ptr = cupy.cuda.Device(device_id).id, stream.ptr
+        # CuPy's null stream belongs to no device (device_id -1): the current device records on it.
+        device_id = getattr(stream, "device_id", -1)
+        device_id = cupy.cuda.Device().id if device_id is None or device_id < 0 else device_id
+        stream_ptr = stream.ptr
     with cupy.cuda.Device(device_id):
         event = cupy.cuda.Event(disable_timing=True)
         cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)

@@ -1,8 +1,7 @@
 """NumPy reference model of internode (hierarchical) dispatch/combine.
 
-The GPU path (``deepep_cupy/internode.py``) is compared with this module bit-exactly. It is built
-on the intranode model (:mod:`deepep_cupy.reference`), which it runs once per node for the NVLink
-stage, and models nothing of the kernels beyond the contracts.
+The GPU path (``deepep_cupy/internode.py``) is compared with this module bit-exactly. It models
+the contracts (what lands where, in which order, summed in which order), nothing of the kernels.
 
 Conventions (on top of :mod:`deepep_cupy.reference`'s):
 
@@ -12,15 +11,17 @@ Conventions (on top of :mod:`deepep_cupy.reference`'s):
   local rank ``l``) that has an expert on node ``n`` crosses to rank ``(n, l)``, its *forwarding
   rank* there, once, whatever the number of its experts on ``n`` (deduplicated per node); the
   block for the own node ``n = s`` is not sent over the network.
-- A forwarding rank's tokens, in *forwarding order* (source node ascending, then source token
-  index ascending), are the input of an intranode dispatch on its node (the intranode model with
-  ``L`` ranks and ``E/N`` experts) with top-k ids made node-local (``e - n*E/N``; ids of other
-  nodes become -1 with weight 0). Its outputs are the internode dispatch's: receive order on a
-  rank is by forwarding local rank, then source node, then source token index.
-- Combine: the intranode combine on each node gives each forwarding rank the node's partial sum
-  of each forwarded token (float32, rounded to x's dtype: the first rounding); those rows go back
-  over the rail, and the owner sums them in float32, its biases first, then the nodes in
-  ascending order (the second rounding is the caller's: ``reference.round_to_dtype``).
+- A forwarding rank's tokens go on over NVLink to the ranks of its node that ``is_token_in_rank``
+  names (by default, those owning one of the token's experts), carrying their top-k ids made
+  rank-local (``e - d*E/R``; -1 with weight 0 for experts of other ranks).
+- Receive order is DeepEP's: by source rank (global, ascending), then source token index; the
+  handle's ``recv_gbl_rank_prefix_sum`` is the inclusive prefix of the rows from each source.
+- Expert counts: per local expert, the sum over the senders of their ``num_tokens_per_expert``
+  (what a top-k counts, when it is given), rounded up to ``expert_alignment``.
+- Combine: each node sums a token's copies on its ranks (float32, ascending rank order) and rounds
+  to x's dtype (the first rounding); those rows go back over the rail, and the owner sums them in
+  float32, its biases first, then the nodes in ascending order (the second rounding is the
+  caller's: ``reference.round_to_dtype``).
 """
 
 from __future__ import annotations
@@ -69,89 +70,94 @@ def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, ranks_per_no
     return per_rank, per_node, per_expert, in_rank
 
 
-def dispatch(xs, topk_idxs, num_experts: int, ranks_per_node: int, num_channels: int, *, topk_weights=None,
-             x_scales=None, expert_alignment: int = 1) -> list[dict]:
+def dispatch(xs, topk_idxs, num_experts: int, ranks_per_node: int, *, topk_weights=None, x_scales=None,
+             expert_alignment: int = 1, is_token_in_ranks=None, num_tokens_per_experts=None) -> list[dict]:
     """Internode dispatch of all ranks at once.
 
     Args:
-        xs, topk_idxs, topk_weights, x_scales, expert_alignment: as for
-            :func:`deepep_cupy.reference.dispatch` (``R`` of each).
+        xs, topk_weights, x_scales, expert_alignment: as for :func:`deepep_cupy.reference.dispatch`
+            (``R`` of each).
+        topk_idxs: ``R`` int64 arrays ``[N_r, K]``, or None (a dispatch routed by
+            ``is_token_in_ranks`` alone, carrying no top-k).
         num_experts: ``E``, a multiple of ``R``.
         ranks_per_node: ``L``, dividing ``R``.
-        num_channels: channels of the intranode stage's dispatch config.
+        is_token_in_ranks: None (routed by the top-k's experts) or ``R`` bool arrays ``[N_r, R]``:
+            where each token goes (DeepEP routes by these; the top-k only travels with it).
+        num_tokens_per_experts: None (counted from the top-k) or ``R`` int32 arrays ``[E]``: each
+            rank's tokens per expert, whose sums over the senders are the receivers' expert counts.
 
     Returns:
-        One dict per rank with the outputs ``recv_x``, ``recv_x_scales``, ``recv_topk_idx``,
-        ``recv_topk_weights``, ``num_recv_tokens_per_expert_list`` (receive order: forwarding
-        local rank, source node, source token), ``num_tokens`` (the rank's own), the layout
-        ``num_tokens_per_rdma_rank``, and the
-        handle's pieces: ``send_token_idx`` (``N`` int64 arrays: the tokens this rank sends to
-        each node, ascending), ``send_counts`` and ``recv_counts`` (``N`` ints: tokens sent to /
-        forwarded from each node), ``forwarded`` (the intranode stage's inputs: ``x``,
-        ``x_scales``, ``topk_idx`` node-local, ``topk_weights``) and ``intranode`` (the intranode
-        model's result dict for this rank, its handle included).
+        One dict per rank: the outputs ``recv_x``, ``recv_x_scales``, ``recv_topk_idx``,
+        ``recv_topk_weights`` (None without top-k), ``num_recv_tokens_per_expert_list``, in
+        DeepEP's receive order (by source rank, then source token index);
+        ``recv_gbl_rank_prefix_sum`` (int32 ``[R]``: inclusive prefix of the rows from each source
+        rank), ``recv_src`` (int64 ``[rows, 2]``: each row's source rank and token index),
+        ``num_tokens`` (the rank's own), the layout's ``num_tokens_per_rdma_rank``, and the
+        rail's pieces: ``send_token_idx`` (``N`` int64 arrays: the tokens this rank sends to each
+        node, ascending), ``send_counts`` and ``recv_counts`` (``N`` ints: tokens this rank sends
+        to each node, and forwards from each node), ``is_token_in_rank`` (its routing).
     """
     num_ranks = len(xs)
     L = int(ranks_per_node)
     num_nodes = check_topology(num_ranks, L, num_experts)
-    if len(topk_idxs) != num_ranks:
-        raise ValueError(f"got {len(xs)} xs but {len(topk_idxs)} topk_idxs")
-    experts_per_node = int(num_experts) // num_nodes
+    experts_per_rank = int(num_experts) // num_ranks
     xs = [np.asarray(x) for x in xs]
-    topk_idxs = [reference._check_topk_idx(t, num_experts) for t in topk_idxs]
     trailing, dtype = xs[0].shape[1:], xs[0].dtype
-    num_topk = topk_idxs[0].shape[1]
+    if topk_idxs is not None:
+        if len(topk_idxs) != num_ranks:
+            raise ValueError(f"got {len(xs)} xs but {len(topk_idxs)} topk_idxs")
+        topk_idxs = [reference._check_topk_idx(t, num_experts) for t in topk_idxs]
+    elif topk_weights is not None:
+        raise ValueError("topk_weights travel with topk_idxs; got weights without top-k")
+    if is_token_in_ranks is None:
+        if topk_idxs is None:
+            raise ValueError("a dispatch without topk_idxs is routed by is_token_in_ranks; pass them")
+        is_token_in_ranks = [reference.get_dispatch_layout(t, num_experts, num_ranks)[2] for t in topk_idxs]
+    in_ranks = [np.asarray(a, dtype=bool) for a in is_token_in_ranks]
+    if num_tokens_per_experts is None:
+        if topk_idxs is None:
+            raise ValueError("a dispatch without topk_idxs takes its expert counts from num_tokens_per_experts")
+        num_tokens_per_experts = [reference.get_dispatch_layout(t, num_experts, num_ranks)[1] for t in topk_idxs]
     weights = None if topk_weights is None else [np.asarray(w, dtype=np.float32) for w in topk_weights]
     scales = None if x_scales is None else [np.asarray(s, dtype=np.float32) for s in x_scales]
+    num_topk = None if topk_idxs is None else topk_idxs[0].shape[1]
 
-    in_nodes = [node_membership(t, num_experts, num_nodes) for t in topk_idxs]
+    in_nodes = [a.reshape(a.shape[0], num_nodes, L).any(axis=2) for a in in_ranks]
     send_idx = [[np.nonzero(in_nodes[r][:, n])[0].astype(np.int64) for n in range(num_nodes)]
                 for r in range(num_ranks)]
-
-    forwarded = []
-    for f in range(num_ranks):
-        n, local = divmod(f, L)
-        sources = [s * L + local for s in range(num_nodes)]
-        picks = [send_idx[src][n] for src in sources]
-        topk = reference._gather_rows([topk_idxs[s] for s in sources], picks, (num_topk,), np.int64)
-        local = (topk >= n * experts_per_node) & (topk < (n + 1) * experts_per_node)
-        fw = {
-            "x": reference._gather_rows([xs[s] for s in sources], picks, trailing, dtype),
-            "x_scales": None if scales is None else
-            reference._gather_rows([scales[s] for s in sources], picks, scales[0].shape[1:], np.float32),
-            "topk_idx": np.where(local, topk - n * experts_per_node, -1).astype(np.int64),
-            "topk_weights": None if weights is None else np.where(
-                local, reference._gather_rows([weights[s] for s in sources], picks, (num_topk,), np.float32),
-                np.float32(0.0)).astype(np.float32),
-            "recv_counts": [len(p) for p in picks],
+    results = []
+    for d in range(num_ranks):
+        node, local = divmod(d, L)
+        picks = [np.nonzero(in_ranks[g][:, d])[0].astype(np.int64) for g in range(num_ranks)]
+        counts = np.array([len(p) for p in picks], dtype=np.int64)
+        result = {
+            "recv_x": reference._gather_rows(xs, picks, trailing, dtype),
+            "recv_x_scales": None if scales is None else
+            reference._gather_rows(scales, picks, scales[0].shape[1:], np.float32),
+            "recv_topk_idx": None,
+            "recv_topk_weights": None,
+            "recv_gbl_rank_prefix_sum": np.cumsum(counts).astype(np.int32),
+            "recv_src": np.stack([np.repeat(np.arange(num_ranks, dtype=np.int64), counts),
+                                  np.concatenate(picks) if picks else np.zeros(0, np.int64)], axis=1),
+            "num_tokens": int(xs[d].shape[0]),
+            "num_tokens_per_rdma_rank": in_nodes[d].sum(axis=0).astype(np.int32),
+            "send_token_idx": send_idx[d],
+            "send_counts": [len(p) for p in send_idx[d]],
+            "recv_counts": [len(send_idx[m * L + local][node]) for m in range(num_nodes)],
+            "is_token_in_rank": in_ranks[d],
         }
-        forwarded.append(fw)
-
-    results = [None] * num_ranks
-    for n in range(num_nodes):
-        members = range(n * L, (n + 1) * L)
-        inner = reference.dispatch(
-            [forwarded[f]["x"] for f in members], [forwarded[f]["topk_idx"] for f in members], experts_per_node,
-            num_channels, topk_weights=None if weights is None else [forwarded[f]["topk_weights"] for f in members],
-            x_scales=None if scales is None else [forwarded[f]["x_scales"] for f in members],
-            expert_alignment=expert_alignment)
-        for local, f in enumerate(members):
-            fw = forwarded[f]
-            results[f] = {
-                "recv_x": inner[local]["recv_x"],
-                "recv_x_scales": inner[local]["recv_x_scales"],
-                "recv_topk_idx": inner[local]["recv_topk_idx"],
-                "recv_topk_weights": inner[local]["recv_topk_weights"],
-                "num_recv_tokens_per_expert_list": inner[local]["num_recv_tokens_per_expert_list"],
-                "num_tokens": int(topk_idxs[f].shape[0]),
-                "num_tokens_per_rdma_rank": in_nodes[f].sum(axis=0).astype(np.int32),
-                "send_token_idx": send_idx[f],
-                "send_counts": [len(p) for p in send_idx[f]],
-                "recv_counts": fw["recv_counts"],
-                "forwarded": {k: fw[k] for k in ("x", "x_scales", "topk_idx", "topk_weights")},
-                "intranode": inner[local],
-                "intranode_results": inner,
-            }
+        first = d * experts_per_rank
+        if topk_idxs is not None:
+            topk = reference._gather_rows(topk_idxs, picks, (num_topk,), np.int64)
+            mine = (topk >= first) & (topk < first + experts_per_rank)
+            result["recv_topk_idx"] = np.where(mine, topk - first, -1).astype(np.int64)
+            if weights is not None:
+                w = reference._gather_rows(weights, picks, (num_topk,), np.float32)
+                result["recv_topk_weights"] = np.where(mine, w, np.float32(0.0)).astype(np.float32)
+        totals = sum(np.asarray(c, dtype=np.int64)[first:first + experts_per_rank] for c in num_tokens_per_experts)
+        result["num_recv_tokens_per_expert_list"] = [int(-(-int(c) // expert_alignment) * expert_alignment)
+                                                     for c in totals]
+        results.append(result)
     return results
 
 
@@ -159,61 +165,61 @@ def combine(xs, results, dtype_name: str, *, topk_weights=None, bias=None):
     """Internode combine of all ranks at once: the reverse of :func:`dispatch`.
 
     Args:
-        xs: ``R`` arrays in each rank's receive order (read like :func:`reference.combine`'s).
+        xs: ``R`` arrays in each rank's receive order (``[rows_r, H]``, rows as dispatched).
         results: what :func:`dispatch` returned.
         dtype_name: x's element type (``'bfloat16'``, ``'float16'`` or ``'float32'``): each node's
             partial sums are rounded to it before they cross back (the first rounding).
-        topk_weights: None or ``R`` float32 arrays ``[N_recv_r, K]`` (no rounding: float32 throughout).
+        topk_weights: None or ``R`` float32 arrays ``[rows_r, K]`` (no rounding: float32 throughout).
         bias: None or, per rank, a tuple of 0, 1 or 2 arrays ``[N_m, H]``.
 
     Returns:
-        Per rank ``m``: ``(combined_x float32 [N_m, H], combined_topk_weights float32 or None)``:
-        row ``t`` is the float32 sum, from 0.0, of the biases in order, then of the partial rows
-        of the nodes ``t`` went to, in ascending node order. Round it with
-        :func:`reference.round_to_dtype` to compare with the GPU (the second rounding).
+        Per rank ``m``: ``(combined_x float32 [N_m, H], combined_topk_weights float32 or None)``.
+        A token's node partial is the float32 sum of its copies on the node's ranks, in ascending
+        rank order, rounded to x's dtype; row ``t`` is the float32 sum, from 0.0, of the biases in
+        order, then of the partials of the nodes ``t`` went to, in ascending node order. Round it
+        with :func:`reference.round_to_dtype` to compare with the GPU (the second rounding).
     """
     num_ranks = len(results)
     if len(xs) != num_ranks:
         raise ValueError(f"got {len(xs)} xs for {num_ranks} ranks")
     num_nodes = len(results[0]["send_counts"])
     L = num_ranks // num_nodes
-    partial = [None] * num_ranks
-    for n in range(num_nodes):
-        members = list(range(n * L, (n + 1) * L))
-        inner = results[members[0]]["intranode_results"]
-        sums = reference.combine([xs[f] for f in members], inner,
-                                 topk_weights=None if topk_weights is None else [topk_weights[f] for f in members])
-        for local, f in enumerate(members):
-            rows, w = sums[local]
-            rounded = reference._as_float32(reference.round_to_dtype(rows, dtype_name))
-            partial[f] = (rounded, w)
-
+    xs = [reference._as_float32(x) for x in xs]
+    ws = None if topk_weights is None else [np.asarray(w, dtype=np.float32) for w in topk_weights]
     out = []
     for m in range(num_ranks):
-        s, local = divmod(m, L)
         num_tokens = results[m]["num_tokens"]
-        trailing = partial[m][0].shape[1:]
-        combined = np.zeros((num_tokens, *trailing), dtype=np.float32)
+        combined = np.zeros((num_tokens, *xs[0].shape[1:]), dtype=np.float32)
         for b in (() if bias is None else bias[m]):
             b = reference._as_float32(b)
             if b.shape != combined.shape:
                 raise ValueError(f"bias of rank {m} has shape {b.shape}, expected {combined.shape}")
             combined = combined + b
-        combined_w = None
-        if topk_weights is not None:
-            combined_w = np.zeros((num_tokens, np.asarray(topk_weights[m]).shape[1]), dtype=np.float32)
+        combined_w = None if ws is None else np.zeros((num_tokens, ws[m].shape[1]), dtype=np.float32)
+        in_rank = results[m]["is_token_in_rank"]
         for n in range(num_nodes):  # ascending: the summation order is part of the contract
-            f = n * L + local
-            start = sum(results[f]["recv_counts"][:s])
-            count = results[f]["recv_counts"][s]
             tokens = results[m]["send_token_idx"][n]
-            assert len(tokens) == count
-            rows, w = partial[f]
-            combined[tokens] = combined[tokens] + rows[start:start + count]
+            partial = np.zeros((len(tokens), *combined.shape[1:]), dtype=np.float32)
+            partial_w = None if ws is None else np.zeros((len(tokens), ws[m].shape[1]), dtype=np.float32)
+            for d in range(n * L, (n + 1) * L):  # the node's ranks, ascending
+                here = in_rank[tokens, d]
+                rows = _rows_of(results[d], m, tokens[here])
+                partial[here] = partial[here] + xs[d][rows]
+                if partial_w is not None:
+                    partial_w[here] = partial_w[here] + ws[d][rows]
+            combined[tokens] = combined[tokens] + reference._as_float32(reference.round_to_dtype(partial, dtype_name))
             if combined_w is not None:
-                combined_w[tokens] = combined_w[tokens] + w[start:start + count]
+                combined_w[tokens] = combined_w[tokens] + partial_w
         out.append((combined, combined_w))
     return out
+
+
+def _rows_of(result: dict, source: int, tokens) -> np.ndarray:
+    """The rows of ``result`` (one rank's dispatch) holding ``source``'s ``tokens``."""
+    src = result["recv_src"]
+    start = 0 if source == 0 else int(result["recv_gbl_rank_prefix_sum"][source - 1])
+    block = src[start:int(result["recv_gbl_rank_prefix_sum"][source]), 1]
+    return start + np.searchsorted(block, tokens)
 
 
 def traffic(topk_idxs, num_experts: int, num_ranks: int, ranks_per_node: int) -> dict:

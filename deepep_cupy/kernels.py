@@ -43,6 +43,10 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS)
     + tuple(f"combine_kernel<{t}, {r}, true>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
     "expand.cu": ("expand_kernel",),
+    # Across nodes: the records of the rail (<element> of the sums).
+    "internode.cu": ("deepep_cupy::internode::notify", "deepep_cupy::internode::dispatch",
+                     "deepep_cupy::internode::forward")
+    + tuple(f"deepep_cupy::internode::{k}<{t}>" for k in ("combine", "sum_nodes") for t in COMBINE_DTYPES.values()),
     # Decode (DeepEP's low-latency API): the settings are run-time arguments, so one instance each.
     # Namespaced as DeepEP's are: its bench_kineto finds them by "::dispatch" / "::combine".
     "low_latency.cu": ("deepep_cupy::low_latency::dispatch", "deepep_cupy::low_latency::combine",
@@ -261,6 +265,15 @@ _CALL_CHECK = ("check_op:i32 row_bytes:i32 row_detail:i32 num_sms:i32 recv_chunk
 _COUNT_EXCHANGE = ("exchange:i32 num_tokens_per_rank:ptr num_tokens_per_expert:ptr recv_capacity:i32 recv_counter:ptr "
                    "mismatch_flag:ptr recv_expert_counter:ptr report_refusal:i32 topk_code:i32 expert_alignment:i32 ")
 _DEADLINE = "timeout_ns:i64 error_record:ptr"
+# The internode kernels that write records' parts into arrays, and that sum the nodes' rows.
+_INTERNODE_UNPACK = _signature(
+    "records:ptr record_bytes:i32 num_records:i32 rows_out:ptr row_bytes:i32 scales_out:ptr "
+    "num_scales:i32 scales_off:i32 topk_out:ptr weights_out:ptr num_topk:i32 topk_off:i32 weights_off:i32 "
+    "first_expert:i64 num_local_experts:i64 in_rank_out:ptr in_rank_from:i32 num_in_rank:i32 in_rank_off:i32 "
+    "num_out_rows:i32")
+_INTERNODE_SUM = _signature(
+    "out:ptr out_weights:ptr records:ptr record_bytes:i32 slots:ptr num_tokens:i32 num_nodes:i32 row_bytes:i32 "
+    "num_weights:i32 weights_off:i32 bias_0:ptr bias_1:ptr")
 SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "dispatch_layout_kernel": _signature(
         "topk_idx:ptr num_tokens_per_rank:ptr num_tokens_per_expert:ptr is_token_in_rank:ptr "
@@ -291,6 +304,16 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "expand_kernel": _signature(
         "expanded_x:ptr expanded_scales:ptr expanded_rows:ptr recv_x:ptr recv_scales:ptr recv_topk_idx:ptr "
         "num_recv:i32 num_topk:i32 hidden_int4:i32 num_scales:i32 num_local_experts:i32 expert_alignment:i32"),
+    "deepep_cupy::internode::notify": _signature(
+        "records:ptr record_bytes:i32 token_ids:ptr num_records:i32 x:ptr x_token_stride:i64 row_bytes:i32 "
+        "scales:ptr scale_token_stride:i64 scale_stride:i64 num_scales:i32 scales_off:i32 topk:ptr "
+        "topk_token_stride:i64 num_topk:i32 topk_off:i32 weights:ptr weights_token_stride:i64 num_weights:i32 "
+        "weights_off:i32 "
+        "in_rank:ptr in_rank_token_stride:i64 in_rank_stride:i64 num_in_rank:i32 in_rank_off:i32"),
+    "deepep_cupy::internode::dispatch": _INTERNODE_UNPACK,
+    "deepep_cupy::internode::forward": _INTERNODE_UNPACK,
+    "deepep_cupy::internode::combine": _INTERNODE_SUM,
+    "deepep_cupy::internode::sum_nodes": _INTERNODE_SUM,
     "deepep_cupy::low_latency::dispatch": _signature(
         "recv_x:ptr recv_scales:ptr recv_count:ptr src_info:ptr layout_range:ptr cumulative_recv_stats:ptr "
         "wait_recv_cost_stats:ptr x:ptr topk_idx:ptr num_tokens:i32 num_topk:i32 hidden:i32 num_max:i32 "

@@ -246,6 +246,9 @@ class ThreadGroup(Group):
         """
         return self._hub.allgather(self._rank, obj, timeout_s)
 
+    def allgather_within(self, obj: Any, timeout_s: float) -> List[Any]:
+        return self.allgather(obj, timeout_s)
+
     def barrier(self, timeout_s: Optional[float] = None) -> None:
         """Block until every rank has called ``barrier`` (or raise on abort / timeout)."""
         self._hub.wait(self._rank, "barrier", timeout_s)
@@ -321,6 +324,13 @@ LAUNCHER_POLL_S = 1.0
 
 #: The GIL switch interval (seconds) while :func:`run_local_group` runs rank threads.
 RANK_SWITCH_INTERVAL_S = 2e-5
+
+
+def _wait_for_ranks(done: threading.Condition, seconds: float) -> None:
+    """The launching thread's wait for its ranks (``done`` held), where it spends its time while they
+    run: a Ctrl-C (a notebook's stop button) meets it here, as a KeyboardInterrupt. A function of its
+    own so that a test can raise that interrupt here, whatever the process does with SIGINT."""
+    done.wait(seconds)
 
 
 def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] = None,
@@ -423,7 +433,7 @@ def run_local_group(fn: Callable[[ThreadGroup], Any], num_ranks: Optional[int] =
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
-                done.wait(LAUNCHER_POLL_S if remaining is None else min(remaining, LAUNCHER_POLL_S))
+                _wait_for_ranks(done, LAUNCHER_POLL_S if remaining is None else min(remaining, LAUNCHER_POLL_S))
     except BaseException:
         # KeyboardInterrupt in a notebook: release every rank blocked in a collective.
         hub.abort("interrupted in the launching thread")

@@ -31,9 +31,30 @@ stream a capture forks). Replays are ordered by the stream they are launched on.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .events import EventOverlap
+
+#: Per device, communication streams that no Buffer uses now. Streams are made once and never
+#: destroyed: PyTorch remembers the streams a tensor was used on (``record_stream``, as an
+#: asynchronous call tells it) and records an event on each when the tensor is freed, which may be
+#: after the Buffer's destroy() or at the interpreter's exit; a stream destroyed by then crashes it.
+_FREE_STREAMS: Dict[int, List[Any]] = {}
+
+
+def kept_stream(device_id: int):
+    """A non-blocking stream on ``device_id`` (a ``cupy.cuda.ExternalStream`` that nothing ever
+    destroys), from the streams Buffers gave back or new."""
+    import cupy
+
+    free = _FREE_STREAMS.setdefault(device_id, [])
+    if free:
+        return free.pop()
+    runtime = cupy.cuda.runtime
+    with cupy.cuda.Device(device_id):
+        ptr = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
+    return cupy.cuda.ExternalStream(ptr, device_id)
 
 
 class StreamOrder:
@@ -65,11 +86,13 @@ class StreamOrder:
 
     @classmethod
     def create(cls, device_id: int, shares_gpu: bool) -> "StreamOrder":
-        """A new communication stream on the current device (CuPy's stream, events and runtime)."""
+        """A communication stream on the current device (:func:`kept_stream`; CuPy's events and runtime)."""
         import cupy
 
-        return cls(device_id, shares_gpu, cupy.cuda.Stream(non_blocking=True),
-                   lambda: cupy.cuda.Event(disable_timing=True), cupy.cuda.runtime)
+        stream = kept_stream(device_id)
+        order = cls(device_id, shares_gpu, stream, lambda: cupy.cuda.Event(disable_timing=True), cupy.cuda.runtime)
+        weakref.finalize(order, _FREE_STREAMS.setdefault(device_id, []).append, stream)
+        return order
 
     def begin(self, caller_ptr: int, previous_event: Optional[EventOverlap], on_comm_stream: bool,
               rank: int) -> int:

@@ -260,7 +260,12 @@ class _TorchLib(ArrayLib):
         key = (stream_ptr, device_id)
         stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[key] = self._torch.cuda.ExternalStream(stream_ptr, device=self.device(device_id))
+            device = self.device(device_id)
+            # PyTorch reads ExternalStream(0) as "no stream given" and hands out a stream of its
+            # pool: the legacy default stream must be named as PyTorch's default stream.
+            stream = self._torch.cuda.default_stream(device) if stream_ptr == 0 else \
+                self._torch.cuda.ExternalStream(stream_ptr, device=device)
+            self._streams[key] = stream
         return stream
 
     def allocating_on(self, stream, device_id: int):

@@ -12,6 +12,8 @@ One interface, one implementation per transport (as CuPy's ``cupyx.distributed``
   per rail whose id is broadcast over an mpi4py communicator. Enqueued on the stream.
 * ``"mpi"`` (:mod:`deepep_cupy._transport_mpi`): mpi4py ``Ialltoallv`` on device buffers where
   the MPI is CUDA-aware, staged through pinned host memory where it is not. Synchronous.
+* ``"torch"`` (:mod:`deepep_cupy._transport_torch`): a ``torch.distributed`` group of any other
+  backend (Gloo): ``all_to_all_single`` on pinned host copies. Synchronous.
 * ``"local"`` (:mod:`deepep_cupy._transport_local`): ranks that are threads of one process
   (:class:`deepep_cupy.local_group.ThreadGroup`): device-to-device copies ordered by events.
 
@@ -32,7 +34,7 @@ from .nodes import gpu_address
 TRANSPORT_ENV = "DEEPEP_CUPY_TRANSPORT"
 
 #: The transports by name.
-TRANSPORT_KINDS = ("nccl", "mpi", "local")
+TRANSPORT_KINDS = ("nccl", "mpi", "torch", "local")
 
 
 class RailTransport(abc.ABC):
@@ -46,7 +48,7 @@ class RailTransport(abc.ABC):
         timeout_s: how long a host wait of the transport may last (where it has one).
 
     Attributes:
-        name: ``"nccl"``, ``"mpi"`` or ``"local"``.
+        name: ``"nccl"``, ``"mpi"``, ``"torch"`` or ``"local"``.
         size: ranks in the rail (the number of nodes).
         rank: this rank's index in the rail (its node index).
         rail: the global ranks of the rail (in the Buffer's group), in rail order.
@@ -170,8 +172,8 @@ def choose_kind(kind: Optional[str], group: Any) -> str:
     """The transport for ``group``: ``kind``, else :data:`TRANSPORT_ENV`, else automatic.
 
     Automatic: an in-process group -> ``"local"``; a ``torch.distributed`` group on the NCCL
-    backend -> ``"nccl"``; an mpi4py communicator -> ``"nccl"`` where CuPy can load NCCL, else
-    ``"mpi"``.
+    backend -> ``"nccl"``, on another backend -> ``"torch"``; an mpi4py communicator -> ``"nccl"``
+    where CuPy can load NCCL, else ``"mpi"``.
 
     Raises:
         ValueError: an unknown kind, or one this group cannot use.
@@ -185,19 +187,17 @@ def choose_kind(kind: Optional[str], group: Any) -> str:
         if group.in_process:
             return "local"
         if isinstance(group, TorchGroup):
-            backend = _torch_backend(group)
-            if backend != "nccl":
-                raise ValueError(f"transport: a torch.distributed group on the {backend!r} backend has no rail "
-                                 "transport between nodes (use the NCCL backend, or an mpi4py communicator)")
-            return "nccl"
+            return "nccl" if _torch_backend(group) == "nccl" else "torch"
         if isinstance(group, MPIGroup):
             return "nccl" if nccl_module() is not None else "mpi"
         raise ValueError(f"transport: no rail transport for a {kind_of_group} group")
     usable = {"local": group.in_process,
               "mpi": isinstance(group, MPIGroup),
+              "torch": isinstance(group, TorchGroup),
               "nccl": isinstance(group, (MPIGroup, TorchGroup))}[requested]
     if not usable:
         needs = {"local": "an in-process group (run_local_group)", "mpi": "an mpi4py communicator",
+                 "torch": "a torch.distributed group",
                  "nccl": "a torch.distributed NCCL group or an mpi4py communicator"}[requested]
         raise ValueError(f"transport: {requested!r} needs {needs}, got a {kind_of_group} group")
     if requested == "nccl" and isinstance(group, TorchGroup) and _torch_backend(group) != "nccl":
@@ -263,7 +263,7 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
     """The rail transport of this rank (collective over the whole ``group``).
 
     Args:
-        kind: ``"nccl"``, ``"mpi"``, ``"local"`` or None (see :func:`choose_kind`).
+        kind: ``"nccl"``, ``"mpi"``, ``"torch"``, ``"local"`` or None (see :func:`choose_kind`).
         group: the Buffer's :class:`deepep_cupy.comm.Group`.
         rail: the global ranks of this rank's rail, in node order (``NodeTopology.rail_ranks()``).
             The rails of all ranks must partition the group.
@@ -293,6 +293,10 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
             from ._transport_mpi import MpiRailTransport
 
             return MpiRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
+        if chosen == "torch":
+            from ._transport_torch import TorchStagedRailTransport
+
+            return TorchStagedRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
         from .comm import TorchGroup
 
         if isinstance(group, TorchGroup):

@@ -125,10 +125,11 @@ def dtype_name_of(a) -> str:
 
 
 class EngineHandle:
-    def __init__(self, results, local, topks, weights, num_worst_tokens):
-        self.results, self.local, self.topks, self.weights = results, local, topks, weights
-        self.num_recv_tokens = len(results[local]["recv_src_idx"])
-        self.num_worst_tokens = num_worst_tokens
+    """The node model's handle: per source local rank, the rows of its tokens this rank got."""
+
+    def __init__(self, picks, num_worst_tokens, num_tokens):
+        self.picks, self.num_worst_tokens, self.num_tokens = picks, num_worst_tokens, num_tokens
+        self.num_recv_tokens = sum(len(p) for p in picks)
 
     @property
     def rows(self):
@@ -136,68 +137,145 @@ class EngineHandle:
 
 
 class ModelEngine:
-    """An intranode engine of the node's threads made of reference.dispatch/combine."""
+    """An intranode engine of the node's threads: the intranode contract (routing by
+    is_token_in_rank, receive order by source rank then token, top-k ids made rank-local, expert
+    counts summed from the senders', combine summed in float32 over the ranks in ascending order
+    and rounded to x's dtype), on NumPy."""
 
-    def __init__(self, hub: Hub, local: int, num_channels: int = 4):
-        self.hub, self.local, self.num_channels = hub, local, num_channels
+    def __init__(self, hub: Hub, local: int):
+        self.hub, self.local = hub, local
         self.destroyed = False
-
-    def get_dispatch_layout(self, topk_idx, num_experts):
-        topk = np.asarray(topk_idx)
-        topk = np.where(topk < num_experts, topk, -1)  # the GPU layout does not count ids out of range
-        per_rank, per_expert, in_rank = ref.get_dispatch_layout(topk, num_experts, self.hub.size)
-        return on_device(per_rank), None, on_device(per_expert), on_device(in_rank), None
+        self.calls = []
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, is_token_in_rank=None, num_tokens_per_expert=None,
                  topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None):
+        self.calls.append("cached dispatch" if handle is not None else "dispatch")
         rows, scales = x if isinstance(x, tuple) else (x, None)
-        posted = self.hub.exchange(self.local, (np.asarray(rows), None if scales is None else np.asarray(scales),
-                                                None if topk_idx is None else np.asarray(topk_idx),
-                                                None if topk_weights is None else np.asarray(topk_weights),
-                                                None if num_tokens_per_expert is None else len(num_tokens_per_expert)))
-        if handle is not None:
-            topks, weights, num_experts = handle.topks, handle.weights, handle.results[0]["num_experts"]
-        else:
-            topks, weights, num_experts = [p[2] for p in posted], [p[3] for p in posted], posted[0][4]
-            if weights[0] is None:
-                weights = None
-        results = ref.dispatch([p[0] for p in posted], topks, num_experts, self.num_channels, topk_weights=weights,
-                               x_scales=None if scales is None else [p[1] for p in posted],
-                               expert_alignment=expert_alignment)
-        results[0]["num_experts"] = num_experts
-        mine = results[self.local]
+        host = [None if a is None else np.asarray(a) for a in (rows, scales, topk_idx, topk_weights, is_token_in_rank,
+                                                                num_tokens_per_expert)]
+        posted = self.hub.exchange(self.local, host)
+        me, L = self.local, self.hub.size
+        picks = handle.picks if handle is not None else [np.nonzero(p[4][:, me])[0] for p in posted]
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
-        new_handle = handle or EngineHandle(results, self.local, topks, weights, num_worst_tokens)
+        if worst and sum(len(p) for p in picks) > worst:
+            raise ValueError("num_worst_tokens: too many tokens")
 
-        def pad(a, fill=None):
-            if a is None:
+        def gather(part, fill=0):
+            if posted[0][part] is None:
                 return None
+            got = np.concatenate([posted[j][part][picks[j]] for j in range(L)])
             if worst:
-                padded = np.full((worst, *a.shape[1:]), 0 if fill is None else fill, dtype=a.dtype)
-                padded[:len(a)] = a
-                a = padded
-            return on_device(a)
+                padded = np.full((worst, *got.shape[1:]), fill, dtype=got.dtype)
+                padded[:len(got)] = got
+                got = padded
+            return got
 
-        recv_x = pad(mine["recv_x"]) if mine["recv_x_scales"] is None else \
-            (pad(mine["recv_x"]), pad(mine["recv_x_scales"]))
+        recv_x = on_device(gather(0)) if scales is None else (on_device(gather(0)), on_device(gather(1)))
+        new_handle = handle or EngineHandle(picks, num_worst_tokens, len(host[0]))
         if handle is not None:
             return recv_x, None, None, None, handle, None
-        expert_list = [] if num_worst_tokens else mine["num_recv_tokens_per_expert_list"]
-        return recv_x, pad(mine["recv_topk_idx"], -1), pad(mine["recv_topk_weights"]), expert_list, new_handle, None
+        recv_topk = recv_w = None
+        per_expert = np.sum([p[5] for p in posted], axis=0)
+        epr = len(per_expert) // L
+        if posted[0][2] is not None:
+            topk = gather(2, -1)
+            mine = (topk >= me * epr) & (topk < (me + 1) * epr)
+            recv_topk = on_device(np.where(mine, topk - me * epr, -1).astype(np.int64))
+            if posted[0][3] is not None:
+                recv_w = on_device(np.where(mine, gather(3), np.float32(0)).astype(np.float32))
+        counts = per_expert[me * epr:(me + 1) * epr]
+        expert_list = [] if num_worst_tokens else [int(-(-int(c) // expert_alignment) * expert_alignment)
+                                                   for c in counts]
+        return recv_x, recv_topk, recv_w, expert_list, new_handle, None
 
     def combine(self, x, handle, topk_weights=None, config=None):
-        n = handle.num_recv_tokens
-        posted = self.hub.exchange(self.local, (np.asarray(x)[:n],
-                                                None if topk_weights is None else np.asarray(topk_weights)[:n]))
-        weights = None if posted[0][1] is None else [p[1] for p in posted]
-        rows, w = ref.combine([p[0] for p in posted], handle.results, topk_weights=weights)[self.local]
-        return on_device(ref.round_to_dtype(rows, dtype_name_of(x))), None if w is None else on_device(w), None
+        self.calls.append("combine")
+        posted = self.hub.exchange(self.local, (handle, np.asarray(x),
+                                                None if topk_weights is None else np.asarray(topk_weights)))
+        me = self.local
+        dtype = dtype_name_of(x)
+        out = np.zeros((handle.num_tokens, np.asarray(x).shape[1]), np.float32)
+        out_w = None if posted[0][2] is None else np.zeros((out.shape[0], posted[0][2].shape[1]), np.float32)
+        for h, rows, weights in posted:  # the node's ranks, ascending
+            start = sum(len(p) for p in h.picks[:me])
+            tokens = h.picks[me]
+            out[tokens] += ref._as_float32(rows[start:start + len(tokens)])
+            if out_w is not None:
+                out_w[tokens] += weights[start:start + len(tokens)]
+        return on_device(ref.round_to_dtype(out, dtype)), None if out_w is None else on_device(out_w), None
 
     def check_kernel_errors(self):
         pass
 
     def destroy(self):
         self.destroyed = True
+
+
+class NumpyRecords:
+    """The record kernels (deepep_cupy.internode_records.RecordKernels) on NumPy arrays, with the
+    kernel each call stands for."""
+
+    def __init__(self):
+        self.launched = []
+
+    def pack(self, stream, records, layout, token_ids, count, sources):
+        self.launched.append("notify")
+        ids = np.arange(count) if token_ids is None else np.asarray(token_ids)[:count]
+        rec = np.asarray(records)
+        rows, scales, topk, weights, in_rank = (None if a is None else np.asarray(a) for a in sources)
+        rec[:count, :layout.row_bytes] = rows[ids]
+        for offset, part, dtype in ((layout.scales_off, scales, np.float32), (layout.topk_off, topk, np.int64),
+                                    (layout.weights_off, weights, np.float32), (layout.in_rank_off, in_rank, np.bool_)):
+            if part is not None:
+                width = np.dtype(dtype).itemsize * (part.shape[1] if part.ndim > 1 else 1)
+                values = np.ascontiguousarray(part[ids].astype(dtype)).view(np.uint8).reshape(count, width)
+                rec[:count, offset:offset + values.shape[1]] = values
+
+    def unpack(self, stream, writes_outputs, records, layout, count, out_rows, targets, first_expert=0,
+               num_local_experts=0, in_rank_from=0):
+        self.launched.append("dispatch" if writes_outputs else "forward")
+        rec = np.asarray(records)[:count]
+        rows, scales, topk, weights, in_rank = targets
+        np.asarray(rows)[:count] = rec[:, :layout.row_bytes]
+        if scales is not None:
+            np.asarray(scales)[:count] = _part(rec, layout.scales_off, layout.scale_bytes, np.float32)
+        if topk is not None:
+            ids = _part(rec, layout.topk_off, 8 * layout.num_topk, np.int64)
+            mine = (ids >= first_expert) & (ids < first_expert + num_local_experts)
+            np.asarray(topk)[:count] = np.where(mine, ids - first_expert, -1)
+            np.asarray(topk)[count:out_rows] = -1
+            if weights is not None:
+                w = _part(rec, layout.weights_off, 4 * layout.num_topk, np.float32)
+                np.asarray(weights)[:count] = np.where(mine, w, np.float32(0))
+        if in_rank is not None:
+            width = np.asarray(in_rank).shape[1]
+            np.asarray(in_rank)[:count] = rec[:, layout.in_rank_off + in_rank_from:
+                                              layout.in_rank_off + in_rank_from + width].view(np.bool_)
+
+    def sum_nodes(self, stream, writes_outputs, dtype_name, out, out_weights, records, layout, slots, biases):
+        self.launched.append("combine" if writes_outputs else "sum_nodes")
+        rec, slots = np.asarray(records), np.asarray(slots)
+        num_tokens = slots.shape[1]
+        acc = np.zeros((num_tokens, layout.row_bytes // tensors.ITEMSIZE[dtype_name]), np.float32)
+        for b in biases:
+            if b is not None:
+                acc = acc + ref._as_float32(np.asarray(b))
+        acc_w = np.zeros((num_tokens, layout.num_weights), np.float32)
+        storage = tensors.STORAGE[dtype_name]
+        for n in range(slots.shape[0]):
+            sent = slots[n] >= 0
+            rows = np.ascontiguousarray(rec[slots[n][sent], :layout.row_bytes]).view(storage)
+            acc[sent] = acc[sent] + ref._as_float32(rows)
+            if layout.num_weights:
+                acc_w[sent] = acc_w[sent] + _part(rec[slots[n][sent]], layout.weights_off, 4 * layout.num_weights,
+                                                  np.float32)
+        np.asarray(out)[...] = ref.round_to_dtype(acc, dtype_name).view(np.asarray(out).dtype)
+        if out_weights is not None:
+            np.asarray(out_weights)[...] = acc_w
+
+
+def _part(records, offset, width, dtype):
+    return np.ascontiguousarray(records[:, offset:offset + width]).view(dtype)
 
 
 class EventOrder(FakeOrder):
@@ -243,12 +321,16 @@ def make_paths(num_nodes: int, ranks_per_node: int):
     R = num_nodes * ranks_per_node
     rails = [Hub(num_nodes) for _ in range(ranks_per_node)]
     nodes = [Hub(ranks_per_node) for _ in range(num_nodes)]
+    everyone = Hub(R)
     paths = []
     for rank in range(R):
         topo = NodeTopology(rank, R, ranks_per_node)
         engine = ModelEngine(nodes[topo.node], topo.local_rank) if ranks_per_node > 1 else None
-        paths.append(internode.InternodePath(topo, ThreadRail(rails[topo.local_rank], topo.node), DEVICE, engine,
-                                             EventOrder()))
+        path = internode.InternodePath(topo, ThreadRail(rails[topo.local_rank], topo.node), DEVICE, engine,
+                                       EventOrder(), records=NumpyRecords(),
+                                       vote=lambda obj, rank=rank: everyone.exchange(rank, obj))
+        path.everyone = everyone
+        paths.append(path)
     return paths
 
 
@@ -276,6 +358,7 @@ def run_ranks(paths, body):
 
 def _hubs(paths):
     for p in paths:
+        yield p.everyone
         yield p.transport.hub
         if p.intranode is not None:
             yield p.intranode.hub

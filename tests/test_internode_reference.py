@@ -29,25 +29,21 @@ def make(seed, num_nodes, L, *, num_experts_per_rank=3, num_topk=4, hidden=8, co
 
 
 def brute_dispatch(xs, topks, ws, E, L):
-    """Per rank: list of (rows, topk, weights, (owner, token)) in the documented receive order."""
+    """Per rank: list of (rows, topk, weights, (owner, token)) in DeepEP's receive order (source
+    rank, then source token)."""
     R = len(xs)
-    N = R // L
-    epn, epr = E // N, E // R
+    epr = E // R
     out = []
     for j in range(R):
-        n = j // L
         rows, topk, w, origin = [], [], [], []
-        for lf in range(L):                      # forwarding local rank
-            for s in range(N):                   # source node
-                src = s * L + lf                 # the rank on the forwarding rank's rail
-                for t in range(len(xs[src])):    # source token
-                    experts = [e for e in topks[src][t] if e >= 0]
-                    if not any(e // epn == n for e in experts) or not any(e // epr == j for e in experts):
-                        continue
-                    rows.append(xs[src][t])
-                    topk.append([e - j * epr if e >= 0 and e // epr == j else -1 for e in topks[src][t]])
-                    w.append([wt if e >= 0 and e // epr == j else 0.0 for e, wt in zip(topks[src][t], ws[src][t])])
-                    origin.append((src, t))
+        for src in range(R):
+            for t in range(len(xs[src])):
+                if not any(e >= 0 and e // epr == j for e in topks[src][t]):
+                    continue
+                rows.append(xs[src][t])
+                topk.append([e - j * epr if e >= 0 and e // epr == j else -1 for e in topks[src][t]])
+                w.append([wt if e >= 0 and e // epr == j else 0.0 for e, wt in zip(topks[src][t], ws[src][t])])
+                origin.append((src, t))
         out.append((rows, topk, w, origin))
     return out
 
@@ -55,7 +51,7 @@ def brute_dispatch(xs, topks, ws, E, L):
 @pytest.mark.parametrize("num_nodes,L", SHAPES)
 def test_dispatch_delivers_each_token_to_the_ranks_of_its_experts_in_the_documented_order(num_nodes, L):
     R, E, xs, topks, ws = make(1, num_nodes, L)
-    got = iref.dispatch(xs, topks, E, L, 4, topk_weights=ws)
+    got = iref.dispatch(xs, topks, E, L, topk_weights=ws)
     want = brute_dispatch(xs, topks, ws, E, L)
     for j in range(R):
         rows, topk, w, _ = want[j]
@@ -68,7 +64,7 @@ def test_dispatch_delivers_each_token_to_the_ranks_of_its_experts_in_the_documen
 @pytest.mark.parametrize("num_nodes,L", SHAPES)
 def test_per_node_counts_and_handle_pieces_match_a_loop_over_tokens(num_nodes, L):
     R, E, xs, topks, ws = make(2, num_nodes, L)
-    got = iref.dispatch(xs, topks, E, L, 4, topk_weights=ws)
+    got = iref.dispatch(xs, topks, E, L, topk_weights=ws)
     epn = E // num_nodes
     for r in range(R):
         sends = [[t for t in range(len(xs[r])) if any(e >= 0 and e // epn == n for e in topks[r][t])]
@@ -85,7 +81,7 @@ def test_per_node_counts_and_handle_pieces_match_a_loop_over_tokens(num_nodes, L
 
 def test_expert_counts_are_the_final_ranks_and_aligned():
     R, E, xs, topks, ws = make(3, 2, 2)
-    got = iref.dispatch(xs, topks, E, 2, 4, topk_weights=ws, expert_alignment=4)
+    got = iref.dispatch(xs, topks, E, 2, topk_weights=ws, expert_alignment=4)
     epr = E // R
     for j in range(R):
         counts = [sum(int(np.sum(t == j * epr + e)) for t in topks) for e in range(epr)]
@@ -101,7 +97,7 @@ def test_fp8_scales_travel_with_their_rows():
         xs.append(x)
         scales.append(s)
         topks.append(ref.random_routing(rng, 6, E, 2))
-    got = iref.dispatch(xs, topks, E, L, 4, x_scales=scales)
+    got = iref.dispatch(xs, topks, E, L, x_scales=scales)
     want = brute_dispatch(xs, topks, [np.zeros(t.shape, np.float32) for t in topks], E, L)
     for j in range(R):
         origin = want[j][3]
@@ -114,7 +110,7 @@ def test_fp8_scales_travel_with_their_rows():
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
 def test_combine_sums_inside_each_node_rounds_then_sums_the_nodes_in_order(num_nodes, L, dtype_name):
     R, E, xs, topks, ws = make(5, num_nodes, L)
-    got = iref.dispatch(xs, topks, E, L, 4, topk_weights=ws)
+    got = iref.dispatch(xs, topks, E, L, topk_weights=ws)
     want = brute_dispatch(xs, topks, ws, E, L)
     rng = np.random.default_rng(6)
 
@@ -148,17 +144,41 @@ def test_combine_sums_inside_each_node_rounds_then_sums_the_nodes_in_order(num_n
             np.testing.assert_array_equal(combined[m][1][t], acc_w)
 
 
-def test_one_rank_per_node_forwards_the_received_tokens_as_they_are():
-    R, E, xs, topks, ws = make(7, 4, 1)
-    got = iref.dispatch(xs, topks, E, 1, 4, topk_weights=ws)
+@pytest.mark.parametrize("num_nodes,L", SHAPES)
+def test_rows_are_grouped_by_source_rank_as_the_global_prefix_sum_says(num_nodes, L):
+    R, E, xs, topks, ws = make(7, num_nodes, L)
+    got = iref.dispatch(xs, topks, E, L, topk_weights=ws)
+    want = brute_dispatch(xs, topks, ws, E, L)
     for j in range(R):
-        np.testing.assert_array_equal(got[j]["recv_x"], got[j]["forwarded"]["x"])
-        np.testing.assert_array_equal(got[j]["recv_topk_idx"], got[j]["forwarded"]["topk_idx"])
+        sources = [src for src, _ in want[j][3]]
+        assert got[j]["recv_gbl_rank_prefix_sum"].dtype == np.int32
+        np.testing.assert_array_equal(got[j]["recv_gbl_rank_prefix_sum"],
+                                      np.cumsum([sources.count(g) for g in range(R)]))
+        np.testing.assert_array_equal(got[j]["recv_src"].reshape(-1, 2), np.array(want[j][3]).reshape(-1, 2))
+
+
+@pytest.mark.parametrize("num_nodes,L", SHAPES)
+def test_a_dispatch_without_top_k_is_routed_by_is_token_in_rank_and_counts_the_senders_experts(num_nodes, L):
+    R, E, xs, topks, ws = make(11, num_nodes, L)
+    rng = np.random.default_rng(12)
+    in_ranks = [rng.random((len(x), R)) < 0.3 for x in xs]
+    per_experts = [rng.integers(0, 5, E).astype(np.int32) for _ in range(R)]
+    got = iref.dispatch(xs, None, E, L, is_token_in_ranks=in_ranks, num_tokens_per_experts=per_experts,
+                        expert_alignment=2)
+    epr = E // R
+    for j in range(R):
+        origin = [(src, t) for src in range(R) for t in range(len(xs[src])) if in_ranks[src][t, j]]
+        np.testing.assert_array_equal(got[j]["recv_x"], np.array([xs[s][t] for s, t in origin]).reshape(-1, 8))
+        assert got[j]["recv_topk_idx"] is None and got[j]["recv_topk_weights"] is None
+        counts = sum(p[j * epr:(j + 1) * epr] for p in per_experts)
+        assert got[j]["num_recv_tokens_per_expert_list"] == [int(-(-c // 2) * 2) for c in counts]
+        assert got[j]["send_counts"] == [int(in_ranks[j][:, n * L:(n + 1) * L].any(axis=1).sum())
+                                         for n in range(num_nodes)]
 
 
 def test_tokens_routed_to_one_node_leave_the_other_nodes_empty():
     R, E, xs, topks, ws = make(8, 3, 2, only_node=1)
-    got = iref.dispatch(xs, topks, E, 2, 4, topk_weights=ws)
+    got = iref.dispatch(xs, topks, E, 2, topk_weights=ws)
     for j in range(R):
         if j // 2 != 1:
             assert got[j]["recv_x"].shape == (0, 8)
@@ -168,7 +188,7 @@ def test_tokens_routed_to_one_node_leave_the_other_nodes_empty():
 
 def test_zero_tokens_everywhere():
     R, E, xs, topks, ws = make(9, 2, 2, counts=[0, 0, 0, 0])
-    got = iref.dispatch(xs, topks, E, 2, 4, topk_weights=ws)
+    got = iref.dispatch(xs, topks, E, 2, topk_weights=ws)
     combined = iref.combine([g["recv_x"] for g in got], got, "float32")
     assert all(c[0].shape == (0, 8) for c in combined)
 
@@ -190,7 +210,7 @@ def test_traffic_counts_pairs_with_another_node_and_the_flat_pairs(num_nodes, L)
             per_rank_flat_all[r] += len(ranks - {r})
     assert (t["hierarchical"], t["flat"], t["flat_all_ranks"]) == (hier, flat, flat_all)
     assert t["per_rank_flat_all_ranks"] == per_rank_flat_all
-    got = iref.dispatch(xs, topks, E, L, 4)
+    got = iref.dispatch(xs, topks, E, L)
     assert t["hierarchical"] == sum(sum(g["send_counts"]) - g["send_counts"][r // L] for r, g in enumerate(got))
     assert t["hierarchical"] <= t["flat"]
 

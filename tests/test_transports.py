@@ -71,9 +71,9 @@ def test_a_torch_nccl_group_gets_nccl(no_env, monkeypatch):
     assert choose_kind(None, _torch_group("nccl", monkeypatch)) == "nccl"
 
 
-def test_a_torch_gloo_group_has_no_rail_transport(no_env, monkeypatch):
-    with pytest.raises(ValueError, match="'gloo' backend has no rail transport"):
-        choose_kind(None, _torch_group("gloo", monkeypatch))
+def test_a_torch_gloo_group_gets_the_staged_torch_transport_and_not_nccl(no_env, monkeypatch):
+    assert choose_kind(None, _torch_group("gloo", monkeypatch)) == "torch"
+    assert choose_kind("torch", _torch_group("nccl", monkeypatch)) == "torch"
     with pytest.raises(ValueError, match="'nccl' over a torch.distributed group needs the NCCL backend"):
         choose_kind("nccl", _torch_group("gloo", monkeypatch))
 
@@ -108,7 +108,7 @@ def test_a_kind_the_group_cannot_use_is_refused(no_env, kind, group, needs):
 
 
 def test_an_unknown_kind_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match=r"kind: expected one of \['nccl', 'mpi', 'local'\], got 'ucx'"):
+    with pytest.raises(ValueError, match=r"kind: expected one of \['nccl', 'mpi', 'torch', 'local'\], got 'ucx'"):
         choose_kind("ucx", ThreadLike())
     monkeypatch.setenv(TRANSPORT_ENV, "rdma")
     with pytest.raises(ValueError, match=f"{TRANSPORT_ENV}: expected one of"):

@@ -17,7 +17,8 @@ A case draws, within the limits the internode path enforces:
 * ``expert_alignment`` 1..128, the intranode stage's config (``num_sms`` 2..32, chunks 1..1024,
   the receive chunk at least 1/64 of the tokens a rank forwards: :data:`MAX_QUEUE_ROUNDS`);
 * CuPy or PyTorch, sync or async; a fresh dispatch exact or with ``num_worst_tokens``, then a
-  cached dispatch and a combine (0..2 biases; after an FP8 dispatch the combine is BF16) or not.
+  cached dispatch and a combine (0..2 biases; after an FP8 dispatch the combine is BF16) or not;
+* the caller's stream: its library's default stream or a side stream.
 
 Sizes are log-uniform and capped (:data:`MOVED_BYTES_CAP`, random_cases' routing-key cap) so that
 every rank can compute the whole NumPy reference of a case cheaply. A seed gives the same case on
@@ -114,12 +115,15 @@ def internode_case(seed: int) -> dict:
     cached = d.chance(0.7)
     combine = d.chance(0.8)
     bias = d.choice((0, 0, 1, 2)) if combine else 0
+    # The caller's stream: its library's default (PyTorch's legacy default stream, CuPy's null
+    # stream) or a side stream. Drawn last, so that the draws above stay those of earlier seeds.
+    stream = "default" if d.chance(0.5) else "side"
     return dict(name=f"internode_{seed}", seed=int(seed), num_nodes=num_nodes, ranks_per_node=ranks_per_node,
                 num_ranks=num_ranks, num_tokens=num_tokens, dtype=dtype, hidden=hidden, num_topk=num_topk,
                 num_experts=num_experts, routing=routing, node=node, drop=drop, with_weights=with_weights,
                 expert_alignment=expert_alignment, num_sms=num_sms, send_chunk=send_chunk, recv_chunk=recv_chunk,
                 mode=mode, framework=framework, scales_layout=scales_layout, worst=worst, cached=cached,
-                combine=combine, bias=bias)
+                combine=combine, bias=bias, stream=stream)
 
 
 def internode_cases(first_seed: int, count: int) -> list:

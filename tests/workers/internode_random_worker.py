@@ -31,6 +31,7 @@ then one plain line with the same summary (rank 0). Exit status 1 if any case fa
 """
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -86,7 +87,7 @@ def reference_dispatch(case, inputs):
 
     fp8 = inputs[0]["scales"] is not None
     return iref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], case["num_experts"],
-                         case["ranks_per_node"], ic.config_of(case).num_channels,
+                         case["ranks_per_node"],
                          topk_weights=[i["weights"] for i in inputs] if case["with_weights"] else None,
                          x_scales=[i["scales"] for i in inputs] if fp8 else None,
                          expert_alignment=case["expert_alignment"])
@@ -328,23 +329,32 @@ class CaseWatchdog:
 
 
 def run_on_rank(buf, case, stream):
-    """``(ok, error, info)`` of one case on this rank; PyTorch cases run on the job's stream too
-    (without PyTorch, with CuPy arrays, ``info["framework"]`` saying so)."""
-    import contextlib
+    """``(ok, error, info)`` of one case on this rank, on the case's stream: the job's side stream,
+    or its library's default stream (PyTorch's legacy default stream, CuPy's null stream); without
+    PyTorch, with CuPy arrays, ``info["framework"]`` saying so."""
+    import cupy
 
-    context, note = contextlib.nullcontext(), {}
+    side = case.get("stream", "side") == "side"
+    context, note = (stream if side else cupy.cuda.Stream.null), {}
     if case["framework"] == "torch":
         try:
             import torch
         except ImportError:
             case, note = dict(case, framework="cupy"), {"framework": "cupy: PyTorch is not installed"}
         else:
-            context = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+            torch_stream = torch.cuda.ExternalStream(stream.ptr) if side else torch.cuda.default_stream()
+            context = _both(context, torch.cuda.stream(torch_stream))
     try:
         with context:
             return True, None, {**run_case(buf, case), **note}
     except Exception as exc:  # reported with the case; the job goes on
         return False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", note
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def run_shape(comm, batch, args, stream, watchdog):

@@ -67,7 +67,7 @@ def run_scenario(buf, sc, seed):
     mine = inputs[rank]
     fp8 = mine["scales"] is not None
     alignment = sc.get("alignment", 1)
-    want = iref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], E, L, 4,
+    want = iref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], E, L,
                          topk_weights=[i["weights"] for i in inputs],
                          x_scales=[i["scales"] for i in inputs] if fp8 else None, expert_alignment=alignment)
     combine_dtype = "bfloat16" if fp8 else sc["dtype"]
