@@ -295,7 +295,8 @@ def fake_cupy_module():
     stream = SimpleNamespace(ptr=0, synchronize=lambda: None)
     module = types.ModuleType("cupy")
     module.cuda = SimpleNamespace(get_current_stream=lambda: stream, Device=lambda *a: SimpleNamespace(id=0),
-                                  runtime=SimpleNamespace(streamWaitEvent=lambda *a: None))
+                                  runtime=SimpleNamespace(streamWaitEvent=lambda *a: None),
+                                  Stream=SimpleNamespace(null=contextlib.nullcontext()))
     module.asarray = lambda a: on_device(np.asarray(a))
     module.asnumpy = np.asarray
     module.asfortranarray = lambda a: np.asfortranarray(a).view(type(a))

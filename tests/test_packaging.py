@@ -110,7 +110,7 @@ def test_the_installed_package_is_the_one_its_command_imports(installed):
 
 def test_the_console_script_lists_the_benchmark_options(installed):
     run = _bench_command(installed, "--help")
-    assert run.returncode == 0 and run.stdout.startswith("usage: "), describe(run)
+    assert run.returncode == 0 and run.stdout.startswith("usage: deepep-cupy-bench "), describe(run)
     assert "--num-tokens" in run.stdout, describe(run)
 
 
@@ -119,4 +119,5 @@ def test_the_console_script_without_a_gpu_says_so_in_one_sentence(installed):
         pytest.skip("a GPU is visible: the benchmark would run")
     run = _bench_command(installed)
     assert run.returncode == NO_GPU_EXIT_STATUS, describe(run)
-    assert run.stderr.strip().count("\n") == 0 and "needs a CUDA GPU, but " in run.stderr, describe(run)
+    assert run.stderr.strip().count("\n") == 0, describe(run)
+    assert run.stderr.startswith("deepep-cupy-bench needs a CUDA GPU, but "), describe(run)

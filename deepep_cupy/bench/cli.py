@@ -76,10 +76,19 @@ class _DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {_shown(action.default)})"
 
 
+#: The installed command (pyproject.toml's console script) that runs :func:`main`.
+CONSOLE_SCRIPT = "deepep-cupy-bench"
+
+
+def program_name() -> str:
+    """How the user started the benchmark: the console script, or ``python -m deepep_cupy.bench``."""
+    return CONSOLE_SCRIPT if os.path.basename(sys.argv[0]) == CONSOLE_SCRIPT else "python -m deepep_cupy.bench"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m deepep_cupy.bench``."""
+    """The command line of ``python -m deepep_cupy.bench`` (``deepep-cupy-bench`` when installed)."""
     p = argparse.ArgumentParser(
-        prog="python -m deepep_cupy.bench",
+        prog=program_name(),
         description="Benchmark deepep_cupy dispatch/combine against NCCL all-to-all and a copy kernel.",
         formatter_class=_DefaultsHelpFormatter)
     g = p.add_argument_group("launch")
@@ -375,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mode = detect_launcher(args)
     if args.ranks_per_node is not None and mode != "mpi":
         raise SystemExit("deepep_cupy.bench: --ranks-per-node runs under mpirun (one process per rank)")
-    exit_unless_gpu("python -m deepep_cupy.bench")
+    exit_unless_gpu(program_name())
     if args.decode:
         from .decode import run_decode
 

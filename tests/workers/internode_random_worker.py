@@ -335,7 +335,7 @@ def run_on_rank(buf, case, stream):
     import cupy
 
     side = case.get("stream", "side") == "side"
-    context, note = (stream if side else cupy.cuda.Stream.null), {}
+    context, note = (contextlib.nullcontext() if stream is None else stream) if side else cupy.cuda.Stream.null, {}
     if case["framework"] == "torch":
         try:
             import torch
