@@ -100,8 +100,7 @@ class RecordKernels:
 
     def __init__(self):
         self._calls: Dict[Tuple[str, Tuple[str, ...]], KernelCall] = {}
-        for expression in kernels.SOURCES["internode.cu"]:
-            kernels.get_kernel(expression)
+        kernels.load(kernels.SOURCES["internode.cu"])
 
     def _call(self, kernel: str, template_args: Tuple[str, ...] = ()) -> KernelCall:
         key = (kernel, template_args)

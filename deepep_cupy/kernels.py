@@ -55,9 +55,10 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
 OPTIONAL_KERNELS = ("expand_kernel",)
 #: Sources whose kernels the path that uses them loads itself (the low-latency path, when a Buffer
-#: is made with ``low_latency_mode``), never :func:`warm_up`: the FP8 conversions of the decode
-#: kernels need sm_89, and no other Buffer should pay for them.
-OWN_WARM_UP = ("low_latency.cu",)
+#: is made with ``low_latency_mode``; the internode path, across nodes: :func:`load`), never
+#: :func:`warm_up`: the FP8 conversions of the decode kernels need sm_89, and no other Buffer
+#: should pay for either.
+OWN_WARM_UP = ("low_latency.cu", "internode.cu")
 
 #: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
@@ -236,8 +237,14 @@ def warm_up(num_ranks: int, every_instance: bool = False) -> None:
     cache costs about the longest compile rather than the sum of all of them. Instances already
     loaded on this device cost a dictionary look-up each, and no thread is started.
     """
+    load(warm_up_instances(num_ranks, every_instance))
+
+
+def load(expressions: Sequence[str]) -> None:
+    """Compile (or load from CuPy's cache) ``expressions`` on the current device, in
+    :func:`compile_threads` threads at once (see :func:`warm_up`)."""
     device = _current_device()
-    missing = [e for e in warm_up_instances(num_ranks, every_instance) if (device, e) not in _functions]
+    missing = [e for e in expressions if (device, e) not in _functions]
     threads = min(len(missing), compile_threads())
     if threads <= 1:
         for expression in missing:
