@@ -188,3 +188,22 @@ def test_a_trimmed_cupy_array_is_its_first_rows_on_the_same_memory():
     trimmed = lib.trim(rows, 3)
     assert trimmed.shape == (3, 4) and trimmed.dtype == np.float32 and trimmed.flags.c_contiguous
     assert trimmed.data.ptr == host.ctypes.data and trimmed.data.mem is rows.data.mem
+
+
+def test_the_legacy_default_stream_is_named_as_pytorchs_default_stream_not_a_new_one(monkeypatch):
+    # torch.cuda.ExternalStream(0) reads the null pointer as "no stream given" and hands out a
+    # stream of PyTorch's pool: work a call allocated "for" it ran there, unordered with the
+    # caller's legacy default stream (the internode rows that landed on the wrong rank).
+    import_or_skip("torch", "PyTorch tensors")
+    from types import SimpleNamespace
+
+    lib = tensors._TorchLib()
+    made = []
+    cuda = SimpleNamespace(default_stream=lambda device: made.append(("default", device)) or "default stream",
+                           ExternalStream=lambda ptr, device: made.append(("external", ptr)) or f"stream {ptr}")
+    monkeypatch.setattr(lib, "_torch", SimpleNamespace(cuda=cuda, device=lambda kind, index: (kind, index)))
+    monkeypatch.setattr(lib, "_streams", {})
+    monkeypatch.setattr(lib, "_devices", {})
+    assert lib.stream(0, 0) == "default stream"
+    assert lib.stream(0x5EED, 0) == f"stream {0x5EED}"
+    assert made == [("default", ("cuda", 0)), ("external", 0x5EED)]
