@@ -421,6 +421,10 @@ class FakeTorch:
                 return ("ExternalStream", ptr, device)
 
             @staticmethod
+            def default_stream(device):
+                return ("default_stream", device)
+
+            @staticmethod
             def stream(s):
                 class Ctx:
                     def __enter__(self):
@@ -479,6 +483,14 @@ def test_torch_alltoallv_is_all_to_all_single_on_views_of_the_buffers_on_the_cal
         "all_to_all_single",
         ("tensor", 5000, (12,), ("cuda", 2)), ("tensor", 1000, (7,), ("cuda", 2)),
         [0, 3, 9], [4, 3, 0], "rail-pg", ("ExternalStream", STREAM, ("cuda", 2)))]
+
+
+def test_torch_alltoallv_on_the_legacy_default_stream_runs_on_pytorchs_default_stream():
+    # torch.cuda.ExternalStream(0) would be a new stream of PyTorch's pool, unordered with the caller's.
+    torch = FakeTorch()
+    t = TorchNcclRailTransport(RailOfTorch(1, 3), [1, 3, 5], device_id=2, timeout_s=5, torch=torch)
+    t.alltoallv(1000, [4, 3, 0], 5000, [0, 3, 9], 0)
+    assert torch.calls[0][-1] == ("default_stream", ("cuda", 2))
 
 
 def test_torch_alltoallv_takes_part_even_with_nothing_to_move():
