@@ -138,3 +138,36 @@ def test_as_group_rejects_non_communicators(bad):
         as_group(bad)
     with pytest.raises(TypeError, match=r"\bgroup: expected a torch.distributed ProcessGroup, an mpi4py communicator"):
         MPIGroup(bad)
+
+
+@pytest.mark.mpi
+def test_an_allgather_within_a_deadline_gathers_objects_of_any_size_and_names_a_rank_that_never_comes(tmp_path):
+    script = tmp_path / "within.py"
+    script.write_text(
+        "import json\n"
+        "from mpi4py import MPI\n"
+        "from deepep_cupy.comm import MPIGroup\n"
+        "from deepep_cupy.errors import DeepEPTimeoutError\n"
+        "g = MPIGroup(MPI.COMM_WORLD)\n"
+        "got = g.allgather_within(('x' * (1000 * g.rank), g.rank), 30)\n"
+        "ok = [len(s) for s, _ in got] == [1000 * r for r in range(g.size)] and [r for _, r in got] == [0, 1]\n"
+        "late = None\n"
+        "comm = MPI.COMM_WORLD\n"
+        "if g.rank == 0:\n"
+        "    try:\n"
+        "        g.allgather_within('alone', 0.5)\n"
+        "    except DeepEPTimeoutError as exc:\n"
+        "        late = str(exc)\n"
+        "    comm.send('timed out', dest=1)\n"
+        "    comm.recv(source=1)\n"
+        "else:\n"
+        "    comm.recv(source=0)\n"
+        "print('RESULT ' + json.dumps({'rank': g.rank, 'ok': ok, 'late': late}), flush=True)\n"
+        "if g.rank == 1:\n"
+        "    comm.send('printed', dest=0)\n"
+        "else:\n"
+        "    comm.Abort(0)  # its allgather is still posted: MPI cannot cancel it, so no orderly finalize\n")
+    proc = run_mpi(2, [str(script)], timeout=120)
+    records = {r["rank"]: r for r in worker_records(proc.stdout)}
+    assert records[0]["ok"] and records[1]["ok"], describe(proc)
+    assert "timed out after 0.5 s" in records[0]["late"], describe(proc)
