@@ -90,7 +90,7 @@ class TorchStagedRailTransport(RailTransport):
         buf = getattr(self, attr)
         if buf is None or buf.numel() < nbytes:
             size = -(-max(nbytes, 1) // STAGING_GRANULE) * STAGING_GRANULE
-            buf = self._torch.empty(size, dtype=self._torch.uint8, pin_memory=True)
+            buf = self._torch.empty(size, dtype=self._torch.uint8, device="cpu", pin_memory=True)
             setattr(self, attr, buf)
         return buf
 
