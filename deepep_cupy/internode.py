@@ -431,7 +431,7 @@ class InternodePath:
         settings = (num_experts, info.dtype_name, info.shape[1:],
                     None if scales_info is None else scales_info.shape[1:], num_topk, weights_info is not None,
                     num_worst_tokens, expert_alignment)
-        return _FreshArgs(info, scales_info, x_rows, x_scales, topk, weights, is_token_in_rank, in_rank, per_expert,
+        return _FreshArgs(info, scales_info, x_rows, x_scales, topk, weights, in_rank, per_expert,
                           num_experts, expert_alignment, num_worst_tokens, settings)
 
     def _read_x(self, rows, scales, info, scales_info):
@@ -777,8 +777,7 @@ class _FreshArgs(NamedTuple):
     x_scales: Any
     topk: Any
     weights: Any
-    in_rank_arg: Any     # the caller's is_token_in_rank, or None
-    in_rank: Any         # its view
+    in_rank: Any         # a view of the caller's is_token_in_rank, or None
     per_expert: Any
     num_experts: int
     expert_alignment: int

@@ -331,3 +331,31 @@ def records_by(output: str, key: str, tag: str = "RESULT") -> Dict[str, List[dic
     for record in worker_records(output, tag):
         grouped.setdefault(record[key], []).append(record)
     return grouped
+
+
+def mpi_job_records(worker: str, jobs: Mapping[int, Sequence[int]], timeout: float, log_name: str,
+                    env: Optional[Mapping[str, str]] = None):
+    """Run ``mpiexec -n R worker L...`` for each ``R: (L, ...)`` of ``jobs`` that the GPUs allow;
+    ``({(R, case): [records]}, {R: output})``. A job that timed out still gives the records it
+    printed; with ``DEEPEP_TEST_LOG_DIR`` each job's output is kept as ``{log_name}_{R}_ranks.log``."""
+    results, outputs = {}, {}
+    log_dir = os.environ.get("DEEPEP_TEST_LOG_DIR")
+    for num_ranks, ranks_per_node in jobs.items():
+        if gpu_count() < gpus_needed_under_mpiexec(num_ranks):
+            continue
+        try:
+            run = run_mpi(num_ranks, [str(WORKERS / worker), *map(str, ranks_per_node)], timeout=timeout,
+                          env={"DEEPEP_TEST_TIMEOUT_S": os.environ.get("DEEPEP_TEST_TIMEOUT_S", "60"), **(env or {})})
+            output, stdout = describe(run), run.stdout
+        except AssertionError as exc:  # a job that timed out: its records so far still count
+            output = stdout = str(exc)
+        outputs[num_ranks] = output
+        if log_dir:
+            with open(os.path.join(log_dir, f"{log_name}_{num_ranks}_ranks.log"), "w") as log:
+                log.write(output)
+        try:
+            records = records_by(stdout, "case")
+        except ValueError:  # a record cut short by the timeout
+            records = {}
+        results.update({(num_ranks, case): entries for case, entries in records.items()})
+    return results, outputs

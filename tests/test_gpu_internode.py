@@ -9,42 +9,20 @@ Shapes (nodes x ranks per node): 2x1, 2x2, 4x1 and 3x2, in one mpiexec job per r
 import os
 
 import pytest
-from _harness import WORKERS, describe, gpu_count, gpus_needed_under_mpiexec, records_by, run_mpi
+from _harness import gpus_needed_under_mpiexec, mpi_job_records
 
 #: Ranks of each mpiexec job and the ranks per node of the Buffers it makes in turn.
 JOBS = {2: (1,), 4: (2, 1), 6: (2,)}
 SHAPES = [(2, 1), (2, 2), (4, 1), (3, 2)]
 #: Seconds one mpiexec job may take (kernel compilation included).
 JOB_TIMEOUT_S = float(os.environ.get("DEEPEP_TEST_INTERNODE_JOB_S", "600"))
-#: Where each job's output is written as well (a folder), if set.
-LOG_DIR = os.environ.get("DEEPEP_TEST_LOG_DIR")
 SCENARIOS = ["bf16", "fp16", "fp32", "fp8", "fp8 column scales", "topk -1 aligned", "uneven and zero",
              "all to one node", "num_worst_tokens", "async previous_event", "torch bf16", "torch fp8"]
 
 
 @pytest.fixture(scope="module")
 def internode_results():
-    results, outputs = {}, {}
-    for num_ranks, ranks_per_node in JOBS.items():
-        if gpu_count() < gpus_needed_under_mpiexec(num_ranks):
-            continue
-        try:
-            run = run_mpi(num_ranks, [str(WORKERS / "internode_worker.py"), *map(str, ranks_per_node)],
-                          timeout=JOB_TIMEOUT_S,
-                          env={"DEEPEP_TEST_TIMEOUT_S": os.environ.get("DEEPEP_TEST_TIMEOUT_S", "60")})
-            output, stdout = describe(run), run.stdout
-        except AssertionError as exc:  # a job that timed out: its records so far still count
-            output = stdout = str(exc)
-        outputs[num_ranks] = output
-        if LOG_DIR:
-            with open(os.path.join(LOG_DIR, f"internode_{num_ranks}_ranks.log"), "w") as log:
-                log.write(output)
-        try:
-            records = records_by(stdout, "case")
-        except ValueError:  # a record cut short by the timeout
-            records = {}
-        results.update({(num_ranks, case): entries for case, entries in records.items()})
-    return results, outputs
+    return mpi_job_records("internode_worker.py", JOBS, JOB_TIMEOUT_S, "internode")
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ per case must raise on every rank and leave the communicator's own allgather in 
 import os
 
 import pytest
-from _harness import WORKERS, describe, gpu_count, gpus_needed_under_mpiexec, records_by, run_mpi
+from _harness import gpus_needed_under_mpiexec, mpi_job_records
 
 #: Ranks of each mpiexec job and the ranks per node of the Buffers it makes in turn.
 JOBS = {4: (2, 1), 6: (3, 2), 8: (4, 2)}
@@ -17,33 +17,12 @@ SHAPES = [(2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (4, 1)]
 CASES = [f"{framework} {stream} {scenario}" for framework in ("cupy", "torch") for stream in ("default", "side")
          for scenario in ("calls", "failures")]
 JOB_TIMEOUT_S = float(os.environ.get("DEEPEP_TEST_INTERNODE_JOB_S", "600"))
-LOG_DIR = os.environ.get("DEEPEP_TEST_LOG_DIR")
 
 
 @pytest.fixture(scope="module")
 def matrix_results():
-    results, outputs = {}, {}
-    for num_ranks, ranks_per_node in JOBS.items():
-        if gpu_count() < gpus_needed_under_mpiexec(num_ranks):
-            continue
-        try:
-            run = run_mpi(num_ranks, [str(WORKERS / "internode_matrix_worker.py"), *map(str, ranks_per_node)],
-                          timeout=JOB_TIMEOUT_S, env={"DEEPEP_CUPY_MPI_CUDA_AWARE": "0",
-                                                      "DEEPEP_TEST_TIMEOUT_S": os.environ.get(
-                                                          "DEEPEP_TEST_TIMEOUT_S", "60")})
-            output, stdout = describe(run), run.stdout
-        except AssertionError as exc:  # a job that timed out: its records so far still count
-            output = stdout = str(exc)
-        outputs[num_ranks] = output
-        if LOG_DIR:
-            with open(os.path.join(LOG_DIR, f"internode_matrix_{num_ranks}_ranks.log"), "w") as log:
-                log.write(output)
-        try:
-            records = records_by(stdout, "case")
-        except ValueError:
-            records = {}
-        results.update({(num_ranks, case): entries for case, entries in records.items()})
-    return results, outputs
+    return mpi_job_records("internode_matrix_worker.py", JOBS, JOB_TIMEOUT_S, "internode_matrix",
+                           env={"DEEPEP_CUPY_MPI_CUDA_AWARE": "0"})
 
 
 @pytest.mark.gpu
