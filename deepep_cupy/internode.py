@@ -394,7 +394,9 @@ class InternodePath:
             raise ValueError(f"x: expected {handle.num_tokens} rows (the tokens of the handle's dispatch), got "
                              f"{info.shape[0]}")
         x_rows, x_scales = self._read_x(rows, scales, info, scales_info)
-        return rows, scales, info, scales_info, handle, x_rows, x_scales
+        layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
+        send, recv = self._rail_buffers(layout, handle.send_counts, handle.recv_counts)
+        return rows, scales, info, scales_info, handle, x_rows, x_scales, layout, send, recv
 
     def _check_fresh(self, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                      num_worst_tokens, expand, recv_x_in_buffer, config) -> "_FreshArgs":
@@ -611,12 +613,9 @@ class InternodePath:
             view[n:] = source[n:]
         return out
 
-    def _cached_dispatch(self, rows, scales, info, scales_info, handle: InternodeHandle, x_rows, x_scales, config,
-                         caller, run_on, async_finish):
+    def _cached_dispatch(self, rows, scales, info, scales_info, handle: InternodeHandle, x_rows, x_scales,
+                         layout: RecordLayout, send, recv, config, caller, run_on, async_finish):
         lib = info.lib
-        layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
-        send, recv = self._voting("dispatch", lambda: self._rail_buffers(layout, handle.send_counts,
-                                                                           handle.recv_counts))
 
         def move():
             self.records.pack(run_on, send, layout, handle.send_token_idx, send.shape[0], PackSources(x_rows, x_scales))
@@ -654,8 +653,21 @@ class InternodePath:
         every rank raise from the call, before anything moves."""
         lib = _call_lib(x, topk_weights)
         with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            checked = self._voting("combine", lambda: self._check_combine(x, handle, topk_weights, bias, config))
+            checked = self._voting("combine", lambda: self._check_and_allocate_combine(x, handle, topk_weights, bias,
+                                                                                        config))
             return self._combine(x, topk_weights, *checked, config, caller, run_on, async_finish)
+
+    def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config):
+        """The combine's checks, then what it allocates (the rail buffers, the outputs): one vote for both."""
+        handle, info, w_info, bias_views = self._check_combine(x, handle, topk_weights, bias, config)
+        lib, dtype = info.lib, info.dtype_name
+        T, H = handle.num_tokens, info.shape[1]
+        K = 0 if w_info is None else w_info.shape[1]
+        layout = RecordLayout(tensors.row_bytes((H,), dtype), num_weights=K)
+        send, recv = self._rail_buffers(layout, handle.recv_counts, handle.send_counts)
+        out = self._new_output(lib, (T, H), dtype)
+        out_w = None if not K else self._new_output(lib, (T, K), "float32")
+        return handle, info, w_info, bias_views, layout, send, recv, out, out_w
 
     def _check_combine(self, x, handle, topk_weights, bias, config):
         if config is not None and not isinstance(config, Config):
@@ -684,20 +696,10 @@ class InternodePath:
             views.append(device_view(b, b_info, self.device_id))
         return handle, info, w_info, views
 
-    def _combine(self, x, weights, handle: InternodeHandle, info, w_info, bias_views, config, caller, run_on,
-                 async_finish):
+    def _combine(self, x, weights, handle: InternodeHandle, info, w_info, bias_views, layout: RecordLayout, send,
+                 recv, out_made, out_w, config, caller, run_on, async_finish):
         lib, dtype = info.lib, info.dtype_name
-        T, H = handle.num_tokens, info.shape[1]
-        K = 0 if w_info is None else w_info.shape[1]
-        layout = RecordLayout(tensors.row_bytes((H,), dtype), num_weights=K)
-
-        def allocate():
-            send, recv = self._rail_buffers(layout, handle.recv_counts, handle.send_counts)
-            out = self._new_output(lib, (T, H), dtype)
-            out_w = None if not K else self._new_output(lib, (T, K), "float32")
-            return send, recv, out, out_w
-
-        send, recv, (out, out_view), out_w = self._voting("combine", allocate)
+        out, out_view = out_made
 
         def move():
             partial, partial_w = self._node_partials(lib, x, info, weights, w_info, handle, config)
