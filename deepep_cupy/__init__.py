@@ -5,12 +5,11 @@ Public surface (DeepEP-compatible names; ``import deepep_cupy as deep_ep`` runs 
 scripts): :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, ``topk_idx_t``,
 :func:`get_dispatch_config`, :func:`get_combine_config`, :func:`get_nvl_buffer_size_hint`, the
 node shape of a group (:class:`NodeTopology`, :func:`discover_topology`), and the exceptions.
-``deepep_cupy.reference`` (with ``internode_reference`` and ``low_latency_reference``) is the NumPy
+``deepep_cupy.reference.intranode`` (with ``internode_reference`` and ``low_latency_reference``) is the NumPy
 model every GPU result is checked against.
 """
 
 from .buffer import Buffer
-from .comm import Group, MPIGroup, TorchGroup, as_group
 from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
 from .errors import (
     DeepEPError,
@@ -24,10 +23,11 @@ from .errors import (
     RankMismatchError,
 )
 from .events import EventOverlap
-from .handle import DispatchHandle
-from .local_group import ThreadGroup, run_local_group
-from .nodes import NodeTopology, discover_topology
-from .sm_budget import check_sm_budget
+from .gpu.sm_budget import check_sm_budget
+from .groups.group import Group, MPIGroup, TorchGroup, as_group
+from .groups.local import ThreadGroup, run_local_group
+from .groups.nodes import NodeTopology, discover_topology
+from .intranode.handle import DispatchHandle
 
 __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "TorchGroup", "as_group",

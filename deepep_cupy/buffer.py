@@ -21,21 +21,23 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import compat, kernels, low_latency, tensors
-from .combine_path import CombinePath
-from .comm import Group, as_group
+from . import compat, tensors
 from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
 from .constants import MAX_RANKS
-from .dispatch_path import DispatchPath
 from .errors import RankMismatchError
 from .events import EventOverlap
-from .handle import DispatchHandle
-from .ipc import NvlBuffer
-from .low_latency import LowLatencyPath, get_low_latency_rdma_size_hint
-from .operation_context import OperationContext
-from .slots import HostSlots
-from .sm_budget import check_sm_budget
-from .streams import StreamOrder
+from .gpu import kernels
+from .gpu.ipc import NvlBuffer
+from .gpu.slots import HostSlots
+from .gpu.sm_budget import check_sm_budget
+from .gpu.streams import StreamOrder
+from .groups.group import Group, as_group
+from .intranode.combine import CombinePath
+from .intranode.context import OperationContext
+from .intranode.dispatch import DispatchPath
+from .intranode.handle import DispatchHandle
+from .low_latency import path as low_latency
+from .low_latency.path import LowLatencyPath, get_low_latency_rdma_size_hint
 
 __all__ = ["Buffer", "DispatchHandle"]
 
@@ -50,7 +52,7 @@ class Buffer:
     ``allocate_on_comm_stream``) run on the Buffer's communication stream (:attr:`comm_stream`);
     plain synchronous calls run straight on the caller's stream, which orders them the same way
     at less host cost. A Buffer's calls never overlap each other on the GPU, whatever streams
-    they come from (deepep_cupy/streams.py).
+    they come from (deepep_cupy/gpu/streams.py).
 
     Arrays: CuPy arrays or PyTorch CUDA tensors, read natively; results come back in the caller's
     library, allocated by its allocator (deepep_cupy/tensors.py for the element types).
@@ -68,7 +70,7 @@ class Buffer:
             same on every rank).
             Otherwise 0, or > 0 for an internode Buffer (DeepEP's switch): when the group spans
             several nodes (``ranks_per_node``), every operation takes the hierarchical path of
-            :mod:`deepep_cupy.internode` (a token crosses the network once per destination node,
+            :mod:`deepep_cupy.internode.path` (a token crosses the network once per destination node,
             over the rail transport, to the rank of its own local index there, and this library's
             intranode kernels forward it inside the node); on one node the Buffer is intranode,
             as DeepEP's is. Its staging comes from CuPy's pool per call
@@ -90,7 +92,7 @@ class Buffer:
             the host has this call's counts; the arrays returned are exact-size views of those
             allocations. A call that receives more than that is redone with exact sizes (one more
             count exchange), as are the first and one whose guess is above the largest receive
-            count seen (the bound on memory allocated ahead: deepep_cupy/capacity.py). While it
+            count seen (the bound on memory allocated ahead: deepep_cupy/intranode/capacity.py). While it
             waits for its counts, a dispatch like the previous one (same arguments' kinds and
             token count) allocates the next one's outputs (up to 512 MiB, held until then), so that
             the next launches its transfer at once. False: every call learns its counts first, in
@@ -99,14 +101,14 @@ class Buffer:
         ranks_per_node: (internode) split the group into nodes of this many consecutive ranks
             (simulated nodes on one machine; 1: every GPU its own node); default: the environment
             variable ``DEEPEP_CUPY_RANKS_PER_NODE``, else the hosts, with every GPU its own node
-            where a host's GPUs cannot map each other's memory (:mod:`deepep_cupy.nodes`).
+            where a host's GPUs cannot map each other's memory (:mod:`deepep_cupy.groups.nodes`).
         internode_transport: (internode) ``"nccl"``, ``"mpi"`` or ``"local"`` (in-process ranks);
             default: ``DEEPEP_CUPY_TRANSPORT``, else chosen from the group
-            (:func:`deepep_cupy.transports.make_transport`).
+            (:func:`deepep_cupy.transports.rail.make_transport`).
 
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).
-        topology: the :class:`deepep_cupy.nodes.NodeTopology` of an internode Buffer (else None).
+        topology: the :class:`deepep_cupy.groups.nodes.NodeTopology` of an internode Buffer (else None).
         internode_transport: the name of an internode Buffer's rail transport (else None).
         rank, num_ranks (alias ``group_size``), num_nvl_bytes, num_rdma_bytes, low_latency_mode,
         explicitly_destroy, device_id, timeout_s: the settings.
@@ -168,7 +170,7 @@ class Buffer:
 
     def _set_up_internode(self, ranks_per_node: Optional[int], transport: Optional[str]) -> bool:
         """With ``num_rdma_bytes > 0`` on a group of several nodes: route the operations to an
-        :class:`deepep_cupy.internode.InternodePath` (rail transport, node sub-group, an intranode
+        :class:`deepep_cupy.internode.path.InternodePath` (rail transport, node sub-group, an intranode
         Buffer per node of several ranks) and return True. On one node the Buffer is intranode, as
         DeepEP's is there (``num_rdma_bytes`` unused); False."""
         if not self.num_rdma_bytes:
@@ -176,8 +178,8 @@ class Buffer:
                 raise ValueError("ranks_per_node, internode_transport: internode settings; pass num_rdma_bytes > 0 "
                                  "(Config.get_rdma_buffer_size_hint) to make an internode Buffer")
             return False
-        from . import internode
-        from .nodes import discover_topology
+        from .groups.nodes import discover_topology
+        from .internode import path as internode
 
         with self._on_device:
             topology = discover_topology(self._group, ranks_per_node)
@@ -295,13 +297,13 @@ class Buffer:
         return True
 
     # -----------------------------------------------------------------------------------------
-    # Decode: DeepEP's low-latency API (deepep_cupy/low_latency.py does the work)
+    # Decode: DeepEP's low-latency API (deepep_cupy/low_latency/path.py does the work)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """Bytes of ``num_rdma_bytes`` for a low-latency Buffer (DeepEP's name):
-        :func:`deepep_cupy.low_latency.get_low_latency_rdma_size_hint`."""
+        :func:`deepep_cupy.low_latency.path.get_low_latency_rdma_size_hint`."""
         return get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def _low_latency_path(self) -> LowLatencyPath:
@@ -397,7 +399,7 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency signal words and call counters on every rank (collective; the host
         waits for this rank's calls first). Not needed between calls: the signals carry epochs."""
-        from .low_latency import clean_arguments
+        from .low_latency.path import clean_arguments
 
         clean_arguments(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._low_latency_path().clean(self._group.barrier)

@@ -27,7 +27,7 @@ _UNSUPPORTED = {
 def check_supported(num_rdma_bytes: int, low_latency_mode: bool = False, **flags: bool) -> None:
     """Refuse DeepEP constructor settings this library cannot honour.
 
-    ``num_rdma_bytes > 0`` asks for an internode Buffer (deepep_cupy/internode.py): the
+    ``num_rdma_bytes > 0`` asks for an internode Buffer (deepep_cupy/internode/path.py): the
     hierarchical path when the group spans nodes, the intranode one on one node (as DeepEP). With
     ``low_latency_mode`` the RDMA bytes are the low-latency buffer's (DeepEP's decode API, over
     NVLink on one node): a positive int.
@@ -66,8 +66,8 @@ def resolve_device(device: Optional[int], group: Any) -> int:
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
             raise ValueError(f"device: expected a CUDA device id (a non-negative int), got {device!r}")
         return device
-    from .comm import TorchGroup
-    from .gpu_check import require_gpu
+    from .gpu.check import require_gpu
+    from .groups.group import TorchGroup
 
     require_gpu("deepep_cupy.Buffer")  # before the first CUDA call: one sentence, not CuPy's bare error
 

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from . import hardware, layout
 from .constants import BLOCK_THREADS, FP8_SCALE_BLOCK, MAX_RANKS, MAX_TOPK
+from .gpu import hardware, layout
 
 #: Tokens per rank :func:`get_nvl_buffer_size_hint` makes room for unless told otherwise.
 DEFAULT_MAX_TOKENS_PER_RANK = 8192
@@ -36,7 +36,7 @@ class Config:
             it got (the receivers copy what is published).
         num_max_nvl_chunked_recv_tokens: DeepEP's queue depth. Accepted (and compared across
             ranks) so that DeepEP's configs work; the transfer regions here are sized by the
-            Buffer (deepep_cupy/layout.py), not by it.
+            Buffer (deepep_cupy/gpu/layout.py), not by it.
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's internode
             settings, accepted so that its five-argument configs work; intranode calls ignore them.
     """
@@ -90,7 +90,7 @@ class Config:
 
 
 #: Blocks that push over NVLink at the link's rate: 8 on 18 NVLinks (2 x H200, where the rates were
-#: measured: deepep_cupy.hardware). A constant, not the local GPU's count: every rank must split
+#: measured: deepep_cupy.gpu.hardware). A constant, not the local GPU's count: every rank must split
 #: a config's SMs alike.
 LINK_SENDER_BLOCKS = hardware.senders_for_links(hardware.ASSUMED_LINKS)
 
@@ -184,7 +184,7 @@ def get_rdma_buffer_size_hint(hidden_bytes: int, num_ranks: int, *, num_topk: in
                               num_max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK) -> int:
     """Bytes of internode staging one dispatch or combine of an internode Buffer may take.
 
-    An internode call (deepep_cupy/internode.py) packs each token once per destination node into a
+    An internode call (deepep_cupy/internode/path.py) packs each token once per destination node into a
     record (row, FP8 scales, int64 top-k ids, float32 weights, padded to 16 bytes) and receives
     as many from the other nodes: at most ``num_max_tokens_per_rank`` tokens times the node count
     (at most ``num_ranks``: one rank per node) each way. The staging comes from CuPy's memory pool
@@ -207,7 +207,7 @@ def get_rdma_buffer_size_hint(hidden_bytes: int, num_ranks: int, *, num_topk: in
 
 
 # The recommended configs, measured on 2 x H200 (docs/PERFORMANCE.md): publishing every 4 tokens
-# beats 8 and 16; the SM count follows the GPU's NVLinks (deepep_cupy.hardware).
+# beats 8 and 16; the SM count follows the GPU's NVLinks (deepep_cupy.gpu.hardware).
 RECOMMENDED_SEND_CHUNK = 4
 #: DeepEP's queue depth, unused here (see Config).
 RECOMMENDED_RECV_CHUNK = 256
@@ -363,7 +363,7 @@ def _tuned(kind: str, num_ranks: int) -> Optional[Config]:
 
 def get_dispatch_config(num_ranks: int) -> Config:
     """The recommended dispatch config for ``num_ranks`` ranks on the current GPU (its SM count from
-    the GPU's NVLinks, :mod:`deepep_cupy.hardware`), or a tuned one if ``DEEPEP_CUPY_CONFIG`` names one."""
+    the GPU's NVLinks, :mod:`deepep_cupy.gpu.hardware`), or a tuned one if ``DEEPEP_CUPY_CONFIG`` names one."""
     _check_num_ranks(num_ranks)
     return _tuned("dispatch", num_ranks) or recommended_config()
 

@@ -70,7 +70,7 @@ NOTIFY_AREA_BYTES = -(-4 * MAX_RANKS * (SIGNATURE_INTS + MAX_RANKS + MAX_LOCAL_E
 #: and the hosts redo the call with exact sizes.
 VERDICT_OVER_CAPACITY = 1024
 #: The verdict when a rank sends another more tokens than a transfer region of the NVLink buffer
-#: holds (deepep_cupy/layout.py): nothing moves and the call raises.
+#: holds (deepep_cupy/gpu/layout.py): nothing moves and the call raises.
 VERDICT_BUFFER_TOO_SMALL = 1025
 #: What a rank's host failed at, when it takes part in a call only to refuse it (the call then moves
 #: nothing on any rank, and every rank raises, naming the rank and the failure). The rank states it
@@ -99,7 +99,7 @@ ABORT_REASON_INT = 25
 #: detail is one of them.
 ERROR_BAD_EXPERT_ID = 7
 
-#: The low-latency buffer (deepep_cupy/low_latency.py, kernels/low_latency.cu): int indices of the
+#: The low-latency buffer (deepep_cupy/low_latency/path.py, kernels/low_latency.cu): int indices of the
 #: rank's call counters (op * 2 + {send, receive}; op 0 dispatch, 1 combine), of the exit counters
 #: of its grids (op * 4 + phases) and of the release words ((op * 2 + half) * MAX_RANKS + reader);
 #: byte offsets of the dispatch counts (int64, per half MAX_EXPERTS), of the combine flags (int,

@@ -4,14 +4,14 @@ make runs this file as a script (``python3 deepep_cupy/driver_check.py "make ben
 target that needs a GPU creates ``.venv`` or installs anything: a machine without a GPU is told so
 in one sentence at once, not after a download of a GB or more. It loads the driver's own library
 (libcuda) through ctypes and imports nothing else, neither CuPy nor NumPy nor this package, so any
-Python 3 runs it. :mod:`deepep_cupy.gpu_check` asks the same question through CuPy once it is there.
+Python 3 runs it. :mod:`deepep_cupy.gpu.check` asks the same question through CuPy once it is there.
 """
 
 import ctypes
 import sys
 from typing import Callable, Optional
 
-#: The exit status of a command that found no usable GPU (deepep_cupy.gpu_check.NO_GPU_EXIT_STATUS).
+#: The exit status of a command that found no usable GPU (deepep_cupy.gpu.check.NO_GPU_EXIT_STATUS).
 NO_GPU_EXIT_STATUS = 2
 
 #: The CUDA driver API's "no CUDA-capable device is detected".
@@ -40,7 +40,7 @@ def missing_driver_reason(load: Callable[[str], object] = ctypes.CDLL) -> Option
 
 
 def exit_unless_driver(program: str) -> None:
-    """Print ``"<program> needs a CUDA GPU, but <reason>."`` (deepep_cupy.gpu_check's form) to stderr
+    """Print ``"<program> needs a CUDA GPU, but <reason>."`` (deepep_cupy.gpu.check's form) to stderr
     and exit with :data:`NO_GPU_EXIT_STATUS` when the driver sees no GPU; return when it does."""
     reason = missing_driver_reason()
     if reason is not None:

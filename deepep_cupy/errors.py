@@ -101,4 +101,4 @@ class NcclUnavailable(DeepEPError):
 class GpuUnavailableError(DeepEPError):
     """This process has no usable CUDA GPU (CuPy does not import, no driver, or no device): raised
     by ``Buffer()`` and :func:`run_local_group` before any CUDA call, with one sentence saying what
-    is missing (``deepep_cupy.gpu_check``)."""
+    is missing (``deepep_cupy.gpu.check``)."""

@@ -334,7 +334,7 @@ def main() -> None:
     parser.add_argument("--num-experts", type=int, default=256)
     args = parser.parse_args()
     # Not DeepEP's: without a GPU or driver, one sentence on stderr and exit status 2, no traceback.
-    from deepep_cupy.gpu_check import exit_unless_gpu
+    from deepep_cupy.gpu.check import exit_unless_gpu
     exit_unless_gpu("examples/deepep_intranode.py")
     launched = launcher_rank()
     if launched is not None:

@@ -17,8 +17,8 @@ import numpy as np
 import cupy
 
 import deepep_cupy as ep
-from deepep_cupy import reference as ref
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.reference import intranode as ref
+from deepep_cupy.gpu.check import exit_unless_gpu
 
 exit_unless_gpu("this example")  # without a GPU: one sentence saying what is missing, exit status 2
 num_gpus = cupy.cuda.runtime.getDeviceCount()

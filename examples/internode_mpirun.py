@@ -28,8 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 import deepep_cupy as ep
-from deepep_cupy import reference
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.reference import intranode as reference
+from deepep_cupy.gpu.check import exit_unless_gpu
 
 
 def grouped_routing(rng, num_tokens, num_experts, num_topk, num_nodes, num_groups):

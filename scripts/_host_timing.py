@@ -12,8 +12,8 @@ import numpy as np
 from _mpi_timing import HIDDEN, NUM_EXPERTS, NUM_TOPK, rank_buffer
 
 import deepep_cupy as ep
-from deepep_cupy import reference as ref
 from deepep_cupy.bench.calls import device_arrays
+from deepep_cupy.reference import intranode as ref
 
 #: What the scripts name the ops they time.
 OPS = ("layout", "fresh", "fresh_fp8", "fresh_in_place", "cached", "combine")
@@ -113,7 +113,9 @@ class PieceTimers:
         """Time the pieces of the host path every op goes through (the array libraries ``libs``'
         methods, launches, the handle, the slots, the stream order, a fresh dispatch's reads);
         return what undoes it."""
-        from deepep_cupy import dispatch_path, handle, launch, slots, streams
+        from deepep_cupy.gpu import launch, slots, streams
+        from deepep_cupy.intranode import dispatch as dispatch_path
+        from deepep_cupy.intranode import handle
 
         undo = [self.wrap(launch, "launch", launch_label),
                 self.wrap(launch.KernelCall, "run", "KernelCall.run (packing + launch)"),

@@ -10,8 +10,8 @@ import cupy
 import numpy as np
 
 import deepep_cupy as ep
-from deepep_cupy import reference as ref
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu.check import exit_unless_gpu
+from deepep_cupy.reference import intranode as ref
 
 HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
 

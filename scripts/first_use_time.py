@@ -50,7 +50,7 @@ def one_run() -> dict:
     import cupy
 
     import deepep_cupy as ep
-    from deepep_cupy import kernels
+    from deepep_cupy.gpu import kernels
     imported = time.perf_counter() - start
 
     if args.serial:
@@ -83,7 +83,7 @@ def one_run() -> dict:
 
 
 def gpu_mode() -> None:
-    from deepep_cupy.gpu_check import exit_unless_gpu
+    from deepep_cupy.gpu.check import exit_unless_gpu
 
     # Without a GPU: one sentence and exit status 2, as every command (--nvrtc needs none).
     exit_unless_gpu("scripts/first_use_time.py without --nvrtc")
@@ -105,7 +105,7 @@ def nvrtc_mode() -> None:
     import cupy  # noqa: F401  (loads the CUDA wheels' library paths)
     from cupy.cuda import nvrtc
 
-    from deepep_cupy import kernels
+    from deepep_cupy.gpu import kernels
 
     # What cupy.RawModule adds to our options (cupy/cuda/compiler.py); -arch=sm_ gives a cubin.
     options = [*kernels.NVRTC_OPTIONS, "-ftz=true", f"-arch=sm_{args.arch}", "--device-as-default-execution-space"]

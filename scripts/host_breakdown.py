@@ -12,7 +12,8 @@ import numpy as np
 from _host_timing import OPS, PieceTimers, host_times, rank_host_ops_from_command_line
 
 from deepep_cupy import buffer as buffer_module
-from deepep_cupy import dispatch_path, tensors
+from deepep_cupy import tensors
+from deepep_cupy.intranode import dispatch as dispatch_path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--op", default="fresh", choices=OPS)

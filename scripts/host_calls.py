@@ -31,7 +31,7 @@ def steady_ops(num_tokens: int):
     from host_fakes import fake_buffer, on_device
 
     import deepep_cupy as ep
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     config = ep.Config(8, 4, 32)
     received = 2 * num_tokens

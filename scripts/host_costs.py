@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 from cupy.cuda import driver, runtime
 
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu.check import exit_unless_gpu
 
 N = 2000
 

@@ -38,11 +38,12 @@ from _host_timing import OPS, PieceTimers, host_ops, host_times
 from _mpi_timing import NUM_EXPERTS, NUM_TOPK
 
 import deepep_cupy as ep
-from deepep_cupy import kernels, launch, slots, streams, tensors
+from deepep_cupy import tensors
 from deepep_cupy.bench.timing import interpreter_us
-from deepep_cupy.comm import Group
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu import kernels, launch, slots, streams
+from deepep_cupy.gpu.check import exit_unless_gpu
+from deepep_cupy.groups.group import Group
 
 CONFIG = ep.Config(24, 4, 256)
 WARMUP = 20

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List
 
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu.check import exit_unless_gpu
 
 STAMP_TABLE = """
 extern "C" __device__ unsigned long long timeline_first[64][4];
@@ -92,8 +92,8 @@ def main() -> None:  # pragma: no cover - needs GPUs and mpirun
     from mpi4py import MPI
 
     import deepep_cupy as ep
-    from deepep_cupy import kernels
-    from deepep_cupy import reference as ref
+    from deepep_cupy.gpu import kernels
+    from deepep_cupy.reference import intranode as ref
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="128,4096")

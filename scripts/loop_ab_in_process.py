@@ -27,7 +27,7 @@ from typing import Dict, List, Tuple
 
 import cupy
 
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu.check import exit_unless_gpu
 
 #: The modules a tree brings: its library and the script helpers it is measured with.
 SCRIPT_MODULES = ("host_path_alone", "_host_timing", "_mpi_timing")

@@ -16,9 +16,9 @@ import numpy as np
 from mpi4py import MPI
 
 import deepep_cupy as ep
-from deepep_cupy import launch
-from deepep_cupy import reference as ref
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu import launch
+from deepep_cupy.gpu.check import exit_unless_gpu
+from deepep_cupy.reference import intranode as ref
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", default="128,4096")

@@ -18,7 +18,7 @@ import pathlib
 import cupy
 import numpy as np
 
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu.check import exit_unless_gpu
 
 TOKENS = 4096
 SHARED_BYTES = 200 * 1024  # of the 227 KiB an H100/H200 block may use

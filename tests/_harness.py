@@ -39,14 +39,14 @@ ONE_GPU_MPI = os.environ.get("DEEPEP_TEST_ONE_GPU_MPI", "0").strip() == "1"
 
 @functools.lru_cache(maxsize=None)
 def probe_gpus():
-    """``deepep_cupy.gpu_check.probe()`` once per session: ``(count, reason)``, the reason saying why
+    """``deepep_cupy.gpu.check.probe()`` once per session: ``(count, reason)``, the reason saying why
     the probe failed (no CuPy, no driver, ...) or None."""
     try:
-        from deepep_cupy.gpu_check import probe
+        from deepep_cupy.gpu.check import probe
     except Exception as exc:  # noqa: BLE001 - the package itself is broken: no GPU test can run
         from types import SimpleNamespace
 
-        return SimpleNamespace(count=0, reason=f"deepep_cupy.gpu_check does not import ({type(exc).__name__}: {exc})")
+        return SimpleNamespace(count=0, reason=f"deepep_cupy.gpu.check does not import ({type(exc).__name__}: {exc})")
     return probe()
 
 

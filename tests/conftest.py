@@ -2,7 +2,7 @@
 
 * ``@pytest.mark.gpu`` (or ``gpu(n)``): needs at least 2 (or ``n``) CUDA devices; skipped when
   there are fewer, the reason saying how many were found and, when the probe failed
-  (``deepep_cupy.gpu_check.probe``: no CuPy, no driver, ...), why: "needs 2 GPUs, found 0: the
+  (``deepep_cupy.gpu.check.probe``: no CuPy, no driver, ...), why: "needs 2 GPUs, found 0: the
   NVIDIA driver is missing ...". A test marked ``mpi`` too needs one device in all under
   ``DEEPEP_TEST_ONE_GPU_MPI=1`` (``_harness.ONE_GPU_MPI``).
 * ``DEEPEP_TEST_REQUIRE_GPUS=N``: the run promises N usable GPUs. A GPU test that needs ``need``

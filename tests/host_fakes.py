@@ -9,7 +9,7 @@ what needs a GPU is replaced:
 * kernels are "loaded" as null functions and launches are recorded by :class:`Launches`, which
   plays notify_dispatch's part in the slot protocol from a script;
 * :class:`FakeOrder` stands for the stream order, or :func:`recording_order` makes a real
-  :class:`deepep_cupy.streams.StreamOrder` whose CUDA calls go to a timeline shared with the launches.
+  :class:`deepep_cupy.gpu.streams.StreamOrder` whose CUDA calls go to a timeline shared with the launches.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from deepep_cupy import buffer as buffer_module
-from deepep_cupy import launch, slots, tensors
+from deepep_cupy import tensors
 from deepep_cupy.buffer import Buffer
-from deepep_cupy.comm import Group
 from deepep_cupy.constants import (
     ERROR_DISPATCH_REFUSED,
     HOST_FAILURE_FLAG,
@@ -32,8 +31,10 @@ from deepep_cupy.constants import (
     VERDICT_OVER_CAPACITY,
 )
 from deepep_cupy.events import EventOverlap
-from deepep_cupy.slots import ERROR_RECORD, HostSlots
-from deepep_cupy.streams import StreamOrder
+from deepep_cupy.gpu import launch, slots
+from deepep_cupy.gpu.slots import ERROR_RECORD, HostSlots
+from deepep_cupy.gpu.streams import StreamOrder
+from deepep_cupy.groups.group import Group
 
 DEVICE = 0
 #: The stream FakeLib's callers are on, and the communication stream of the fake orders.

@@ -1,10 +1,10 @@
 """The internode path on the CPU: ranks as threads, NumPy in CuPy's place, a rail transport that
 copies between the threads' host buffers, and an intranode engine made of the intranode model.
 
-Everything :class:`deepep_cupy.internode.InternodePath` does on the host and with its arrays is
+Everything :class:`deepep_cupy.internode.path.InternodePath` does on the host and with its arrays is
 real (checks, packing, the rail exchange's counts and byte offsets, node-local top-k, the
 reduction and its roundings); only the GPU is replaced, so its results can be compared with
-:mod:`deepep_cupy.internode_reference` on this machine.
+:mod:`deepep_cupy.reference.internode` on this machine.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from typing import NamedTuple
 import numpy as np
 from host_fakes import DEVICE, FakeArray, FakeLib, FakeOrder, on_device
 
-from deepep_cupy import internode, tensors
-from deepep_cupy import reference as ref
+from deepep_cupy import tensors
+from deepep_cupy.internode import path as internode
+from deepep_cupy.reference import intranode as ref
 
 try:
-    from deepep_cupy.nodes import NodeTopology
+    from deepep_cupy.groups.nodes import NodeTopology
 except ImportError:  # the transport helper's module, not merged yet: the same shape
     class NodeTopology(NamedTuple):
         rank: int
@@ -212,7 +213,7 @@ class ModelEngine:
 
 
 class NumpyRecords:
-    """The record kernels (deepep_cupy.internode_records.RecordKernels) on NumPy arrays, with the
+    """The record kernels (deepep_cupy.internode.records.RecordKernels) on NumPy arrays, with the
     kernel each call stands for."""
 
     def __init__(self):

@@ -361,7 +361,7 @@ def test_report_shows_tuning_and_best_config():
 
 def _library():
     import deepep_cupy as ep
-    from deepep_cupy import reference
+    from deepep_cupy.reference import intranode as reference
 
     return ep, reference
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from deepep_cupy import internode_reference as iref
-from deepep_cupy import reference as ref
 from deepep_cupy.bench import cli
 from deepep_cupy.bench.internode import OPS, format_internode_report, traffic_rows
+from deepep_cupy.reference import internode as iref
+from deepep_cupy.reference import intranode as ref
 
 
 def test_ranks_per_node_and_transport_parse():

@@ -7,7 +7,7 @@ guess is above the bound) is specified in test_host_path.py.
 
 import numpy as np
 
-from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS, ReceiveCapacityGuess, with_headroom
+from deepep_cupy.intranode.capacity import HEADROOM_FRACTION, HEADROOM_ROWS, ReceiveCapacityGuess, with_headroom
 
 #: No limit from the Buffer's size in these tests.
 ANY_ROWS = 1 << 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from _harness import WORKERS, describe, run_mpi, worker_records
 
-from deepep_cupy.comm import Group, MPIGroup, as_group
+from deepep_cupy.groups.group import Group, MPIGroup, as_group
 
 # ---------------------------------------------------------------------------------------------
 # MPIGroup over MPI.COMM_WORLD, 2..4 processes (more than the CI machine's 2 cores on purpose)
@@ -146,7 +146,7 @@ def test_an_allgather_within_a_deadline_gathers_objects_of_any_size_and_names_a_
     script.write_text(
         "import json\n"
         "from mpi4py import MPI\n"
-        "from deepep_cupy.comm import MPIGroup\n"
+        "from deepep_cupy.groups.group import MPIGroup\n"
         "from deepep_cupy.errors import DeepEPTimeoutError\n"
         "g = MPIGroup(MPI.COMM_WORLD)\n"
         "got = g.allgather_within(('x' * (1000 * g.rank), g.rank), 30)\n"

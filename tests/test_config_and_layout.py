@@ -6,7 +6,6 @@ import json
 import pytest
 
 import deepep_cupy as ep
-from deepep_cupy import layout
 from deepep_cupy.config import (
     CONFIG_ENV,
     LINK_SENDER_BLOCKS,
@@ -15,6 +14,7 @@ from deepep_cupy.config import (
     sender_blocks,
 )
 from deepep_cupy.constants import BLOCK_THREADS
+from deepep_cupy.gpu import layout
 
 
 def test_config_rejects_odd_num_sms():

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from deepep_cupy import constants, kernels, layout
+from deepep_cupy import constants
+from deepep_cupy.gpu import kernels, layout
 
 
 def _sources():

@@ -8,8 +8,8 @@ from host_fakes import fake_buffer, on_device
 from test_host_path import CONFIG, STAGE_IDS, E, H, K, N, dispatch, workload
 
 import deepep_cupy as ep
-from deepep_cupy import reference as ref
 from deepep_cupy.constants import ERROR_DISPATCH_REFUSED, VERDICT_OVER_CAPACITY
+from deepep_cupy.reference import intranode as ref
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The memory pool that in-process ranks sharing a GPU allocate from (deepep_cupy.device_pools),
+"""The memory pool that in-process ranks sharing a GPU allocate from (deepep_cupy.gpu.device_pools),
 with CUDA's pool calls played by a fake runtime."""
 
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 from _harness import import_or_skip
 
-from deepep_cupy.device_pools import DevicePools, allocator_for
+from deepep_cupy.gpu.device_pools import DevicePools, allocator_for
 
 DEFAULT_POOL = 1000
 

@@ -10,7 +10,7 @@ import pytest
 from _harness import REPO_ROOT, describe, gpu_count, run_python
 from test_kernels_compile import _nvrtc
 
-from deepep_cupy import kernels
+from deepep_cupy.gpu import kernels
 
 SCRIPT = REPO_ROOT / "scripts" / "first_use_time.py"
 

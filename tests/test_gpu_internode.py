@@ -1,5 +1,5 @@
 """Internode dispatch and combine on GPUs, one process per rank under mpiexec, with the MPI rail
-transport over simulated nodes (``ranks_per_node``), against deepep_cupy.internode_reference.
+transport over simulated nodes (``ranks_per_node``), against deepep_cupy.reference.internode.
 
 Shapes (nodes x ranks per node): 2x1, 2x2, 4x1 and 3x2, in one mpiexec job per rank count
 (tests/workers/internode_worker.py); every scenario's result is checked on every rank. With

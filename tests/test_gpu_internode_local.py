@@ -1,5 +1,5 @@
 """Internode dispatch and combine with every rank in one process (run_local_group) and the "local"
-rail transport, one GPU per rank, against deepep_cupy.internode_reference (the scenarios of
+rail transport, one GPU per rank, against deepep_cupy.reference.internode (the scenarios of
 tests/workers/internode_worker.py). Ranks sharing a GPU in one process are not run here: a first
 launch of a CuPy kernel on one rank's thread may wait for a peer's spinning NVLink kernel."""
 

@@ -1,4 +1,4 @@
-"""Random internode cases against deepep_cupy.internode_reference on GPUs: the seeds ``make test``
+"""Random internode cases against deepep_cupy.reference.internode on GPUs: the seeds ``make test``
 runs (``internode_cases.GPU_TEST_SEEDS``; ``make soak-internode`` runs more).
 
 One mpiexec job of as many processes as the largest case has ranks runs

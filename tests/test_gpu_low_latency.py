@@ -1,4 +1,4 @@
-"""The low-latency (decode) calls on real GPUs, bit-exact against deepep_cupy/low_latency_reference.py.
+"""The low-latency (decode) calls on real GPUs, bit-exact against deepep_cupy/reference/low_latency.py.
 
 The worker (tests/workers/low_latency_worker.py) runs every case: BF16 and FP8 dispatch (plain,
 power-of-two scales, UE8M0) with and without the receive hook, then combine; 1 to 128 tokens per

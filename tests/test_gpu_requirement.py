@@ -11,7 +11,7 @@ import _harness
 import pytest
 from _harness import REPO_ROOT, mpi_env, skip_unless_gpus
 
-from deepep_cupy.gpu_check import GpuProbe
+from deepep_cupy.gpu.check import GpuProbe
 
 TESTS = REPO_ROOT / "tests"
 STUB_REASON = "stubbed probe: the NVIDIA driver is missing"
@@ -81,7 +81,7 @@ def gpu_test_with_a_stubbed_probe(tmp_path):
     :data:`STUB_REASON`) and brings in tests/conftest.py's hooks."""
     (tmp_path / "stub_gpu_probe.py").write_text(textwrap.dedent(f"""\
         import _harness
-        from deepep_cupy.gpu_check import GpuProbe
+        from deepep_cupy.gpu.check import GpuProbe
 
         _harness.probe_gpus = lambda: GpuProbe(0, {STUB_REASON!r})
 

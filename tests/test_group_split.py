@@ -12,9 +12,9 @@ import pytest
 from _harness import WORKERS, describe, gloo_records, import_or_skip, run_mpi, worker_records
 from transport_fakes import FakeComm
 
-from deepep_cupy.comm import MPIGroup, check_partition
 from deepep_cupy.errors import DeepEPTimeoutError, GroupAbortedError, RankFailed, RankMismatchError
-from deepep_cupy.local_group import ThreadGroup, run_local_group
+from deepep_cupy.groups.group import MPIGroup, check_partition
+from deepep_cupy.groups.local import ThreadGroup, run_local_group
 
 RAILS_OF_3x2 = [[0, 2, 4], [1, 3, 5]]
 NODES_OF_3x2 = [[0, 1], [2, 3], [4, 5]]
@@ -201,7 +201,7 @@ def test_mpi_group_splits_into_nodes_and_rails(n):
 def _torch_rank_main(rank: int, size: int) -> dict:
     import torch.distributed as dist
 
-    from deepep_cupy.comm import TorchGroup, as_group
+    from deepep_cupy.groups.group import TorchGroup, as_group
 
     world = as_group(dist.group.WORLD)
     rails = world.split([list(range(local, size, 2)) for local in range(2)])

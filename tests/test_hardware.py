@@ -1,12 +1,12 @@
-"""The recommended SM count from the GPU's NVLinks (deepep_cupy.hardware; CPU only, NVML faked)."""
+"""The recommended SM count from the GPU's NVLinks (deepep_cupy.gpu.hardware; CPU only, NVML faked)."""
 
 import ctypes
 
 import pytest
 
 import deepep_cupy as ep
-from deepep_cupy import hardware
 from deepep_cupy.config import DEFAULT_NUM_SMS, sender_blocks
+from deepep_cupy.gpu import hardware
 
 
 class FakeNvml:

@@ -14,7 +14,6 @@ from host_fakes import FakeMapped, fake_buffer
 from test_host_path import CONFIG, H, dispatch, workload
 
 import deepep_cupy as ep
-from deepep_cupy import slots
 from deepep_cupy.constants import (
     ERROR_HOST_FAILED,
     ERROR_PEER_ABORTED,
@@ -24,6 +23,7 @@ from deepep_cupy.constants import (
     HOST_FAILURES,
     VERDICT_HOST_FAILED,
 )
+from deepep_cupy.gpu import slots
 
 
 class OutOfMemory(MemoryError):
@@ -198,7 +198,7 @@ def test_an_operation_context_is_freed_without_a_garbage_collection():
 
     from host_fakes import FakeGroup, FakeOrder
 
-    from deepep_cupy.operation_context import OperationContext
+    from deepep_cupy.intranode.context import OperationContext
 
     ctx = OperationContext(FakeGroup(0, 2), 0, 5.0, 1 << 20)
     ctx.attach(_Nvl(), slots.HostSlots(0, 5.0, in_process=False, mapped=FakeMapped()), FakeOrder(), 0xB0F)

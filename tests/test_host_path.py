@@ -13,10 +13,11 @@ import pytest
 from host_fakes import CALLER_STREAM, COMM_STREAM, FakeGroup, fake_buffer, on_device, recording_order
 
 import deepep_cupy as ep
-from deepep_cupy import launch, next_outputs, plans, slots
-from deepep_cupy import reference as ref
-from deepep_cupy.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
 from deepep_cupy.constants import ERROR_PEER_ABORTED, ERROR_TIMEOUT, KERNEL_STAGES, VERDICT_OVER_CAPACITY
+from deepep_cupy.gpu import launch, slots
+from deepep_cupy.intranode import next_outputs, plans
+from deepep_cupy.intranode.capacity import HEADROOM_FRACTION, HEADROOM_ROWS
+from deepep_cupy.reference import intranode as ref
 
 R, N, H, K, E = 2, 64, 256, 4, 16
 CONFIG = ep.Config(8, 4, 32)

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 import pytest
 
 import deepep_cupy as ep
-from deepep_cupy import internode, nodes, operation_context
-from deepep_cupy.local_group import ThreadGroup
+from deepep_cupy.groups import nodes
+from deepep_cupy.groups.local import ThreadGroup
+from deepep_cupy.internode import path as internode
+from deepep_cupy.intranode import context as operation_context
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The internode path's host logic and array work, run on the CPU (tests/internode_fakes.py): ranks
 as threads, NumPy for CuPy, a thread rail transport and the intranode model as the node's engine;
-every result compared bit-exactly with deepep_cupy.internode_reference."""
+every result compared bit-exactly with deepep_cupy.reference.internode."""
 
 import re
 
@@ -10,12 +10,12 @@ from host_fakes import on_device
 from internode_fakes import make_paths, run_ranks, use_host_arrays
 from workers.gpu_worker import draw_rows
 
-from deepep_cupy import internode
-from deepep_cupy import internode_reference as iref
-from deepep_cupy import reference as ref
 from deepep_cupy.errors import PeerFailedError, RankMismatchError
-from deepep_cupy.internode_handle import InternodeHandle
-from deepep_cupy.internode_records import RecordLayout
+from deepep_cupy.internode import path as internode
+from deepep_cupy.internode.handle import InternodeHandle
+from deepep_cupy.internode.records import RecordLayout
+from deepep_cupy.reference import internode as iref
+from deepep_cupy.reference import intranode as ref
 
 SHAPES = [(2, 1), (2, 2), (4, 1), (3, 2)]
 H = 64

@@ -21,8 +21,8 @@ import internode_random_worker as worker  # noqa: E402
 import internode_soak  # noqa: E402
 import random_cases as rc  # noqa: E402
 
-from deepep_cupy import layout  # noqa: E402
 from deepep_cupy.constants import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_RANKS  # noqa: E402
+from deepep_cupy.gpu import layout
 
 CASES = ic.internode_cases(0, 400)
 
@@ -156,7 +156,8 @@ def test_the_intranode_seeds_match_the_drawing_of_the_pinned_commit(tmp_path):
     if old.returncode != 0:
         pytest.skip(f"commit {PINNED_COMMIT[:7]} is not in this clone: {old.stderr.strip()}")
     path = tmp_path / "random_cases_before.py"
-    path.write_text(old.stdout)
+    # The package's modules moved into folders since (deepep_cupy/gpu/sm_budget.py).
+    path.write_text(old.stdout.replace("deepep_cupy.sm_budget", "deepep_cupy.gpu.sm_budget"))
     spec = importlib.util.spec_from_file_location("random_cases_before", path)
     before = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(before)

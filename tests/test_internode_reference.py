@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from deepep_cupy import internode_reference as iref
-from deepep_cupy import reference as ref
+from deepep_cupy.reference import internode as iref
+from deepep_cupy.reference import intranode as ref
 
 SHAPES = [(2, 1), (2, 2), (4, 1), (3, 2), (2, 4)]  # (nodes, ranks per node)
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepep_cupy import kernels, launch
-from deepep_cupy.launch import KernelCall, ParameterBlock, parameter_struct
+from deepep_cupy.gpu import kernels, launch
+from deepep_cupy.gpu.launch import KernelCall, ParameterBlock, parameter_struct
 
 
 def _declared_parameters(kernel):

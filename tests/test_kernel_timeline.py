@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_kernels_compile import _compile, _nvrtc
 
-from deepep_cupy import kernels
+from deepep_cupy.gpu import kernels
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "kernel_timeline.py"
 

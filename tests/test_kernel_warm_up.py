@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from deepep_cupy import kernels
+from deepep_cupy.gpu import kernels
 
 
 class StubBuilds:

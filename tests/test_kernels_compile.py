@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from _harness import skip_or_fail
 
-from deepep_cupy import kernels
+from deepep_cupy.gpu import kernels
 
 ARCH = "--gpu-architecture=sm_90"
 

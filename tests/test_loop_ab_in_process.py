@@ -17,8 +17,8 @@ CHECK = textwrap.dedent("""
     assert old["deepep_cupy"] is not new["deepep_cupy"]
     for modules, root in ((old, {old!r}), (new, {new!r}), (old, {old!r})):
         ab.activate(modules)
-        import deepep_cupy.capacity  # a lazy import inside the library finds the active tree
-        assert deepep_cupy.capacity.__file__.startswith(root), (deepep_cupy.capacity.__file__, root)
+        import deepep_cupy.intranode.capacity  # a lazy import inside the library finds the active tree
+        assert deepep_cupy.intranode.capacity.__file__.startswith(root), (deepep_cupy.intranode.capacity.__file__, root)
         assert sys.modules["host_path_alone"].__file__.startswith(root)
         assert sys.modules["host_path_alone"].ep is modules["deepep_cupy"]
     print("OK")

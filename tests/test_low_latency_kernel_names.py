@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from test_kernels_compile import _compile, _nvrtc
 
-from deepep_cupy import kernels, low_latency
+from deepep_cupy.gpu import kernels
+from deepep_cupy.low_latency import path as low_latency
 
 
 def test_the_decode_kernels_sit_in_a_namespace_named_as_deepep_s_benchmark_looks_for_them():

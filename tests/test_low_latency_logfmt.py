@@ -1,6 +1,6 @@
 """The NumPy model of the LogFMT combine (DeepEP's LogFMT-10): format, rounding, bounds (CPU only).
 
-deepep_cupy/low_latency_reference.py states what kernels/low_latency.cu computes bit for bit (the
+deepep_cupy/reference/low_latency.py states what kernels/low_latency.cu computes bit for bit (the
 GPU worker's logfmt cases compare them); these checks hold the model to DeepEP's format.
 """
 
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from deepep_cupy import low_latency_reference as ll
-from deepep_cupy.reference import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from deepep_cupy.reference import low_latency as ll
+from deepep_cupy.reference.intranode import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 
 def _bf16(values):

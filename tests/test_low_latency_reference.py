@@ -1,4 +1,4 @@
-"""The NumPy model of the low-latency dispatch and combine (deepep_cupy/low_latency_reference.py).
+"""The NumPy model of the low-latency dispatch and combine (deepep_cupy/reference/low_latency.py).
 
 Its FP8 rounding is checked against hand-computed e4m3 codes; its layout, counts and combine
 against the contract written in its docstring.
@@ -7,8 +7,8 @@ against the contract written in its docstring.
 import numpy as np
 import pytest
 
-from deepep_cupy import low_latency_reference as ll
-from deepep_cupy.reference import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from deepep_cupy.reference import low_latency as ll
+from deepep_cupy.reference.intranode import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 
 @pytest.mark.parametrize("value, code", [

@@ -13,7 +13,7 @@ import pytest
 from _harness import WORKERS
 
 import deepep_cupy as ep
-from deepep_cupy import low_latency_reference as ll
+from deepep_cupy.reference import low_latency as ll
 
 sys.path.insert(0, str(WORKERS))
 import low_latency_worker as worker  # noqa: E402  (a script's folder)
@@ -46,7 +46,7 @@ class ReferenceBuffer:
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += mine["recv_count"]
         recv = (mine["recv_x"], mine["scales"]) if use_fp8 else mine["recv_x"]
-        handle = ep.low_latency.LowLatencyHandle(mine["src_info"], mine["layout_range"], M, x.shape[1], E)
+        handle = ep.low_latency.path.LowLatencyHandle(mine["src_info"], mine["layout_range"], M, x.shape[1], E)
         self.results = getattr(self, "results", {})
         self.results[id(handle.src_info)] = results
         event = SimpleNamespace(current_stream_wait=lambda: None)

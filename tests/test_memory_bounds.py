@@ -9,10 +9,10 @@ from _harness import WORKERS, describe, run_python
 from workers import bounded_memory_worker as bmw
 from workers import memory_bounds as mb
 
-from deepep_cupy import reference as ref
-from deepep_cupy.capacity import ReceiveCapacityGuess, with_headroom
 from deepep_cupy.config import Config, get_nvl_buffer_size_hint
-from deepep_cupy.next_outputs import MAX_BYTES, prepared_rows
+from deepep_cupy.intranode.capacity import ReceiveCapacityGuess, with_headroom
+from deepep_cupy.intranode.next_outputs import MAX_BYTES, prepared_rows
+from deepep_cupy.reference import intranode as ref
 
 CONFIG = Config(24, 4, 256)
 

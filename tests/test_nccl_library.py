@@ -5,9 +5,10 @@ import types
 
 import pytest
 
-from deepep_cupy import nccl_library, transports
 from deepep_cupy.bench import nccl as bench_nccl
 from deepep_cupy.errors import NcclUnavailable
+from deepep_cupy.transports import nccl_library
+from deepep_cupy.transports import rail as transports
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Without a usable GPU (no CuPy, no driver, no device), every entry point a user runs ends in one
 sentence saying what is missing and a non-zero exit, not a traceback: the commands (``make bench``,
 the soaks, the examples, the scripts, the benchmark) print it on stderr and exit with status 2
-(``deepep_cupy.gpu_check``; make asks the driver before it installs anything,
+(``deepep_cupy.gpu.check``; make asks the driver before it installs anything,
 ``deepep_cupy/driver_check.py``), and the library calls (``Buffer()``, ``run_local_group``) raise
 :class:`~deepep_cupy.GpuUnavailableError` with it. They run for real where this machine has no GPU
 (CPU CI)."""
@@ -23,8 +23,9 @@ from _harness import (
     skip_or_fail,
 )
 
-from deepep_cupy import driver_check, gpu_check
-from deepep_cupy.gpu_check import NO_GPU_EXIT_STATUS, GpuProbe
+from deepep_cupy import driver_check
+from deepep_cupy.gpu import check as gpu_check
+from deepep_cupy.gpu.check import NO_GPU_EXIT_STATUS, GpuProbe
 
 #: ``(what, arguments of python)``: the commands of ``make bench``, ``make soak`` (its three soaks),
 #: the examples and the scripts.

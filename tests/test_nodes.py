@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from deepep_cupy import nodes
-from deepep_cupy.comm import Group
 from deepep_cupy.errors import RankMismatchError
-from deepep_cupy.local_group import run_local_group
-from deepep_cupy.nodes import RANKS_PER_NODE_ENV, NodeTopology, discover_topology
+from deepep_cupy.groups import nodes
+from deepep_cupy.groups.group import Group
+from deepep_cupy.groups.local import run_local_group
+from deepep_cupy.groups.nodes import RANKS_PER_NODE_ENV, NodeTopology, discover_topology
 
 
 class OnHost(Group):

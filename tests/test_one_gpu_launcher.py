@@ -69,7 +69,7 @@ def test_the_launcher_makes_set_device_pick_gpu_0(launcher, monkeypatch):
 def test_jobs_share_gpu_0_only_in_one_gpu_mode_with_too_few_gpus(monkeypatch, one_gpu_mode, gpus, launcher_used):
     import _harness
 
-    from deepep_cupy.gpu_check import GpuProbe
+    from deepep_cupy.gpu.check import GpuProbe
 
     monkeypatch.setattr(_harness, "ONE_GPU_MPI", one_gpu_mode)
     monkeypatch.setattr(_harness, "probe_gpus", lambda: GpuProbe(gpus))

@@ -14,7 +14,7 @@ import pytest
 from _harness import REPO_ROOT, describe, import_or_skip, probe_gpus
 
 import deepep_cupy
-from deepep_cupy.gpu_check import NO_GPU_EXIT_STATUS
+from deepep_cupy.gpu.check import NO_GPU_EXIT_STATUS
 
 #: What the wheel is built from (pyproject.toml's packages, readme and licence).
 PACKAGED = ["pyproject.toml", "README.md", "LICENSE", "deepep_cupy", "kernels"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_kernels_compile import _compile, _nvrtc
 
-from deepep_cupy import kernels
+from deepep_cupy.gpu import kernels
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

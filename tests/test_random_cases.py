@@ -14,12 +14,12 @@ from workers import gpu_worker
 from workers import random_cases as rc
 from workers.gpu_scenarios import BASE
 
-from deepep_cupy import layout
-from deepep_cupy import reference as ref
-from deepep_cupy.capacity import ReceiveCapacityGuess
 from deepep_cupy.config import Config
-from deepep_cupy.plans import check_num_experts
-from deepep_cupy.sm_budget import check_sm_budget, largest_num_sms
+from deepep_cupy.gpu import layout
+from deepep_cupy.gpu.sm_budget import check_sm_budget, largest_num_sms
+from deepep_cupy.intranode.capacity import ReceiveCapacityGuess
+from deepep_cupy.intranode.plans import check_num_experts
+from deepep_cupy.reference import intranode as ref
 
 SOAK = WORKERS / "random_soak.py"
 SEEDS = range(1000)

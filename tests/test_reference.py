@@ -1,4 +1,4 @@
-"""Properties of the NumPy reference model (deepep_cupy/reference.py).
+"""Properties of the NumPy reference model (deepep_cupy/reference/intranode.py).
 
 The reference is the source of truth for every GPU test, so its own behaviour is pinned down here,
 mostly against brute-force loops written independently of its vectorised code.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 try:
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 except Exception:  # the package __init__ may need CuPy; load the module file on its own
     _path = pathlib.Path(__file__).resolve().parents[1] / "deepep_cupy" / "reference.py"
     _spec = importlib.util.spec_from_file_location("_deepep_cupy_reference", _path)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepep_cupy import reference
 from deepep_cupy.bench import scale_model as sm
+from deepep_cupy.reference import intranode as reference
 
 WORKLOAD = sm.Workload()
 CLUSTERS = [sm.Cluster(ep, g) for g in (8, 4) for ep in (16, 32, 64, 128, 256)]

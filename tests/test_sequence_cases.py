@@ -12,8 +12,8 @@ from workers import memory_bounds as mb
 from workers import random_cases as rc
 from workers import sequence_cases as sc
 
-from deepep_cupy import reference as ref
-from deepep_cupy.sm_budget import check_sm_budget
+from deepep_cupy.gpu.sm_budget import check_sm_budget
+from deepep_cupy.reference import intranode as ref
 
 SOAK = WORKERS / "sequence_soak.py"
 SEQUENCES = sc.random_sequences(0, 200, 50)

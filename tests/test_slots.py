@@ -11,7 +11,6 @@ import pytest
 from host_fakes import FakeMapped
 
 import deepep_cupy as ep
-from deepep_cupy import slots
 from deepep_cupy.constants import (
     ERROR_BUFFER_TOO_SMALL,
     ERROR_DISPATCH_REFUSED,
@@ -22,7 +21,8 @@ from deepep_cupy.constants import (
     VERDICT_BUFFER_TOO_SMALL,
     VERDICT_OVER_CAPACITY,
 )
-from deepep_cupy.slots import HostSlots
+from deepep_cupy.gpu import slots
+from deepep_cupy.gpu.slots import HostSlots
 
 STAGE_IDS = {stage: kernel_id for kernel_id, stage in KERNEL_STAGES.items()}
 

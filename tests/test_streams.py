@@ -1,6 +1,6 @@
 """Which stream a call runs on and how calls are ordered (CPU only: a recording CUDA runtime).
 
-The rules are deepep_cupy/streams.py's: a plain synchronous call runs on the caller's stream; an
+The rules are deepep_cupy/gpu/streams.py's: a plain synchronous call runs on the caller's stream; an
 asynchronous one, one after ``previous_event`` or one allocating on the communication stream runs
 there, ordered by events; a call never overlaps the Buffer's previous call.
 """

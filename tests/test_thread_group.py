@@ -10,10 +10,10 @@ import pytest
 from _harness import import_or_skip
 
 import deepep_cupy as ep
-from deepep_cupy.comm import Group
 from deepep_cupy.errors import DeepEPError, DeepEPTimeoutError, GroupAbortedError, RankFailed, RankMismatchError
-from deepep_cupy.local_group import RANK_SWITCH_INTERVAL_S, ThreadGroup, run_local_group
-from deepep_cupy.sm_budget import check_sm_budget
+from deepep_cupy.gpu.sm_budget import check_sm_budget
+from deepep_cupy.groups.group import Group
+from deepep_cupy.groups.local import RANK_SWITCH_INTERVAL_S, ThreadGroup, run_local_group
 
 
 def run(fn, n, **kwargs):
@@ -254,7 +254,7 @@ def test_ranks_on_device_and_devices():
 def test_default_devices_wrap_around_the_visible_gpus():
     # Device selection itself is skipped with use_devices=False, but the default assignment is
     # computed from the device count: give one to check r % count without a GPU.
-    from deepep_cupy.local_group import _resolve_devices
+    from deepep_cupy.groups.local import _resolve_devices
 
     assert _resolve_devices(None, None, True, 4) == [0, 1, 2, 3]
     assert _resolve_devices(6, None, True, 4) == [0, 1, 2, 3, 0, 1]
@@ -297,7 +297,7 @@ def test_sm_budget():
 
 
 def test_run_local_group_checks_the_sm_budget_before_starting(monkeypatch):
-    import deepep_cupy.sm_budget as sm_budget
+    import deepep_cupy.gpu.sm_budget as sm_budget
 
     monkeypatch.setattr(sm_budget, "sm_count_of", lambda device_id: 132)
     started = []
@@ -319,7 +319,7 @@ def test_an_interrupted_launcher_releases_the_ranks_and_raises_the_interrupt(mon
     background by a script (``make test > log &`` in a non-interactive shell) ignores it. Rank 0 then
     waited out its 30 s barrier and the test failed with "DID NOT RAISE KeyboardInterrupt", in such
     runs only."""
-    from deepep_cupy import local_group
+    from deepep_cupy.groups import local as local_group
 
     entering_barrier = threading.Event()
     released = threading.Event()

@@ -11,7 +11,7 @@ NUM_RANKS = 2
 
 
 def _rank_main(rank: int, num_ranks: int) -> dict:
-    from deepep_cupy.comm import TorchGroup, as_group
+    from deepep_cupy.groups.group import TorchGroup, as_group
 
     world = as_group(dist.group.WORLD)
     sub = TorchGroup(dist.new_group([0, 1]))
@@ -50,7 +50,7 @@ def test_a_new_group_works_the_same_way(records):
 
 
 def test_anything_else_is_not_a_torch_group():
-    from deepep_cupy.comm import TorchGroup
+    from deepep_cupy.groups.group import TorchGroup
 
     with pytest.raises(TypeError, match="group: expected a torch.distributed.ProcessGroup, got int"):
         TorchGroup(3)

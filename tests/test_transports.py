@@ -17,14 +17,14 @@ import pytest
 from _harness import WORKERS, describe, run_mpi, worker_records
 from transport_fakes import FakeComm, FakeNccl, HostMemory, expected_recv, packed_send, random_counts
 
-from deepep_cupy import transports
-from deepep_cupy._transport_local import LocalRailTransport
-from deepep_cupy._transport_mpi import MPI_CUDA_AWARE_ENV, MpiRailTransport, mpi_is_cuda_aware
-from deepep_cupy._transport_nccl import NcclRailTransport, TorchNcclRailTransport
-from deepep_cupy.comm import Group, MPIGroup, TorchGroup
 from deepep_cupy.errors import DeepEPTimeoutError, RankFailed, RankMismatchError
-from deepep_cupy.local_group import run_local_group
-from deepep_cupy.transports import TRANSPORT_ENV, choose_kind, make_transport, offsets
+from deepep_cupy.groups.group import Group, MPIGroup, TorchGroup
+from deepep_cupy.groups.local import run_local_group
+from deepep_cupy.transports import rail as transports
+from deepep_cupy.transports.local import LocalRailTransport
+from deepep_cupy.transports.mpi import MPI_CUDA_AWARE_ENV, MpiRailTransport, mpi_is_cuda_aware
+from deepep_cupy.transports.nccl import NcclRailTransport, TorchNcclRailTransport
+from deepep_cupy.transports.rail import TRANSPORT_ENV, choose_kind, make_transport, offsets
 
 STREAM = 0x5157
 

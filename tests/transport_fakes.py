@@ -1,6 +1,6 @@
 """Stand-ins for the rail transports' collaborators, so that their logic runs on the CPU.
 
-* :class:`HostMemory`: the device operations of ``deepep_cupy._transport_memory.CudaMemory`` on
+* :class:`HostMemory`: the device operations of ``deepep_cupy.transports.memory.CudaMemory`` on
   host memory ("device pointers" are host addresses, copies are ``ctypes.memmove`` at once, events
   are numbers), recording every call.
 * :class:`FakeNccl`: ``cupy.cuda.nccl`` recording group start/end, sends and receives.

@@ -14,7 +14,7 @@ What it does, in order:
 1. **Correctness.** Every rank builds its workload (``--num-tokens`` tokens of ``--hidden`` BF16
    values, FP8 e4m3 copies with float32 scales, ``--num-topk`` of ``--num-experts`` experts per
    token), runs layout, dispatch (BF16, FP8, cached BF16) and combine once, and compares its own
-   outputs bit-exactly with :mod:`deepep_cupy.reference` run on the allgathered inputs.
+   outputs bit-exactly with :mod:`deepep_cupy.reference.intranode` run on the allgathered inputs.
    PASS/FAIL is printed per op; any FAIL makes the exit status 1.
 2. **Timing.** Each op runs ``--warmup`` times, then ``--iters`` times between CUDA events recorded
    on the caller's current stream (the library makes that stream wait for its own, sync mode).
@@ -63,40 +63,40 @@ tables, JSON, report, plot). The config file is read and written by :mod:`deepep
 from ..config import load_config, save_config, write_json
 from .ceiling import copy_ceiling
 from .cli import (
-                  DEFAULT_TOKENS_SWEEP,
-                  DEFAULT_TUNE_RECV,
-                  DEFAULT_TUNE_SEND,
-                  DEFAULT_TUNE_SMS,
-                  _main_local,  # noqa: F401  (not public: the tests call it)
-                  build_parser,
-                  detect_launcher,
-                  main,
-                  parse_args,
+    DEFAULT_TOKENS_SWEEP,
+    DEFAULT_TUNE_RECV,
+    DEFAULT_TUNE_SEND,
+    DEFAULT_TUNE_SMS,
+    _main_local,  # noqa: F401  (not public: the tests call it)
+    build_parser,
+    detect_launcher,
+    main,
+    parse_args,
 )
 from .library import compare_exact, compare_rank, nvl_buffer_bytes, reference_outputs
 from .nccl import run_nccl_baseline
 from .report import (
-                  aggregate,
-                  best_configs,
-                  format_settings,
-                  format_table,
-                  op_stats,
-                  render_report,
-                  results_to_json,
-                  summarize_op,
-                  tune_grid,
+    aggregate,
+    best_configs,
+    format_settings,
+    format_table,
+    op_stats,
+    render_report,
+    results_to_json,
+    summarize_op,
+    tune_grid,
 )
 from .timing import time_op
 from .workload import (
-                  FP8_FACTOR,
-                  build_send_index,
-                  cross_gpu_bytes,
-                  dispatch_bytes,
-                  expected_recv_sources,
-                  gbps,
-                  make_workload,
-                  recv_token_counts,
-                  token_rank_mask,
+    FP8_FACTOR,
+    build_send_index,
+    cross_gpu_bytes,
+    dispatch_bytes,
+    expected_recv_sources,
+    gbps,
+    make_workload,
+    recv_token_counts,
+    token_rank_mask,
 )
 
 __all__ = [

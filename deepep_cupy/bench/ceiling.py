@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..errors import DeepEPError
-from ..sm_budget import sm_count_of
+from ..gpu.sm_budget import sm_count_of
 from .nccl import _raw_kernel
 from .timing import time_ops_multi
 from .workload import gbps

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import save_config, write_json
 from ..constants import FP8_SCALE_BLOCK
-from ..gpu_check import exit_unless_gpu
+from ..gpu.check import exit_unless_gpu
 from .calls import DEFAULT_CALLS_TOKENS
 from .ceiling import run_copy_ceiling
 from .decode import DEFAULT_DECODE_TOKENS
@@ -316,7 +316,7 @@ def _main_mpi(args: argparse.Namespace) -> int:
     import cupy
     from mpi4py import MPI
 
-    from deepep_cupy.comm import MPIGroup
+    from deepep_cupy.groups.group import MPIGroup
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     try:

@@ -49,7 +49,7 @@ def _rank(group, args, token_counts: Sequence[int]) -> List[Dict[str, Any]]:
 
 def _graph_library() -> str:
     """PyTorch's graphs when it imports: CuPy cannot allocate inside a capture from the async memory
-    pool that in-process ranks sharing a GPU use (deepep_cupy/device_pools.py)."""
+    pool that in-process ranks sharing a GPU use (deepep_cupy/gpu/device_pools.py)."""
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -61,7 +61,7 @@ def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]
     """One row of the table on this rank: ``n`` tokens, calls sized for ``largest``."""
     import cupy
 
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     from .calls import device_arrays, time_loop
     from .graphs import Replay

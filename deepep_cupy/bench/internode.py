@@ -6,7 +6,7 @@ and reports, per op (fresh dispatch, cached dispatch, combine):
 
 * the bytes that left the rank for other nodes (rows the internode path sent over its rail x row
   bytes), next to what a flat all-to-all that sends each token once per destination rank puts
-  between nodes (:func:`deepep_cupy.internode_reference.traffic`); the measured row count must
+  between nodes (:func:`deepep_cupy.reference.internode.traffic`); the measured row count must
   equal the reference's count of (token, other destination node) pairs, or the run FAILs;
 * the time (CUDA events on the caller's stream around each synchronous call: the host waits
   inside a call, for the per-node counts and the transport, are part of it);
@@ -38,7 +38,7 @@ OPS = ("dispatch", "cached dispatch", "combine")
 def traffic_rows(topk_idxs: Sequence[np.ndarray], num_experts: int, ranks_per_node: int) -> Dict[str, List[int]]:
     """Per rank: rows to other nodes, hierarchical (``hierarchical``) and flat (``flat``), and the
     rows of a flat all-to-all to every other rank (``flat_all_ranks``)."""
-    from .. import internode_reference as iref
+    from ..reference import internode as iref
 
     t = iref.traffic(topk_idxs, num_experts, len(topk_idxs), ranks_per_node)
     return {"hierarchical": t["per_rank_hierarchical"], "flat": t["per_rank_flat"],
@@ -76,8 +76,8 @@ def run_internode(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import deepep_cupy as ep
-    from deepep_cupy import reference
-    from deepep_cupy.comm import MPIGroup
+    from deepep_cupy.groups.group import MPIGroup
+    from deepep_cupy.reference import intranode as reference
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

@@ -1,4 +1,4 @@
-"""The library benchmark: one rank's correctness check against :mod:`deepep_cupy.reference`,
+"""The library benchmark: one rank's correctness check against :mod:`deepep_cupy.reference.intranode`,
 timings, tokens sweep and tuning grid (all imports of cupy / the library happen inside functions)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def compare_exact(name: str, got: Any, want: Any) -> Tuple[bool, str]:
 def _import_library():
     try:
         import deepep_cupy as ep
-        from deepep_cupy import reference
+        from deepep_cupy.reference import intranode as reference
     except Exception as exc:  # pragma: no cover - depends on the rest of the package
         raise SystemExit(f"deepep_cupy.bench: cannot import the library ({type(exc).__name__}: {exc})") from exc
     missing = [n for n in ("Buffer", "Config", "get_dispatch_config", "get_combine_config",

@@ -12,13 +12,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import NcclUnavailable
-from ..kernels import read_source
-from ..nccl_library import load_nccl
-from ..sm_budget import sm_count_of
+from ..gpu.kernels import read_source
+from ..gpu.sm_budget import sm_count_of
+from ..transports.nccl_library import load_nccl
 from .library import _import_library
 from .report import op_stats
 from .timing import make_l2_flush, time_ops_multi
-from .workload import build_send_index, dispatch_bytes, expected_recv_sources, make_workload, token_rank_mask
+from .workload import (
+    build_send_index,
+    dispatch_bytes,
+    expected_recv_sources,
+    make_workload,
+    token_rank_mask,
+)
 
 #: Header words stamped into every row of the NCCL baseline's payload (source rank, token index).
 NCCL_HEADER_WORDS = 3

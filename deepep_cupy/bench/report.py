@@ -289,7 +289,7 @@ def render_report(doc: Dict[str, Any]) -> str:
     s = doc["settings"]
     parts = [format_settings(s)]
     if doc.get("checks"):
-        lines = ["correctness (bit-exact against deepep_cupy.reference):"]
+        lines = ["correctness (bit-exact against deepep_cupy.reference.intranode):"]
         for op, c in doc["checks"].items():
             lines.append(f"  {op:<28} {'PASS' if c['ok'] else 'FAIL'}")
             lines += [f"      {m}" for m in c["failures"][:8]]

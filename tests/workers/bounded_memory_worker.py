@@ -16,7 +16,7 @@ with top-8 of 256 experts and weights, each followed by a combine:
   receive count by rank 1's token count guessed 96.79 GiB here before the bound (issue 36);
 * ``A_again``, then ``B_8192``: the same with 8,192 tokens.
 
-Every step is compared bit-exactly with ``deepep_cupy.reference`` (received rows, top-k, weights,
+Every step is compared bit-exactly with ``deepep_cupy.reference.intranode`` (received rows, top-k, weights,
 expert counts, handle, combined rows and weights). Each rank checks that the rows its dispatch
 allocated (``Buffer.last_dispatch_rows_allocated``) are within the bound computed from the
 receive counts the worker itself knows (``memory_bounds.allowed_rows``), and measures the
@@ -81,7 +81,7 @@ def routing(rng, num_tokens: int, kind: str) -> np.ndarray:
 
 def step_inputs(step: Step):
     """Both ranks' ``dict(x=BF16 bits, topk, weights)`` of ``step``, the same in every process."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     inputs = []
     for rank, n in enumerate(step.tokens):
@@ -95,7 +95,7 @@ def step_inputs(step: Step):
 
 def step_reference(step: Step, num_channels: int):
     """``(inputs, dispatch results, combine results)`` of ``step`` for every rank."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     inputs = step_inputs(step)
     results = ref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], NUM_EXPERTS, num_channels,
@@ -126,7 +126,7 @@ class SharedReferences:
 def config_for(ranks_on_gpu: int, sm_count: int):
     import deepep_cupy as ep
     from deepep_cupy.config import RECOMMENDED_RECV_CHUNK, RECOMMENDED_SEND_CHUNK
-    from deepep_cupy.sm_budget import largest_num_sms
+    from deepep_cupy.gpu.sm_budget import largest_num_sms
 
     return ep.Config(min(24, largest_num_sms(ranks_on_gpu, sm_count)), RECOMMENDED_SEND_CHUNK,
                      RECOMMENDED_RECV_CHUNK)
@@ -215,7 +215,7 @@ def run_step(buf, group, step, config, nvl_bytes, shared, largest, same_device, 
         peak_limit,
     )
 
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rank, device = group.rank, cupy.cuda.Device().id
     inputs, results, combined = shared.get(step, config.num_channels)
@@ -288,8 +288,8 @@ def main_mpi(args) -> int:
     import cupy
     from mpi4py import MPI
 
-    from deepep_cupy.comm import MPIGroup
-    from deepep_cupy.sm_budget import sm_count_of
+    from deepep_cupy.gpu.sm_budget import sm_count_of
+    from deepep_cupy.groups.group import MPIGroup
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != NUM_RANKS:
@@ -314,7 +314,7 @@ def main_in_process(args) -> int:
     import cupy
 
     import deepep_cupy as ep
-    from deepep_cupy.sm_budget import sm_count_of
+    from deepep_cupy.gpu.sm_budget import sm_count_of
 
     count = cupy.cuda.runtime.getDeviceCount()
     devices = [r % count for r in range(NUM_RANKS)]

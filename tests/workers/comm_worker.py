@@ -14,7 +14,7 @@ import traceback
 def main() -> dict:
     from mpi4py import MPI
 
-    from deepep_cupy.comm import Group, MPIGroup, as_group
+    from deepep_cupy.groups.group import Group, MPIGroup, as_group
 
     comm = MPI.COMM_WORLD
     group = MPIGroup(comm)

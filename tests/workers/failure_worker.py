@@ -36,7 +36,7 @@ ROUNDS = 3
 
 
 def inputs(rng, num_ranks, num_tokens=N, hidden=H):
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     topks = [ref.random_routing(rng, num_tokens, E, K) for _ in range(num_ranks)]
     xs = [ref.float32_to_bfloat16_bits(rng.standard_normal((num_tokens, hidden), dtype=np.float32))
@@ -72,7 +72,7 @@ class Round:
         """What differs from the reference (bit-exact), as messages; empty when all is exact."""
         import cupy
 
-        from deepep_cupy import reference as ref
+        from deepep_cupy.reference import intranode as ref
 
         rank = self.buf.rank
         self.combine_event.current_stream_wait()  # nothing to wait for after a synchronous combine
@@ -418,7 +418,7 @@ def _exact_rounds_on_a_new_buffer(ep, group, size, rng, config, problems):
 def case_recovery_after_a_peer_never_joins(comm, ep, cupy):
     """Rank 0 dispatches, the others never do: rank 0 times out; every rank destroys its Buffer and
     creates a new one on the same group, whose results are exact."""
-    from deepep_cupy.comm import as_group
+    from deepep_cupy.groups.group import as_group
 
     group = as_group(comm)
     config, size = _recovery_setting(ep, group)
@@ -442,7 +442,7 @@ def case_recovery_after_a_late_peer(comm, ep, cupy):
     """Rank 0 dispatches and times out; only then do the others make the same call: it must raise
     PeerAbortedError at once (not return, not wait out its own timeout). Then every rank destroys its
     Buffer and creates a new one on the same group, whose results are exact."""
-    from deepep_cupy.comm import as_group
+    from deepep_cupy.groups.group import as_group
 
     group = as_group(comm)
     config, size = _recovery_setting(ep, group)
@@ -479,7 +479,7 @@ def case_recovery_after_a_late_peer(comm, ep, cupy):
 def case_two_buffers_used_alternately(comm, ep, cupy):
     """Two Buffers on one group, their calls interleaved: dispatch on A, dispatch on B, combine on A,
     combine on B; every round's results exact."""
-    from deepep_cupy.comm import as_group
+    from deepep_cupy.groups.group import as_group
 
     group = as_group(comm)
     config, size = _recovery_setting(ep, group)
@@ -504,7 +504,7 @@ def case_two_buffers_used_alternately(comm, ep, cupy):
 def case_dispatch_while_an_async_combine_is_in_flight(comm, ep, cupy):
     """Each round's combine is asynchronous (async_finish=True) and the next round's fresh dispatch is
     issued before its event is waited for; every round's results exact."""
-    from deepep_cupy.comm import as_group
+    from deepep_cupy.groups.group import as_group
 
     group = as_group(comm)
     config, size = _recovery_setting(ep, group)

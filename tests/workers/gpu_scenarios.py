@@ -1,7 +1,7 @@
 """The dispatch/combine scenarios the GPU tests run (plain data: importable without a GPU).
 
 Each scenario names a workload; ``gpu_worker.py`` runs it on every rank and compares every output
-with ``deepep_cupy.reference`` bit-exactly.
+with ``deepep_cupy.reference.intranode`` bit-exactly.
 """
 
 BASE = dict(num_tokens=512, hidden=2048, num_topk=4, num_experts=32, num_sms=24, dtype="bfloat16",

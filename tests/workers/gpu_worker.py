@@ -19,7 +19,7 @@ import numpy as np
 
 def make_inputs(sc, num_ranks):
     """Every rank's x (storage dtype), scales, topk_idx, topk_weights for scenario ``sc``."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng(sc["seed"])
     counts = sc["num_tokens"] if isinstance(sc["num_tokens"], tuple) else (sc["num_tokens"],) * num_ranks
@@ -44,8 +44,8 @@ def make_inputs(sc, num_ranks):
 def draw_rows(rng, n, H, dtype):
     """``(x in its storage dtype, FP8 scales or None)``: ``n`` random rows of ``H`` elements of
     ``dtype`` (``float8_e4m3fn`` with per-block scales, ``float8_e4m3fn_1d`` with one per token)."""
-    from deepep_cupy import reference as ref
     from deepep_cupy.constants import FP8_SCALE_BLOCK
+    from deepep_cupy.reference import intranode as ref
 
     if dtype.startswith("float8"):
         # A per-token scale ("_1d") only needs 16-byte rows: draw whole 128-column blocks and
@@ -127,7 +127,7 @@ def to_numpy(a):
 def check_fresh_handle(per_expert_list, handle, want, call=""):
     """A fresh dispatch's expert counts and handle against the reference's ``want`` (``call``, when
     given, starts each message)."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     prefix = f"{call}: " if call else ""
     if per_expert_list != want["num_recv_tokens_per_expert_list"]:
@@ -140,7 +140,7 @@ def check_fresh_handle(per_expert_list, handle, want, call=""):
 
 def check_expanded(out, want, num_local_experts, alignment):
     """A dispatch with expand=True against reference.expand of the reference's received rows."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rows, recv_topk, _, per_expert_list, handle, _ = out
     want_rows, want_sources, want_offsets = ref.expand(want["recv_x"], want["recv_topk_idx"], num_local_experts,
@@ -177,7 +177,7 @@ def _run_scenario(buf, sc):
     import cupy
 
     import deepep_cupy as ep
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     R, rank = buf.num_ranks, buf.rank
     if sc["framework"] == "torch" and buf.get_comm_stream().cuda_stream != buf.comm_stream.ptr:
@@ -419,7 +419,7 @@ def flip_sign(rows):
 
 def make_biases(sc, inputs):
     """Per rank, ``sc["bias"]`` arrays like that rank's x (storage dtype), from the scenario's seed."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng(sc["seed"] + 1000)
     biases = []

@@ -112,7 +112,7 @@ class Step:
 
 def draw_inputs(seed, num_ranks, num_tokens=N, hidden=H, num_topk=K, num_experts=E):
     """Every rank's inputs of one replay (seeded: every rank draws the same)."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng(seed)
     inputs = []
@@ -128,7 +128,7 @@ def draw_inputs(seed, num_ranks, num_tokens=N, hidden=H, num_topk=K, num_experts
 
 def check_replay(out, inputs, rank, num_channels, what):
     """Every output of one step against the reference of its inputs."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     R = len(inputs)
     mine = inputs[rank]

@@ -208,7 +208,7 @@ def main(argv):
     import cupy
     from mpi4py import MPI
 
-    from deepep_cupy.comm import as_group
+    from deepep_cupy.groups.group import as_group
 
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()

@@ -4,7 +4,7 @@ on the caller's default stream and on a side stream, as ordinary callers make th
 Usage: ``mpiexec -n R python tests/workers/internode_matrix_worker.py L [L ...]`` (one Buffer per
 ranks per node ``L``, MPI rail transport). Each row a rank dispatches names its source rank and
 token index in its first three columns, so that the checks compare what arrived as a set of
-(source, token) pairs with the reference (deepep_cupy.internode_reference), whatever the order;
+(source, token) pairs with the reference (deepep_cupy.reference.internode), whatever the order;
 every row's bytes, top-k ids and weights are then compared with the source's, the order with
 DeepEP's (by source rank, then token), and the combine bit for bit. Fresh, cached and
 ``num_worst_tokens`` dispatches, combine, and two failures (a bad argument on one rank, before the
@@ -34,14 +34,14 @@ class Mismatch(AssertionError):
 
 
 def bf16(values):
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     return ref.float32_to_bfloat16_bits(np.asarray(values, np.float32))
 
 
 def make_inputs(seed, R, E):
     """Every rank's rows, routing and weights (every rank makes all of them from the seed)."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng(seed)
     inputs = []
@@ -57,7 +57,7 @@ def make_inputs(seed, R, E):
 
 def names_of(rows):
     """(source rank, token) of each received BF16 row."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     head = ref.bfloat16_bits_to_float32(np.asarray(rows)[:, :3]).astype(np.int64)
     return head[:, 0], head[:, 1] * 64 + head[:, 2]
@@ -143,8 +143,8 @@ def check_dispatch(what, fw, out, want, inputs, rank, rows):
 
 
 def run_case(buf, fw, inputs, want, rank, E, L, size):
-    from deepep_cupy import internode_reference as iref
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import internode as iref
+    from deepep_cupy.reference import intranode as ref
 
     mine, w = inputs[rank], want[rank]
     with fw.on_stream():
@@ -218,7 +218,7 @@ def main(ranks_per_node):
     from mpi4py import MPI
 
     import deepep_cupy as ep
-    from deepep_cupy import internode_reference as iref
+    from deepep_cupy.reference import internode as iref
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -1,6 +1,6 @@
 """MPI worker running random internode cases (tests/workers/internode_cases.py), each collectively
 on an internode Buffer over simulated nodes with the MPI rail transport, every result compared
-bit-exactly with deepep_cupy.internode_reference.
+bit-exactly with deepep_cupy.reference.internode.
 
 Usage::
 
@@ -60,7 +60,7 @@ def emit(tag, record):
 
 def make_inputs(case):
     """Every rank's x (storage dtype), scales (None but for FP8), topk_idx and topk_weights."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng(case["seed"])
     L, N = case["ranks_per_node"], case["num_nodes"]
@@ -83,7 +83,7 @@ def make_inputs(case):
 
 
 def reference_dispatch(case, inputs):
-    from deepep_cupy import internode_reference as iref
+    from deepep_cupy.reference import internode as iref
 
     fp8 = inputs[0]["scales"] is not None
     return iref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], case["num_experts"],
@@ -96,7 +96,7 @@ def reference_dispatch(case, inputs):
 def combine_inputs(case, want):
     """Per rank: the rows combine takes (receive order, the combine dtype's storage), their top-k
     weights (None without weights) and the biases (a tuple of 0..2 arrays like x)."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     dtype, H, K = ic.combine_dtype(case), case["hidden"], case["num_topk"]
     rng = np.random.default_rng([case["seed"], 1])
@@ -117,8 +117,8 @@ def run_case(buf, case):
     ``{"received": rows, "internode_rows": rows sent to other nodes}``."""
     import cupy
 
-    from deepep_cupy import internode_reference as iref
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import internode as iref
+    from deepep_cupy.reference import intranode as ref
 
     R, L, N = case["num_ranks"], case["ranks_per_node"], case["num_nodes"]
     rank = buf.rank

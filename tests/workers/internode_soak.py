@@ -1,5 +1,5 @@
 """The internode random-case soak: seeded cases (internode_cases.py) run under mpiexec, one process
-per rank, by internode_random_worker.py, and checked against deepep_cupy.internode_reference.
+per rank, by internode_random_worker.py, and checked against deepep_cupy.reference.internode.
 
 Usage::
 
@@ -60,7 +60,7 @@ def main(argv):
         for case in cases:
             print(describe_case(case))
         return 0
-    from deepep_cupy.gpu_check import exit_unless_gpu
+    from deepep_cupy.gpu.check import exit_unless_gpu
 
     exit_unless_gpu("the internode soak (tests/workers/internode_soak.py)")
     import cupy

@@ -1,5 +1,5 @@
 """MPI worker for the internode GPU tests: an internode Buffer over simulated nodes, every result
-compared bit-exactly with deepep_cupy.internode_reference.
+compared bit-exactly with deepep_cupy.reference.internode.
 
 Usage: ``mpiexec -n R python tests/workers/internode_worker.py L [L ...]`` (one Buffer per ranks
 per node ``L``, in turn). Every rank builds every rank's inputs from the scenario's seed, runs
@@ -36,7 +36,7 @@ SCENARIOS = [
 
 
 def make_inputs(sc, R, num_nodes, E, K, seed):
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng(seed)
     counts = sc.get("counts") or tuple(int(rng.integers(1, 48)) for _ in range(R))
@@ -57,8 +57,8 @@ def make_inputs(sc, R, num_nodes, E, K, seed):
 def run_scenario(buf, sc, seed):
     import cupy
 
-    from deepep_cupy import internode_reference as iref
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import internode as iref
+    from deepep_cupy.reference import intranode as ref
 
     R, L = buf.num_ranks, buf.topology.ranks_per_node
     N, rank = R // L, buf.rank

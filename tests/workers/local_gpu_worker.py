@@ -47,7 +47,7 @@ import gpu_worker  # run as a script: its folder is on sys.path
 import numpy as np
 from gpu_scenarios import SCENARIOS
 
-from deepep_cupy.sm_budget import largest_num_sms, sm_count_of
+from deepep_cupy.gpu.sm_budget import largest_num_sms, sm_count_of
 
 _print_lock = threading.Lock()
 
@@ -190,7 +190,7 @@ class SharedReference(Memo):
 
     def install(self):
         """Route gpu_worker.make_inputs and reference.dispatch/combine through the memo."""
-        from deepep_cupy import reference as ref
+        from deepep_cupy.reference import intranode as ref
 
         make_inputs, dispatch, combine = gpu_worker.make_inputs, ref.dispatch, ref.combine
 
@@ -353,7 +353,7 @@ def main_mpi(args, scenarios):
     import cupy
     from mpi4py import MPI
 
-    from deepep_cupy.comm import MPIGroup
+    from deepep_cupy.groups.group import MPIGroup
 
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()

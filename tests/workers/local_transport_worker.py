@@ -18,7 +18,7 @@ def rank_main(group):
     import cupy
     from transport_fakes import expected_recv, packed_send, random_counts
 
-    from deepep_cupy.transports import make_transport
+    from deepep_cupy.transports.rail import make_transport
 
     t = make_transport(None, group, list(range(group.size)), cupy.cuda.Device().id, timeout_s=60)
     rng = np.random.default_rng(99)   # the same matrices on every rank
@@ -43,7 +43,7 @@ def rank_main(group):
 
 
 if __name__ == "__main__":
-    from deepep_cupy.local_group import run_local_group
+    from deepep_cupy.groups.local import run_local_group
 
     for record in run_local_group(rank_main, num_ranks=int(sys.argv[1]), timeout_s=120):
         sys.stdout.write("RESULT " + json.dumps(record) + "\n")

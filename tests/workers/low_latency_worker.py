@@ -11,7 +11,7 @@ tests/workers/one_gpu_ranks.py on a one-GPU machine.) One ``RESULT {json}`` line
 fails is followed by a new Buffer on every rank.
 
 Inputs are drawn from a seed that every rank shares, so every rank knows every rank's inputs and
-computes the reference (deepep_cupy/low_latency_reference.py) of its own outputs. Token counts
+computes the reference (deepep_cupy/reference/low_latency.py) of its own outputs. Token counts
 differ per rank (1 to 128, ``num_max_dispatch_tokens_per_rank`` = 128) and top-k rows hold -1s.
 
 Ranks sharing a GPU in one process meet (a group barrier) before each call: a rank that checks the
@@ -142,7 +142,7 @@ def draw(seed, R, E, counts=None, hidden=H, num_topk=K):
 
 
 def _draw(key, seed, R, E, counts, hidden, num_topk):
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng(seed)
     inputs = Drawn()
@@ -176,7 +176,7 @@ def to_device(a, lib="cupy"):
 
 
 def reference(inputs, E, mode):
-    from deepep_cupy import low_latency_reference as ll
+    from deepep_cupy.reference import low_latency as ll
 
     # Keyed by what the inputs were drawn from (an id could be a freed list's, reused).
     return _memoized(("reference", inputs.key, E, mode),
@@ -201,7 +201,7 @@ def check_dispatch(out, want, mode, what):
 
 
 def check_combine(combined, inputs, results, rank, what, ys=None, use_logfmt=False):
-    from deepep_cupy import low_latency_reference as ll
+    from deepep_cupy.reference import low_latency as ll
 
     ys = [i["y"] for i in inputs] if ys is None else ys
     want = ll.combine(ys, [i["topk"] for i in inputs], [i["weights"] for i in inputs], results, ranks=[rank],
@@ -591,7 +591,7 @@ def graph_case(ctx, lib, mode, hook, seed, async_finish=False):
 
     if lib == "cupy" and ctx.sharing:
         # Measured on the H200 (2026-12-01): ranks sharing a GPU in one process allocate from
-        # CuPy's MemoryAsyncPool (deepep_cupy/device_pools.py), whose malloc asks the pool's size
+        # CuPy's MemoryAsyncPool (deepep_cupy/gpu/device_pools.py), whose malloc asks the pool's size
         # (cudaMemPoolGetAttribute), which a capturing stream refuses. PyTorch's graphs capture there.
         raise Skip("CuPy cannot allocate during a capture with the async memory pool of ranks sharing a GPU")
 

@@ -1,7 +1,7 @@
 """What a fresh dispatch may allocate, computed from what a test itself knows, and the device
 memory it measures (issue 36: allocation ahead never exceeds a bound).
 
-The bound (``deepep_cupy/capacity.py``): a dispatch allocating ahead of its receive count
+The bound (``deepep_cupy/intranode/capacity.py``): a dispatch allocating ahead of its receive count
 allocates at most ``min(with_headroom(largest receive count seen), most_rows)`` rows, where the
 largest count is that of the fresh dispatches *before* it (with exact rows: ``num_worst_tokens``
 calls are not counted) and ``most_rows = num_ranks * region_tokens`` (the regions of the call's
@@ -27,11 +27,11 @@ import functools
 import threading
 from typing import Any, Callable
 
-from deepep_cupy import layout
-from deepep_cupy.capacity import with_headroom
 from deepep_cupy.config import Config
 from deepep_cupy.constants import FP8_SCALE_BLOCK
-from deepep_cupy.next_outputs import MAX_BYTES, prepared_rows
+from deepep_cupy.gpu import layout  # noqa: E402
+from deepep_cupy.intranode.capacity import with_headroom
+from deepep_cupy.intranode.next_outputs import MAX_BYTES, prepared_rows
 
 #: Allocations a dispatch makes besides its outputs (a plan's refusal scratch, allocator rounding).
 PEAK_SLACK_BYTES = 16 << 20

@@ -35,7 +35,7 @@ import numpy as np
 
 from deepep_cupy.config import Config, get_nvl_buffer_size_hint
 from deepep_cupy.constants import FP8_SCALE_BLOCK, MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_RANKS
-from deepep_cupy.sm_budget import largest_num_sms
+from deepep_cupy.gpu.sm_budget import largest_num_sms
 
 RANK_COUNTS = tuple(range(2, MAX_RANKS + 1))
 MAX_TOKENS = 5000

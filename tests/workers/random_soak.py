@@ -45,7 +45,7 @@ import gpu_worker  # run as a script: its folder is on sys.path
 from local_gpu_worker import RankBuffer, SharedReference, emit
 from random_cases import DEFAULT_GPUS, DEFAULT_SM_COUNT, describe_case, nvl_bytes_needed, random_cases, ranks_per_gpu
 
-from deepep_cupy.gpu_check import exit_unless_gpu
+from deepep_cupy.gpu.check import exit_unless_gpu
 
 #: Seconds the kernels may wait for a peer (the Buffer's timeout_s), here and in sequence_soak.py.
 DEFAULT_TIMEOUT_S = 20.0
@@ -166,7 +166,7 @@ class Watchdog:
 def warm_combine_kernels(num_ranks):
     """Compile combine for every dtype now: a compile inside a case would hold a rank away from the
     kernels its peers already wait in (Buffer creation compiles the rest)."""
-    from deepep_cupy import kernels
+    from deepep_cupy.gpu import kernels
 
     for element in kernels.COMBINE_DTYPES.values():
         kernels.get_kernel(kernels.name_expression("combine_kernel", (element, num_ranks)))
@@ -306,7 +306,7 @@ def gpus_to_use(args):
     """``(GPUs to use: --gpus or every visible one, the smallest SM count among them)``."""
     import cupy
 
-    from deepep_cupy.sm_budget import sm_count_of
+    from deepep_cupy.gpu.sm_budget import sm_count_of
 
     count = cupy.cuda.runtime.getDeviceCount()
     gpus = args.gpus or count

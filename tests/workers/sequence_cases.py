@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from deepep_cupy.config import Config, get_nvl_buffer_size_hint
-from deepep_cupy.sm_budget import largest_num_sms
+from deepep_cupy.gpu.sm_budget import largest_num_sms
 
 try:  # run by a worker script: its folder is on sys.path
     from random_cases import _Draws, ranks_per_gpu, row_step
@@ -235,7 +235,7 @@ def weights_of(seq: dict, step: dict, rank: int) -> Optional[np.ndarray]:
 
 def rows_of(seq: dict, step: dict, rank: int):
     """``(x in its storage dtype, FP8 scales or None)`` of ``rank`` in ``step``."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     rng = np.random.default_rng([_STREAM_KEY, seq["seed"], step["index"], rank, 2])
     n, hidden, dtype = step["tokens"][rank], step["hidden"], step["dtype"]

@@ -14,7 +14,7 @@ per rank count); each sequence gets a new Buffer per rank, sized for its widest 
 tokens per rank, and runs its steps in order on it. A step is a fresh, cached or
 ``num_worst_tokens`` dispatch followed by a combine where the dtype allows; every output (rows,
 scales, top-k, weights, expert counts, the handle of a fresh dispatch, the combined rows and
-weights) is compared bit-exactly with ``deepep_cupy.reference``.
+weights) is compared bit-exactly with ``deepep_cupy.reference.intranode``.
 
 Memory, per step: each rank's ``Buffer.last_dispatch_rows_allocated`` of a fresh dispatch against
 ``memory_bounds.allowed_rows`` (from the receive counts the soak itself knows; the largest count
@@ -125,7 +125,7 @@ def reproduce_command(seed, args):
 
 def step_reference(seq, step, num_channels):
     """``(inputs, dispatch results, combine results or None, num_worst_tokens or 0)``."""
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     inputs = step_inputs(seq, step)
     fp8 = step["dtype"] == "float8_e4m3fn"
@@ -181,7 +181,7 @@ def run_step(ctx, state, seq, step, memo):
     """One step on this rank; returns ``(ok, error, info)`` (the same ``ok`` on every rank)."""
     import cupy
 
-    from deepep_cupy import reference as ref
+    from deepep_cupy.reference import intranode as ref
 
     buf, group, rank = state.buf, ctx["group"], ctx["group"].rank
     config = config_of(seq)

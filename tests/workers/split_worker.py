@@ -7,8 +7,8 @@ from comm_worker import report_or_abort  # run as a script: its folder is on sys
 def main() -> dict:
     from mpi4py import MPI
 
-    from deepep_cupy.comm import MPIGroup
-    from deepep_cupy.nodes import discover_topology
+    from deepep_cupy.groups.group import MPIGroup
+    from deepep_cupy.groups.nodes import discover_topology
 
     group = MPIGroup(MPI.COMM_WORLD)
     rank, size = group.rank, group.size

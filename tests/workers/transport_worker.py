@@ -27,8 +27,8 @@ def _transport(mode, cuda_aware, timeout_s=60.0):
     from mpi4py import MPI
     from transport_fakes import HostMemory
 
-    from deepep_cupy.comm import MPIGroup
-    from deepep_cupy.transports import make_transport
+    from deepep_cupy.groups.group import MPIGroup
+    from deepep_cupy.transports.rail import make_transport
 
     world = MPIGroup(MPI.COMM_WORLD)
     per_node = 2 if world.size == 4 else 1
@@ -69,8 +69,8 @@ def run_cases(mode):
     if mode == "gpu":
         from mpi4py import MPI
 
-        from deepep_cupy.comm import MPIGroup
-        from deepep_cupy.nodes import discover_topology
+        from deepep_cupy.groups.group import MPIGroup
+        from deepep_cupy.groups.nodes import discover_topology
 
         _select_gpu()
         # The real P2P probe: one host, GPUs that map each other (or one GPU shared) -> one node.

@@ -1,7 +1,7 @@
 """Compile every kernel instance a group of R ranks may use into CuPy's disk cache, in parallel.
 
 Usage: ``python tests/workers/warm_kernels.py R [R ...]``. Each instance is its own module
-(deepep_cupy.kernels.get_kernel), compiled by NVRTC in a process of its own here, so a GPU run
+(deepep_cupy.gpu.kernels.get_kernel), compiled by NVRTC in a process of its own here, so a GPU run
 whose ranks would otherwise compile them one after the other (and all at once) finds them cached.
 """
 
@@ -11,7 +11,7 @@ import time
 
 
 def instances(num_ranks):
-    from deepep_cupy import kernels
+    from deepep_cupy.gpu import kernels
 
     names = [e for expressions in kernels.SOURCES.values() for e in expressions if "<" not in e]
     for args in ((num_ranks,), (num_ranks, "true"), (num_ranks, "false", "true"), (num_ranks, "true", "true")):
@@ -25,7 +25,7 @@ def instances(num_ranks):
 def compile_one(name):
     import cupy
 
-    from deepep_cupy import kernels
+    from deepep_cupy.gpu import kernels
 
     cupy.cuda.Device(0).use()
     start = time.time()

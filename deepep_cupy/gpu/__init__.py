@@ -1,0 +1,1 @@
+"""GPU plumbing that knows no operation: host slots, streams, IPC, kernels, launches, buffer layout."""

@@ -1,0 +1,1 @@
+"""Rank groups: mpi4py, torch.distributed and in-process groups, and the node shape of a group."""

@@ -1,0 +1,1 @@
+"""The internode path: dispatch and combine across nodes (rail transport, then the node's intranode engine)."""

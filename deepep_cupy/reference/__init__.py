@@ -1,0 +1,1 @@
+"""The NumPy references every GPU result is checked against (pure NumPy)."""
