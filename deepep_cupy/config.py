@@ -8,7 +8,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -84,9 +84,6 @@ class Config:
         """Bytes of internode staging (DeepEP's RDMA buffer size): :func:`get_rdma_buffer_size_hint`."""
         return get_rdma_buffer_size_hint(hidden_bytes, num_ranks, num_topk=num_topk,
                                          num_max_tokens_per_rank=num_max_tokens_per_rank)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 #: Blocks that push over NVLink at the link's rate: 8 on 18 NVLinks (2 x H200, where the rates were
