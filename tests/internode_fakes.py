@@ -45,17 +45,32 @@ except ImportError:  # the transport helper's module, not merged yet: the same s
 
 
 class NumpyAsCupy:
-    """The part of CuPy's namespace the internode path uses, on NumPy."""
+    """The part of CuPy's namespace the internode path uses, on NumPy.
+
+    Named one by one: a new use of CuPy in the path fails here (AttributeError) until it is added,
+    instead of silently running on a NumPy function of the same name that CuPy may lack or treat
+    otherwise.
+    """
 
     cuda = SimpleNamespace(ExternalStream=lambda ptr, device_id: contextlib.nullcontext(),
                            Device=lambda device_id: contextlib.nullcontext())
+    int32, int64, uint8 = np.int32, np.int64, np.uint8
+    # staticmethod: NumPy's array functions bind as methods when set on a class.
+    add = staticmethod(np.add)
+    arange = staticmethod(np.arange)
+    asarray = staticmethod(np.asarray)
+    ascontiguousarray = staticmethod(np.ascontiguousarray)
+    concatenate = staticmethod(np.concatenate)
+    cumsum = staticmethod(np.cumsum)
+    empty = staticmethod(np.empty)
+    empty_like = staticmethod(np.empty_like)
+    take = staticmethod(np.take)
+    where = staticmethod(np.where)
+    zeros = staticmethod(np.zeros)
 
     @staticmethod
     def asnumpy(a):
         return np.asarray(a)
-
-    def __getattr__(self, name):
-        return getattr(np, name)
 
 
 def host_view(array, info, device_id):
