@@ -107,9 +107,11 @@ test: $(SETUP)
 	@$(PY) -c "$$OPTIONAL_NOTE" '$(EXTRAS)' '$(USE_VENV)'
 	$(PY) -m pytest -q -ra tests $(PYTEST_ARGS)
 
-# ruff comes with the test extra; on a machine set up by hand, install it there (pip install ruff).
+# ruff and mypy come with the test extra; on a machine set up by hand, install them there
+# (pip install 'ruff>=0.17,<0.18' mypy==1.13.0). mypy reads its settings from pyproject.toml.
 lint: $(SETUP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 bench: $(GPU_FIRST) $(SETUP)
 	$(PY) -m deepep_cupy.bench $(BENCH_ARGS)
@@ -159,7 +161,7 @@ which:
 	@echo "PYTHONPATH: $(PYTHONPATH)"
 
 clean:
-	rm -rf build dist .whl wheelhouse .eggs .pytest_cache .ruff_cache *.egg-info
+	rm -rf build dist .whl wheelhouse .eggs .pytest_cache .ruff_cache .mypy_cache *.egg-info
 	find . \( -path ./$(VENV) -o -path './.venv-*' \) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -9,7 +9,7 @@ that kernel's source.
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Union
 
 #: The most ranks a group may have (the transfer kernels are instantiated for 2..MAX_RANKS).
 MAX_RANKS = 8
@@ -160,9 +160,9 @@ def _threads_macro(kernel: str) -> str:
     return _macro(name) + "_THREADS"
 
 
-def cuda_defines() -> Dict[str, int]:
-    """Every constant the kernels use, by its C macro name."""
-    defines = {
+def cuda_defines() -> Dict[str, Union[int, str]]:
+    """Every constant the kernels use, by its C macro name (a str: a literal written as C reads it)."""
+    defines: Dict[str, Union[int, str]] = {
         "DEEPEP_MAX_RANKS": MAX_RANKS,
         "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
         "SIGNATURE_INTS": SIGNATURE_INTS,

@@ -9,7 +9,7 @@ Python 3 runs it. :mod:`deepep_cupy.gpu.check` asks the same question through Cu
 
 import ctypes
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 #: The exit status of a command that found no usable GPU (deepep_cupy.gpu.check.NO_GPU_EXIT_STATUS).
 NO_GPU_EXIT_STATUS = 2
@@ -18,9 +18,10 @@ NO_GPU_EXIT_STATUS = 2
 CUDA_ERROR_NO_DEVICE = 100
 
 
-def missing_driver_reason(load: Callable[[str], object] = ctypes.CDLL) -> Optional[str]:
+def missing_driver_reason(load: Callable[[str], Any] = ctypes.CDLL) -> Optional[str]:
     """Why the NVIDIA driver cannot run CUDA here (a clause without a final stop), or None when it
-    sees at least one GPU. ``load`` opens a shared library (tests pass a stand-in)."""
+    sees at least one GPU. ``load`` opens a shared library (tests pass a stand-in): its functions,
+    C functions of the driver API, are found by name when called, so it has no static type."""
     try:
         libcuda = load("libcuda.so.1")
     except OSError:

@@ -27,7 +27,7 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 #: Storage dtype of each element type name in CuPy (and NumPy) arrays.
-STORAGE = {
+STORAGE: Dict[str, np.dtype] = {
     "bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
     "float8_e4m3fn": np.dtype(np.uint8), "int64": np.dtype(np.int64), "int32": np.dtype(np.int32),
     "bool": np.dtype(np.bool_),
@@ -77,6 +77,11 @@ class ArrayLib:
         """The raw ``cudaStream_t`` the caller's work on ``device_id`` runs on."""
         raise NotImplementedError
 
+    def stream(self, stream_ptr: int, device_id: int):
+        """The library's stream object naming the raw stream ``stream_ptr`` (PyTorch only: CuPy's
+        callers hold their ``cupy.cuda.Stream`` already)."""
+        raise NotImplementedError
+
     def allocating_on(self, stream, device_id: int):
         """A context in which :meth:`empty` allocates for ``stream`` (a ``cupy.cuda.Stream``)."""
         raise NotImplementedError
@@ -89,8 +94,7 @@ class ArrayLib:
         """The strides of ``array`` in elements."""
         raise NotImplementedError
 
-    @staticmethod
-    def trim(array, rows: int):
+    def trim(self, array, rows: int):
         """The first ``rows`` rows of the C-contiguous ``array`` (a view)."""
         return array[:rows]
 

@@ -7,8 +7,7 @@ import pytest
 
 from deepep_cupy.bench import nccl as bench_nccl
 from deepep_cupy.errors import NcclUnavailable
-from deepep_cupy.transports import nccl_library
-from deepep_cupy.transports import rail as transports
+from deepep_cupy.transports import factory, nccl_library
 
 
 @pytest.fixture
@@ -41,12 +40,12 @@ def test_a_library_that_does_not_load_is_named_in_the_error(cupy_without_nccl, m
     with pytest.raises(NcclUnavailable, match=f"DEEPEP_CUPY_NCCL_LIB.*tried.*{not_a_library}"):
         nccl_library.load_nccl()
     assert nccl_library.nccl_or_none() is None
-    assert transports.nccl_module() is None
+    assert factory.nccl_module() is None
 
 
 def test_the_transport_and_the_benchmark_share_the_loader(monkeypatch):
     bindings = object()
     monkeypatch.setattr(nccl_library, "_loaded", bindings)
-    assert transports.nccl_module() is bindings
+    assert factory.nccl_module() is bindings
     assert bench_nccl.load_nccl is nccl_library.load_nccl
     assert bench_nccl.load_nccl() is bindings

@@ -1,6 +1,6 @@
 """What pyproject.toml promises holds: each Python version it admits is tested by CI and named in
-the classifiers, the version is written once, and an installed wheel carries the licence, the
-kernels and a working ``deepep-cupy-bench`` command."""
+the classifiers, the version is written once, mypy checks the whole package, and an installed wheel
+carries the licence, the kernels, the ``py.typed`` marker and a working ``deepep-cupy-bench`` command."""
 
 import os
 import re
@@ -19,7 +19,8 @@ from deepep_cupy.gpu.check import NO_GPU_EXIT_STATUS
 #: What the wheel is built from (pyproject.toml's packages, readme and licence).
 PACKAGED = ["pyproject.toml", "README.md", "LICENSE", "deepep_cupy", "kernels"]
 
-PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
 
 
 def _admitted_minor_versions() -> list:
@@ -49,6 +50,32 @@ def test_the_version_is_written_once_in_the_package():
     setuptools_dynamic = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]
     assert setuptools_dynamic["version"] == {"attr": "deepep_cupy.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", deepep_cupy.__version__)
+
+
+def test_mypy_is_pinned_in_the_test_extra_and_make_lint_runs_it():
+    assert [r for r in PROJECT["optional-dependencies"]["test"] if r.startswith("mypy")] == ["mypy==1.13.0"]
+    lint = re.search(r"^lint:.*\n((?:\t.*\n)+)", (REPO_ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert lint and lint.group(1).split("\n")[:2] == ["\t$(PY) -m ruff check .", "\t$(PY) -m mypy"]
+
+
+def test_mypy_checks_the_whole_package_and_ignores_no_errors_wholesale():
+    mypy = PYPROJECT["tool"]["mypy"]
+    assert mypy["packages"] == ["deepep_cupy"] and "ignore_errors" not in mypy
+    # Overrides may only say that a third-party module has no types (or is not installed).
+    for override in mypy.get("overrides", []):
+        assert set(override) == {"module", "ignore_missing_imports"}, override
+        assert not any(m.split(".")[0] == "deepep_cupy" for m in override["module"]), override
+
+
+#: ``# type: ignore[code] # why`` (or ``- why``): an ignore that names what it silences and says why.
+EXPLAINED_IGNORE = re.compile(r"type: ignore\[[a-z-]+(, *[a-z-]+)*\] *(#|-) *\w")
+
+
+def test_every_type_ignore_names_its_error_code_and_why():
+    unexplained = [f"{path.relative_to(REPO_ROOT)}:{n}" for path in sorted((REPO_ROOT / "deepep_cupy").rglob("*.py"))
+                   for n, line in enumerate(path.read_text().splitlines(), 1)
+                   if "type: ignore" in line and not EXPLAINED_IGNORE.search(line)]
+    assert unexplained == []
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +108,11 @@ def test_the_wheel_states_the_licence_version_and_pythons(installed):
     assert metadata["License-Expression"] == "MIT" and metadata["License-File"] == "LICENSE"
     assert (info / "licenses" / "LICENSE").read_text() == (REPO_ROOT / "LICENSE").read_text()
     assert metadata["Requires-Python"].replace(" ", "") in (">=3.11,<3.14", "<3.14,>=3.11")
+
+
+def test_the_wheel_marks_the_package_as_typed(installed):
+    assert (REPO_ROOT / "deepep_cupy" / "py.typed").is_file()
+    assert (installed / "deepep_cupy" / "py.typed").is_file()
 
 
 def test_the_wheel_carries_every_kernel_source(installed):

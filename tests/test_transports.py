@@ -20,11 +20,12 @@ from transport_fakes import FakeComm, FakeNccl, HostMemory, expected_recv, packe
 from deepep_cupy.errors import DeepEPTimeoutError, RankFailed, RankMismatchError
 from deepep_cupy.groups.group import Group, MPIGroup, TorchGroup
 from deepep_cupy.groups.local import run_local_group
-from deepep_cupy.transports import rail as transports
+from deepep_cupy.transports import factory
+from deepep_cupy.transports.base import offsets
+from deepep_cupy.transports.factory import TRANSPORT_ENV, choose_kind, make_transport
 from deepep_cupy.transports.local import LocalRailTransport
 from deepep_cupy.transports.mpi import MPI_CUDA_AWARE_ENV, MpiRailTransport, mpi_is_cuda_aware
 from deepep_cupy.transports.nccl import NcclRailTransport, TorchNcclRailTransport
-from deepep_cupy.transports.rail import TRANSPORT_ENV, choose_kind, make_transport, offsets
 
 STREAM = 0x5157
 
@@ -42,7 +43,7 @@ def run(fn, n, **kwargs):
 
 def _torch_group(backend, monkeypatch):
     group = object.__new__(TorchGroup)   # no torch.distributed job on the CPU runner
-    monkeypatch.setattr(transports, "_torch_backend", lambda g: backend)
+    monkeypatch.setattr(factory, "_torch_backend", lambda g: backend)
     return group
 
 
@@ -79,19 +80,19 @@ def test_a_torch_gloo_group_gets_the_staged_torch_transport_and_not_nccl(no_env,
 
 
 def test_an_mpi_communicator_gets_nccl_where_cupy_loads_it(no_env, monkeypatch):
-    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl())
+    monkeypatch.setattr(factory, "nccl_module", lambda: FakeNccl())
     assert choose_kind(None, MPIGroup(FakeComm())) == "nccl"
 
 
 def test_an_mpi_communicator_gets_mpi_without_nccl(no_env, monkeypatch):
-    monkeypatch.setattr(transports, "nccl_module", lambda: None)
+    monkeypatch.setattr(factory, "nccl_module", lambda: None)
     assert choose_kind(None, MPIGroup(FakeComm())) == "mpi"
     with pytest.raises(ValueError, match="'nccl' over an mpi4py communicator needs NCCL: .*DEEPEP_CUPY_NCCL_LIB"):
         choose_kind("nccl", MPIGroup(FakeComm()))
 
 
 def test_the_environment_variable_chooses_when_kind_is_none(monkeypatch):
-    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl())
+    monkeypatch.setattr(factory, "nccl_module", lambda: FakeNccl())
     monkeypatch.setenv(TRANSPORT_ENV, "MPI")
     assert choose_kind(None, MPIGroup(FakeComm())) == "mpi"
     assert choose_kind("nccl", MPIGroup(FakeComm())) == "nccl"
@@ -170,10 +171,10 @@ def _rank():
 
 def _agree_on(n, monkeypatch, kind=None, nccl_on=lambda r: True, gpu_of=lambda r: f"0000:{r:02x}:00.0",
               rails=None):
-    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl() if nccl_on(_rank()) else None)
-    monkeypatch.setattr(transports, "gpu_address", lambda device_id: gpu_of(_rank()))
+    monkeypatch.setattr(factory, "nccl_module", lambda: FakeNccl() if nccl_on(_rank()) else None)
+    monkeypatch.setattr(factory, "gpu_address", lambda device_id: gpu_of(_rank()))
     rails = rails or [list(range(n))] * n
-    return run(lambda g: transports._agree(ThreadsAsMpi(g), kind, rails[g.rank], 0), n)
+    return run(lambda g: factory._agree(ThreadsAsMpi(g), kind, rails[g.rank], 0), n)
 
 
 def test_every_rank_takes_nccl_when_every_rank_can(no_env, monkeypatch):
@@ -199,10 +200,10 @@ def test_nccl_asked_for_ranks_sharing_a_gpu_is_refused_on_every_rank(no_env, mon
 
 def test_nccl_asked_on_one_rank_only_for_ranks_sharing_a_gpu_is_refused_on_every_rank(no_env, monkeypatch):
     # Rank 1 chooses automatically (nccl too): none may go on into the split while another raises.
-    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl())
-    monkeypatch.setattr(transports, "gpu_address", lambda device_id: "0000:01:00.0")
+    monkeypatch.setattr(factory, "nccl_module", lambda: FakeNccl())
+    monkeypatch.setattr(factory, "gpu_address", lambda device_id: "0000:01:00.0")
     with pytest.raises(RankFailed) as info:
-        run(lambda g: transports._agree(ThreadsAsMpi(g), None if g.rank else "nccl", [0, 1], 0), 2)
+        run(lambda g: factory._agree(ThreadsAsMpi(g), None if g.rank else "nccl", [0, 1], 0), 2)
     assert sorted(info.value.failures) == [0, 1]
     assert all(isinstance(e, ValueError) and "NCCL refuses two ranks on one GPU" in str(e)
                for e in info.value.failures.values())
@@ -217,10 +218,10 @@ def test_a_kind_one_rank_cannot_use_is_refused_on_every_rank(no_env, monkeypatch
 
 
 def test_ranks_asking_for_different_kinds_are_refused(monkeypatch):
-    monkeypatch.setattr(transports, "nccl_module", lambda: FakeNccl())
-    monkeypatch.setattr(transports, "gpu_address", lambda device_id: f"gpu{_rank()}")
+    monkeypatch.setattr(factory, "nccl_module", lambda: FakeNccl())
+    monkeypatch.setattr(factory, "gpu_address", lambda device_id: f"gpu{_rank()}")
     with pytest.raises(RankFailed) as info:
-        run(lambda g: transports._agree(ThreadsAsMpi(g), "mpi" if g.rank else "nccl", [0, 1], 0), 2)
+        run(lambda g: factory._agree(ThreadsAsMpi(g), "mpi" if g.rank else "nccl", [0, 1], 0), 2)
     assert all(isinstance(e, RankMismatchError) for e in info.value.failures.values())
     assert "ranks chose different transports, got ['nccl', 'mpi']" in str(info.value.exception)
 
@@ -378,6 +379,22 @@ def test_nccl_alltoallv_ends_the_group_when_a_call_fails():
     with pytest.raises(RuntimeError, match="ncclInvalidUsage"):
         t.alltoallv(0, [0, 5], 0, [0, 5], STREAM)
     assert nccl.calls == [("groupStart",), ("groupEnd",)]
+
+
+@pytest.mark.parametrize("make", [
+    lambda g: LocalRailTransport(g, [0, 1], g.rank, 5.0, memory=HostMemory(g.rank)),
+    lambda g: NcclRailTransport(g, [0, 1], g.rank, 5.0, nccl=FakeNccl(), memory=HostMemory(g.rank)),
+], ids=["local", "nccl"])
+def test_a_closed_transport_refuses_every_call(make):
+    def body(group):
+        t = make(group)
+        t.close()
+        t.close()
+        for call in (lambda: t.alltoallv(0, [0, 0], 0, [0, 0], STREAM), lambda: t.alltoall_ints([0, 0])):
+            with pytest.raises(ValueError, match=f"rank {group.rank}: the {t.name} rail transport was closed"):
+                call()
+
+    run(body, 2)   # a rank whose call was not refused fails the run
 
 
 def test_nccl_host_alltoall_and_close():

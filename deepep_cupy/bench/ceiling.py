@@ -82,10 +82,10 @@ def copy_ceiling(devices: Tuple[int, int], nbytes: int, sms_list: Sequence[int],
         with cupy.cuda.Device(a):
             cupy.cuda.runtime.memcpyPeerAsync(bufs[b][1].data.ptr, b, bufs[a][0].data.ptr, a, nbytes,
                                               streams[a].ptr)
-    times = time_ops_multi(ce, warmup, iters, [streams[a]], [a])[0]
-    rows.append({"op": f"copy engine GPU{a}->GPU{b}", "time_mean_us": float(np.mean(times)) * 1e6,
-                 "time_min_us": float(np.min(times)) * 1e6, "gbps": gbps(nbytes, float(np.mean(times))),
-                 "gbps_total": gbps(nbytes, float(np.mean(times)))})
+    ce_times = time_ops_multi(ce, warmup, iters, [streams[a]], [a])[0]
+    rows.append({"op": f"copy engine GPU{a}->GPU{b}", "time_mean_us": float(np.mean(ce_times)) * 1e6,
+                 "time_min_us": float(np.min(ce_times)) * 1e6, "gbps": gbps(nbytes, float(np.mean(ce_times))),
+                 "gbps_total": gbps(nbytes, float(np.mean(ce_times)))})
     bufs.clear()  # free the 2 x nbytes per GPU now
     return rows
 

@@ -99,7 +99,7 @@ def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]
             graphs[name]()
             stream.synchronize()
     recv_rows = int(cupy.asnumpy(cupy.asarray(graphs["dispatch"].outputs[1])).sum())
-    figures = {"tokens": n, **{f"{k}_bytes": v for k, v in decode_bytes(recv_rows, hidden).items()}}
+    figures: Dict[str, float] = {"tokens": n, **{f"{k}_bytes": v for k, v in decode_bytes(recv_rows, hidden).items()}}
     for name in ("dispatch", "combine"):
         figures[f"{name}_us"] = time_loop(graphs[name], stream.ptr, args.warmup, args.iters, group.barrier)["loop_us"]
     figures["step_host_us"] = time_loop(graphs["step"], stream.ptr, args.warmup, args.iters, group.barrier)["host_us"]

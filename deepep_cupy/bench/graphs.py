@@ -38,6 +38,9 @@ class Replay:
     object replays it on the current stream. ``outputs``: what the captured call returned (the
     graph writes into them on every replay)."""
 
+    #: A ``torch.cuda.CUDAGraph`` or a ``cupy.cuda.Graph``, as ``lib`` says: the two have no common type.
+    graph: Any
+
     def __init__(self, lib: str, fn: Callable[[], Any], device: int, thread_local: bool):
         self.lib = lib
         if lib == "torch":
@@ -65,17 +68,17 @@ class Replay:
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()
-            stream = cupy.cuda.Stream(non_blocking=True)
-            with stream:
+            capture = cupy.cuda.Stream(non_blocking=True)
+            with capture:
                 # CuPy's pool keeps freed blocks per stream: one call on the capture stream first
                 # leaves the blocks that the capture then takes without a cudaMalloc.
                 fn()
-                stream.synchronize()
-                stream.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal if thread_local else None)
+                capture.synchronize()
+                capture.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal if thread_local else None)
                 try:
                     self.outputs = fn()
                 finally:
-                    self.graph = stream.end_capture()
+                    self.graph = capture.end_capture()
 
     def __call__(self) -> None:
         if self.lib == "torch":

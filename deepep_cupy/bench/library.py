@@ -4,7 +4,7 @@ timings, tokens sweep and tuning grid (all imports of cupy / the library happen 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -241,7 +241,9 @@ def bench_library_rank(group: Any, args: argparse.Namespace) -> Dict[str, Any]:
         rpm = _to_numpy(handle[0])
         total, cross = recv_token_counts(rpm, rank)
         result["recv_tokens"], result["recv_tokens_cross"] = total, cross
-        ops = [("layout", lambda: buf.get_dispatch_layout(topk_idx, E), None)]
+        # (name, the timed call, the dtype of the rows it moves: None for no rows)
+        ops: List[Tuple[str, Callable[[], Any], Optional[str]]] = [
+            ("layout", lambda: buf.get_dispatch_layout(topk_idx, E), None)]
         if want_bf16:
             ops.append(("dispatch BF16", lambda: buf.dispatch(x, config=dcfg, **layout_kw), "bf16"))
         if want_fp8:

@@ -248,7 +248,9 @@ def nccl_measure(backend, args: argparse.Namespace, num_tokens: int, topk_by_ran
     devs, streams = backend.devices, backend.streams
     st: Dict[str, List[Any]] = {k: [None] * L for k in ("mask", "x", "counts", "perm", "send", "recv",
                                                          "back", "sc_dev", "rc_dev", "flush")}
-    send_counts, recv_counts = [None] * L, [None] * L
+    # Per local rank, the rows it sends to and receives from each rank (filled in below).
+    send_counts: List[List[int]] = [[] for _ in range(L)]
+    recv_counts: List[List[int]] = [[] for _ in range(L)]
     for i, rank in enumerate(backend.local_ranks):
         with cupy.cuda.Device(devs[i]), streams[i]:
             st["mask"][i] = token_rank_mask(cupy.asarray(topk_by_rank[rank]), E, R)

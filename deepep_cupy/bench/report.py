@@ -44,7 +44,8 @@ def summarize_op(name: str, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any
                            "time_mean_us": max(r["mean_us"] for r in per_rank),
                            "time_min_us": max(r["min_us"] for r in per_rank)}
     peaks = [r.get("peak_mib") for r in per_rank]
-    row["peak_mib"] = None if any(p is None for p in peaks) else max(peaks)
+    known = [p for p in peaks if p is not None]
+    row["peak_mib"] = max(known) if len(known) == len(peaks) else None   # None: some rank did not measure
     for key, out in (("bytes", "gbps"), ("cross_bytes", "xgpu_gbps")):
         if all(r.get(key) is not None for r in per_rank):
             rates = [gbps(r[key], r["mean_us"] * 1e-6) for r in per_rank]
@@ -155,11 +156,11 @@ def aggregate(rank_results: Sequence[Dict[str, Any]], nccl_ranks: Optional[Seque
     out["checks"] = checks
     op_names = list(rank_results[0]["ops"])
     out["ops"] = [summarize_op(n, [r["ops"][n] for r in rank_results]) for n in op_names]
-    nccl = {"backend": nccl_info.get("backend"), "skipped": nccl_info.get("skipped"), "ops": []}
+    nccl: Dict[str, Any] = {"backend": nccl_info.get("backend"), "skipped": nccl_info.get("skipped"), "ops": []}
     if nccl_ranks:
         nccl["ops"] = [summarize_op(n, [r[n] for r in nccl_ranks]) for n in nccl_ranks[0] if n != "check"]
     out["nccl"] = nccl
-    sweep = None
+    sweep: Optional[Dict[str, Any]] = None
     if args.tokens_sweep and "sweep" in rank_results[0]:
         sweep = {"tokens": [], "series": {"deepep_cupy dispatch BF16": [], "deepep_cupy combine BF16": [],
                                           "NCCL a2a transfer": [], "NCCL dispatch (all steps)": []}, "rows": []}
@@ -271,7 +272,8 @@ def plot_sm_sweep(path: str, sm_sweep: Dict[str, Any], settings: Dict[str, Any])
     ax.set_title(f"{workload_title(settings)}, {settings.get('num_tokens')} tokens/rank", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(plt, fig, path, 120)
+    _save(plt, fig, path, 120)
+    return None
 
 
 TUNE_COLUMNS = (("op", "op", "{}"), ("num_sms", "SMs", "{}"), ("num_max_nvl_chunked_send_tokens", "send", "{}"),
@@ -349,7 +351,8 @@ def plot_sweep(path: str, sweep: Dict[str, Any], settings: Dict[str, Any]) -> Op
     ax.set_title(workload_title(settings), fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(plt, fig, path, 120)
+    _save(plt, fig, path, 120)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,4 +427,5 @@ def plot_calls(path: str, calls: Dict[str, Any], settings: Dict[str, Any]) -> Op
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"{workload_title(settings)} ({settings.get('mode')})", fontsize=10)
-    return _save(plt, fig, path, 110)
+    _save(plt, fig, path, 110)
+    return None

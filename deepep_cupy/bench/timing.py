@@ -52,9 +52,10 @@ def time_ops_multi(fn: Callable[[], Any], warmup: int, iters: int, streams: Sequ
     for i in range(iters):
         for k, (dev, stream) in enumerate(zip(devices, streams)):
             with cupy.cuda.Device(dev):
-                if flushes and flushes[k]:
+                flush = flushes[k] if flushes else None
+                if flush is not None:
                     with stream:
-                        flushes[k]()
+                        flush()
                 events[k][i][0].record(stream)
         fn()
         for k, (dev, stream) in enumerate(zip(devices, streams)):

@@ -13,7 +13,8 @@ the driver without CuPy, for make.)
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from ..errors import GpuUnavailableError
 
@@ -21,9 +22,11 @@ from ..errors import GpuUnavailableError
 NO_GPU_EXIT_STATUS = 2
 
 
-class GpuProbe(NamedTuple):
+@dataclass(frozen=True)
+class GpuProbe:
     """``count`` CUDA devices are visible; ``reason`` says why none can be used when the probe
-    failed (it is None when the probe worked, even if it found 0)."""
+    failed (it is None when the probe worked, even if it found 0). Not a NamedTuple: its ``count``
+    would hide the tuple's method of that name."""
 
     count: int
     reason: Optional[str] = None

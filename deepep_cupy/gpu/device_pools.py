@@ -105,12 +105,12 @@ def _allocating_from(pools: DevicePools, device: int):
         pools.release(device)
 
 
-def allocator_for(devices: Sequence[int], rank: int,
+def allocator_for(devices: Sequence[Optional[int]], rank: int,
                   pools: Optional[DevicePools] = None) -> ContextManager[None]:
     """Where ``rank`` shares its GPU (``devices[rank]``) with other ranks of ``devices``: a context
-    in which the calling thread's CuPy allocations come from that GPU's shared pool. Otherwise a
-    context that changes nothing."""
+    in which the calling thread's CuPy allocations come from that GPU's shared pool. Otherwise (also
+    for a rank without a GPU, None) a context that changes nothing."""
     device = devices[rank]
-    if sum(1 for d in devices if d == device) < 2:
+    if device is None or sum(1 for d in devices if d == device) < 2:
         return contextlib.nullcontext()
     return _allocating_from(pools or _process_device_pools(), device)

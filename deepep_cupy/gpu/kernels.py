@@ -260,7 +260,11 @@ def load(expressions: Sequence[str]) -> None:
 # Parameters
 
 def _signature(text: str) -> Tuple[Tuple[str, str], ...]:
-    return tuple(tuple(item.split(":")) for item in text.split())
+    pairs = []
+    for item in text.split():
+        name, kind = item.split(":")    # exactly one colon: a typo fails at import
+        pairs.append((name, kind))
+    return tuple(pairs)
 
 
 #: Each kernel's parameters in order, as ``name:kind`` (kind: ptr, i32, i64, f32); they mirror

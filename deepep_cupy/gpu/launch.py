@@ -22,7 +22,7 @@ import ctypes
 import functools
 import os
 import struct
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple, Type
 
 from . import kernels
 
@@ -32,7 +32,7 @@ _FIELD_TYPES = {"ptr": (ctypes.c_uint64, "Q"), "i32": (ctypes.c_int32, "i"), "i6
 
 
 @functools.lru_cache(maxsize=None)
-def parameter_struct(kernel: str) -> type:
+def parameter_struct(kernel: str) -> Type[ctypes.Structure]:
     """A ``ctypes.Structure`` type with one field per parameter of ``kernel``, in order."""
     fields = [(name, _FIELD_TYPES[kind][0]) for name, kind in kernels.SIGNATURES[kernel]]
     return type(f"{kernel}_parameters", (ctypes.Structure,), {"_fields_": fields})
@@ -52,7 +52,7 @@ class ParameterBlock:
     def __init__(self, kernel: str, **fixed):
         struct_type = parameter_struct(kernel)
         self.kernel = kernel
-        self.names = tuple(name for name, _ in struct_type._fields_)
+        self.names = tuple(name for name, _ in kernels.SIGNATURES[kernel])
         unknown = sorted(set(fixed) - set(self.names))
         if unknown:
             raise TypeError(f"deepep_cupy: {kernel} has no parameters {unknown}")
@@ -86,7 +86,7 @@ class ParameterBlock:
             raise TypeError(f"deepep_cupy: {self.kernel}: per-call parameters must be named once each, in "
                             f"declaration order: {list(names)}")
         struct_type = type(self.values)
-        runs = []
+        runs: List[Dict[str, Any]] = []
         for i, (name, position) in enumerate(zip(names, order)):
             field = getattr(struct_type, name)
             if runs and position == runs[-1]["last"] + 1:
@@ -152,8 +152,10 @@ def shared_arguments(peer_table_ptr: int, num_ranks: int, rank: int, timeout_s: 
 def bind(kernel: str, shared: Dict[str, int], template_args: Tuple[object, ...] = (), **call) -> KernelCall:
     """``KernelCall(kernel, template_args, **call)`` with the entries of ``shared``
     (:func:`shared_arguments`) that ``kernel`` names bound too."""
-    names = {name for name, _ in parameter_struct(kernel)._fields_}
-    return KernelCall(kernel, template_args, **{name: v for name, v in shared.items() if name in names}, **call)
+    names = {name for name, _ in kernels.SIGNATURES[kernel]}
+    # Any: these join ``call``'s keywords, which hold grid (an int) and per_call (names) too.
+    bound: Dict[str, Any] = {name: v for name, v in shared.items() if name in names}
+    return KernelCall(kernel, template_args, **bound, **call)
 
 
 class _Profile:
@@ -161,7 +163,7 @@ class _Profile:
 
     def __init__(self):
         self.enabled = os.environ.get("DEEPEP_CUPY_PROFILE", "") not in ("", "0")
-        self.pending: List[Tuple[str, object, object]] = []
+        self.pending: List[Tuple[str, Any, Any]] = []     # (kernel, start, end): CuPy events
 
     def report(self) -> Dict[str, Tuple[int, float]]:
         """{kernel: (launches, mean milliseconds)} since the last report (synchronises)."""

@@ -94,8 +94,16 @@ class MappedInts:
         from cupy.cuda import runtime
 
         self._ptr = runtime.hostAlloc(count * 4, runtime.hostAllocMapped | runtime.hostAllocPortable)
-        self.values = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(self._ptr))
-        self.values[:] = 0
+        self._values: Optional[np.ndarray] = np.ctypeslib.as_array(
+            (ctypes.c_int32 * count).from_address(self._ptr))
+        self._values[:] = 0
+
+    @property
+    def values(self) -> np.ndarray:
+        """The ints, a view of the pinned memory (gone with it: no read after :meth:`free`)."""
+        if self._values is None:
+            raise DeepEPError("deepep_cupy: mapped host ints read after they were freed")
+        return self._values
 
     def device_ptr(self, index: int) -> int:
         return self._ptr + 4 * index
@@ -104,7 +112,7 @@ class MappedInts:
         if self._ptr:
             from cupy.cuda import runtime
 
-            self.values = None
+            self._values = None
             runtime.freeHost(self._ptr)
             self._ptr = 0
 
@@ -279,6 +287,8 @@ class HostSlots:
     def _raise_record(self) -> None:
         record = self.values[ERROR_RECORD:ERROR_RECORD + ERROR_RECORD_INTS]
         error = kernel_error(record, self.rank, self.timeout_s)
+        if error is None:   # the record holds no error (callers look at its code first)
+            return
         if not isinstance(error, DeepEPTimeoutError):
             record[:] = 0  # reported once: nothing was moved, so the next call may go ahead
         else:

@@ -108,14 +108,14 @@ class StreamOrder:
                 "run_local_group sets one per rank, or use `with cupy.cuda.Stream(non_blocking=True):`")
         runtime = self._runtime
         self.capturing = capturing = bool(runtime.streamIsCapturing(caller_ptr))
-        if previous_event is not None and previous_event.event is None:
-            previous_event = None  # the event of a synchronous call: nothing to wait for
-        run_on = self.ptr if on_comm_stream or previous_event is not None else caller_ptr
+        # A synchronous call's EventOverlap holds no event: nothing to wait for.
+        previous = None if previous_event is None else previous_event.event
+        run_on = self.ptr if on_comm_stream or previous is not None else caller_ptr
         if not capturing and self._last_stream is not None and self._last_stream != run_on:
             runtime.streamWaitEvent(run_on, self._last_event.ptr, 0)  # after the Buffer's last call
         if run_on == self.ptr:
-            if previous_event is not None:
-                runtime.streamWaitEvent(self.ptr, previous_event.event.ptr, 0)
+            if previous is not None:
+                runtime.streamWaitEvent(self.ptr, previous.ptr, 0)
             else:
                 # A stream wait takes the event's state when it is enqueued, so one event serves
                 # every call; a capture gets its own (its record is a node of the graph).

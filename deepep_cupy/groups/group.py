@@ -16,9 +16,9 @@ from __future__ import annotations
 import abc
 import socket
 import sys
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
-from ..errors import RankMismatchError
+from ..errors import DeepEPError, RankMismatchError
 
 
 class Group(abc.ABC):
@@ -218,14 +218,20 @@ class TorchGroup(Group):
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
         self._dist = dist
-        self._group = process_group
+        self._group: Optional[Any] = process_group     # None once free() destroyed an owned one
         self._rank = process_group.rank()
         self._size = process_group.size()
         self._owned = _owned
 
     @property
     def process_group(self) -> Any:
-        """The wrapped ``torch.distributed.ProcessGroup``."""
+        """The wrapped ``torch.distributed.ProcessGroup``.
+
+        Raises:
+            DeepEPError: :meth:`free` destroyed it (torch would take a group of None for the world).
+        """
+        if self._group is None:
+            raise DeepEPError(f"rank {self._rank}: this torch.distributed group was freed")
         return self._group
 
     @property
@@ -238,7 +244,7 @@ class TorchGroup(Group):
 
     def allgather(self, obj: Any) -> List[Any]:
         gathered: List[Any] = [None] * self._size
-        self._dist.all_gather_object(gathered, obj, group=self._group)
+        self._dist.all_gather_object(gathered, obj, group=self.process_group)
         return gathered
 
     def barrier(self) -> None:
@@ -248,7 +254,7 @@ class TorchGroup(Group):
 
     def global_rank(self, rank: int) -> int:
         """The rank of this group's ``rank`` in torch's default group (torch's P2P calls take those)."""
-        return self._dist.get_global_rank(self._group, rank)
+        return self._dist.get_global_rank(self.process_group, rank)
 
     def _split(self, parts: List[List[int]], index: int) -> "TorchGroup":
         dist = self._dist
@@ -257,7 +263,7 @@ class TorchGroup(Group):
         # every part, in the same order. (Torch names a locally synchronised group by its ranks and
         # the number of groups this process has: the ranks of a part must have made as many.)
         local_sync = self._size < dist.get_world_size()
-        backend = dist.get_backend(self._group)
+        backend = dist.get_backend(self.process_group)
         every_members = [[self.global_rank(r) for r in part] for part in parts]
         for part, members in zip(parts, every_members):  # all checked before any group is made
             if members != sorted(members):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class _Hub:
         self._generation = 0
         self._arrived: Dict[int, str] = {}     # rank -> name of the collective it is waiting in
         self._slots: List[Any] = [None] * size
-        self._broken: Optional[Tuple[type, str]] = None
+        self._broken: Optional[Tuple[Type[Exception], str]] = None     # (what to raise, why)
         self._children: List["_Hub"] = []    # hubs of sub-groups (ThreadGroup.split): aborted with this one
         self._parent: Optional["_Hub"] = None
 
@@ -84,7 +84,7 @@ class _Hub:
         """Why the group was aborted, or None."""
         return None if self._broken is None else self._broken[1]
 
-    def abort(self, reason: str, error_type: type = GroupAbortedError) -> None:
+    def abort(self, reason: str, error_type: Type[Exception] = GroupAbortedError) -> None:
         """Break the group: every rank in (or later entering) a collective raises ``reason``."""
         with self._cond:
             if self._broken is None:
@@ -94,8 +94,8 @@ class _Hub:
         for child in children:
             child.abort(reason, error_type)
 
-    def _raise_broken(self, rank: int, what: str) -> None:
-        error_type, reason = self._broken
+    def _raise_broken(self, rank: int, what: str, broken: Tuple[Type[Exception], str]) -> NoReturn:
+        error_type, reason = broken
         verb = "timed out" if error_type is DeepEPTimeoutError else "aborted"
         raise error_type(f"rank {rank}: {what} of the in-process group {verb}: {reason}")
 
@@ -103,19 +103,19 @@ class _Hub:
         timeout_s = self.timeout_s if timeout_s is None else _check_timeout(timeout_s)
         with self._cond:
             if self._broken is not None:
-                self._raise_broken(rank, what)
+                self._raise_broken(rank, what, self._broken)
             if rank in self._arrived:  # pragma: no cover - two threads share one rank's group
-                self._broken = (DeepEPError, f"rank {rank} entered {what} twice (one ThreadGroup per thread)")
+                self._broken = broken = (DeepEPError, f"rank {rank} entered {what} twice (one ThreadGroup per thread)")
                 self._cond.notify_all()
-                self._raise_broken(rank, what)
+                self._raise_broken(rank, what, broken)
             others = set(self._arrived.values())
             if others and others != {what}:
                 first = min(self._arrived)
-                self._broken = (RankMismatchError, f"rank {rank} called {what} while rank {first} is in "
-                                                   f"{self._arrived[first]} (every rank must call the same "
-                                                   "collectives in the same order)")
+                self._broken = broken = (RankMismatchError, f"rank {rank} called {what} while rank {first} is in "
+                                                            f"{self._arrived[first]} (every rank must call the same "
+                                                            "collectives in the same order)")
                 self._cond.notify_all()
-                self._raise_broken(rank, what)
+                self._raise_broken(rank, what, broken)
             generation = self._generation
             self._arrived[rank] = what
             if len(self._arrived) == self.size:
@@ -134,8 +134,10 @@ class _Hub:
                     self._cond.notify_all()
                     break
                 self._cond.wait(remaining)
-            if self._generation == generation:
-                self._raise_broken(rank, what)
+            # The wait ends with the next generation or a break; a break after every rank arrived
+            # does not undo the collective.
+            if self._generation == generation and self._broken is not None:
+                self._raise_broken(rank, what, self._broken)
 
     def allgather(self, rank: int, obj: Any, timeout_s: Optional[float]) -> List[Any]:
         self._slots[rank] = obj
@@ -315,7 +317,7 @@ def _resolve_devices(num_ranks: Optional[int], devices: Optional[Sequence[int]],
     if bad:
         raise ValueError(f"devices: {bad} out of range: {device_count} CUDA devices are visible "
                          f"(ids 0..{device_count - 1})")
-    return devices
+    return list(devices)
 
 
 #: How often (seconds) the thread of :func:`run_local_group` looks at its ranks while they are healthy

@@ -2,7 +2,7 @@
 
 A node is a set of consecutive ranks that run on one host and whose GPUs can map each other's
 memory (NVLink or PCIe P2P). Between nodes, tokens travel over a rail transport
-(:mod:`deepep_cupy.transports.rail`) to the rank with the same local index (rail-aligned peers); inside
+(:mod:`deepep_cupy.transports`) to the rank with the same local index (rail-aligned peers); inside
 a node, over the NVLink kernels. This module only finds the shape; it knows no operation.
 
 Three ways decide the node size ``L`` (ranks per node), in this order:

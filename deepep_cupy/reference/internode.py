@@ -122,7 +122,7 @@ def dispatch(xs, topk_idxs, num_experts: int, ranks_per_node: int, *, topk_weigh
     scales = None if x_scales is None else [np.asarray(s, dtype=np.float32) for s in x_scales]
     num_topk = None if topk_idxs is None else topk_idxs[0].shape[1]
 
-    in_nodes = [a.reshape(a.shape[0], num_nodes, L).any(axis=2) for a in in_ranks]
+    in_nodes = [np.any(a.reshape(a.shape[0], num_nodes, L), axis=2) for a in in_ranks]
     send_idx = [[np.nonzero(in_nodes[r][:, n])[0].astype(np.int64) for n in range(num_nodes)]
                 for r in range(num_ranks)]
     results = []
@@ -154,7 +154,8 @@ def dispatch(xs, topk_idxs, num_experts: int, ranks_per_node: int, *, topk_weigh
             if weights is not None:
                 w = reference._gather_rows(weights, picks, (num_topk,), np.float32)
                 result["recv_topk_weights"] = np.where(mine, w, np.float32(0.0)).astype(np.float32)
-        totals = sum(np.asarray(c, dtype=np.int64)[first:first + experts_per_rank] for c in num_tokens_per_experts)
+        totals = np.sum([np.asarray(c, dtype=np.int64)[first:first + experts_per_rank]
+                         for c in num_tokens_per_experts], axis=0)
         result["num_recv_tokens_per_expert_list"] = [int(-(-int(c) // expert_alignment) * expert_alignment)
                                                      for c in totals]
         results.append(result)
@@ -205,7 +206,7 @@ def combine(xs, results, dtype_name: str, *, topk_weights=None, bias=None):
                 here = in_rank[tokens, d]
                 rows = _rows_of(results[d], m, tokens[here])
                 partial[here] = partial[here] + xs[d][rows]
-                if partial_w is not None:
+                if ws is not None and partial_w is not None:
                     partial_w[here] = partial_w[here] + ws[d][rows]
             combined[tokens] = combined[tokens] + reference._as_float32(reference.round_to_dtype(partial, dtype_name))
             if combined_w is not None:

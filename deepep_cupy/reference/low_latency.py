@@ -372,11 +372,12 @@ def dispatch(xs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray], num_max_
     for x, topk in zip(xs, topks):
         if x.shape[0] != topk.shape[0] or x.shape[0] > M:
             raise ValueError(f"x: expected as many rows as topk_idx, at most {M}; got {x.shape[0]}, {topk.shape[0]}")
-        casts.append(cast_to_fp8(x, round_scale) if use_fp8 else (np.asarray(x), None))
+        # BF16 rows carry scales of no columns, so that one copy below serves both formats.
+        casts.append(cast_to_fp8(x, round_scale) if use_fp8 else (np.asarray(x), np.zeros((len(x), 0), np.float32)))
     results = []
     for rank in range(num_ranks):
         recv_x = np.zeros((L, num_ranks * M, hidden), np.uint8 if use_fp8 else np.uint16)
-        scales = np.zeros((L, num_ranks * M, hidden // FP8_SCALE_BLOCK), np.float32) if use_fp8 else None
+        scales = np.zeros((L, num_ranks * M, hidden // FP8_SCALE_BLOCK if use_fp8 else 0), np.float32)
         recv_count = np.zeros(L, np.int32)
         src_info = np.zeros((L, num_ranks * M), np.int32)
         layout_range = np.zeros((L, num_ranks), np.int64)
@@ -387,15 +388,14 @@ def dispatch(xs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray], num_max_
                 tokens = np.nonzero((topks[source] == expert).any(axis=1))[0]
                 data, source_scales = casts[source]
                 recv_x[local, row:row + len(tokens)] = data[tokens]
-                if use_fp8:
-                    scales[local, row:row + len(tokens)] = source_scales[tokens]
+                scales[local, row:row + len(tokens)] = source_scales[tokens]
                 src_info[local, row:row + len(tokens)] = tokens
                 layout_range[local, source] = (row << 32) | len(tokens)
                 row += len(tokens)
             recv_count[local] = row
         if use_fp8 and use_ue8m0:
             scales = pack_ue8m0(scales)
-        results.append(dict(recv_x=recv_x, scales=scales, recv_count=recv_count, src_info=src_info,
+        results.append(dict(recv_x=recv_x, scales=scales if use_fp8 else None, recv_count=recv_count, src_info=src_info,
                             layout_range=layout_range))
     return results
 
@@ -425,7 +425,7 @@ def combine(expert_outputs: Sequence[np.ndarray], topk_idxs: Sequence[np.ndarray
     """
     num_ranks = len(expert_outputs)
     L, _, hidden = expert_outputs[0].shape
-    outputs = []
+    outputs: List[Optional[np.ndarray]] = []
     for rank in range(num_ranks):
         if ranks is not None and rank not in ranks:
             outputs.append(None)

@@ -16,11 +16,11 @@ follows its last use, so two events per rank serve every call.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 from ..errors import DeepEPTimeoutError, RankMismatchError
+from .base import RailTransport, offsets
 from .memory import CudaMemory
-from .rail import RailTransport, offsets
 
 
 class LocalRailTransport(RailTransport):
@@ -43,13 +43,13 @@ class LocalRailTransport(RailTransport):
         if not rail_group.in_process:
             raise ValueError("transport: 'local' needs an in-process group (run_local_group)")
         super().__init__(rail_group, rail, device_id, timeout_s)
-        self._group = rail_group
         self._memory = CudaMemory(device_id) if memory is None else memory
-        self._ready: Optional[int] = self._memory.new_event()
-        self._done: Optional[int] = self._memory.new_event()
+        self._ready: int = self._memory.new_event()
+        self._done: int = self._memory.new_event()
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int, owners: Sequence[Any] = ()) -> None:
+        self._rail_group()  # a closed transport's events are gone: refuse before recording one
         send_bytes = self._counts("send_bytes", send_bytes)
         recv_bytes = self._counts("recv_bytes", recv_bytes)
         me, memory = self.rank, self._memory
@@ -86,18 +86,17 @@ class LocalRailTransport(RailTransport):
     def _gather(self, obj: Any, what: str) -> List[Any]:
         """The rail group's allgather; a timeout names the rail's ranks as the Buffer's group numbers them."""
         try:
-            return self._group.allgather(obj, timeout_s=self.timeout_s)
+            return self._rail_group().allgather(obj, timeout_s=self.timeout_s)
         except DeepEPTimeoutError as exc:
             me = self.rail[self.rank]
             raise DeepEPTimeoutError(f"rank {me}: local rail {what} timed out (rail ranks 0..{self.size - 1} are "
                                      f"global ranks {self.rail}): {exc}", rank=me, kernel=f"local rail {what}") from exc
 
     def close(self) -> None:
-        if self._group is not None:
+        group = self._take_group()
+        if group is not None:
             # A peer may still have work queued that waits on these events: they are destroyed
             # only once this rank's stream work is done (CUDA defers the release itself).
             for event in (self._ready, self._done):
                 self._memory.destroy_event(event)
-            self._ready = self._done = None
-            group, self._group = self._group, None
             group.free()

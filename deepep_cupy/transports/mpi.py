@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from ..errors import DeepEPError, DeepEPTimeoutError, RankMismatchError
+from .base import RailTransport, offsets
 from .memory import CudaMemory
-from .rail import RailTransport, offsets
 
 #: Environment variable: ``1``/``0`` says whether the MPI is CUDA-aware, instead of asking it.
 MPI_CUDA_AWARE_ENV = "DEEPEP_CUPY_MPI_CUDA_AWARE"
@@ -85,7 +85,6 @@ class MpiRailTransport(RailTransport):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self._group = rail_group
         self._comm = rail_group.comm
         self.cuda_aware = mpi_is_cuda_aware(self._comm) if cuda_aware is None else bool(cuda_aware)
         self._memory = CudaMemory(device_id) if memory is None else memory
@@ -149,8 +148,8 @@ class MpiRailTransport(RailTransport):
         return [int(v) for v in out]
 
     def close(self) -> None:
-        if self._group is not None:
-            group, self._group = self._group, None
+        group = self._take_group()
+        if group is not None:
             if self._copied_back is not None:
                 if self._broken is None:    # the last copy back still reads _recv_host
                     self._memory.event_synchronize(self._copied_back)

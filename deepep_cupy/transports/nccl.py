@@ -16,11 +16,11 @@ transport. NCCL has no deadline of its own: a peer that never comes leaves the s
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
+from .base import RailTransport, offsets
 from .memory import CudaMemory
-from .nccl_library import NO_NCCL_HINT
-from .rail import RailTransport, nccl_module, offsets
+from .nccl_library import NO_NCCL_HINT, nccl_or_none
 
 
 def _host_alltoall_ints(transport: RailTransport, group: Any, values: Sequence[int]) -> List[int]:
@@ -47,22 +47,20 @@ class NcclRailTransport(RailTransport):
                  nccl: Any = None, memory: Any = None):
         super().__init__(rail_group, rail, device_id, timeout_s)
         if nccl is None:
-            nccl = nccl_module()
+            nccl = nccl_or_none()
             if nccl is None:
                 raise ValueError(f"transport: 'nccl' needs NCCL: {NO_NCCL_HINT}; or choose 'mpi'")
         self._memory = CudaMemory(device_id) if memory is None else memory
         self._nccl = nccl
-        self._group = rail_group
         unique_id = rail_group.allgather(nccl.get_unique_id() if self.rank == 0 else None)[0]
         with self._memory.device():
-            self._comm: Optional[Any] = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+            self._comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int, owners: Sequence[Any] = ()) -> None:
         send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
+        self._rail_group()   # refused once closed: close() destroyed the communicator
         me, nccl, comm = self.rank, self._nccl, self._comm
-        if comm is None:
-            raise ValueError("the NCCL rail transport was closed")
         send_off, recv_off = offsets(send_bytes), offsets(recv_bytes)
         if send_bytes[me]:
             self._memory.copy(recv_ptr + recv_off[me], send_ptr + send_off[me], send_bytes[me], stream)
@@ -80,13 +78,13 @@ class NcclRailTransport(RailTransport):
             nccl.groupEnd()
 
     def alltoall_ints(self, values: Sequence[int]) -> List[int]:
-        return _host_alltoall_ints(self, self._group, values)
+        return _host_alltoall_ints(self, self._rail_group(), values)
 
     def close(self) -> None:
-        if self._comm is not None:
-            comm, self._comm = self._comm, None
-            comm.destroy()
-            self._group.free()
+        group = self._take_group()
+        if group is not None:
+            self._comm.destroy()
+            group.free()
 
 
 class _CudaBytes:
@@ -117,7 +115,6 @@ class TorchNcclRailTransport(RailTransport):
         if torch is None:
             import torch
         self._torch = torch
-        self._group = rail_group
         self._device = torch.device("cuda", device_id)
         self._stream: Any = (None, None)    # (raw stream, its torch.cuda.ExternalStream): the last one used
 
@@ -130,8 +127,7 @@ class TorchNcclRailTransport(RailTransport):
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int, owners: Sequence[Any] = ()) -> None:
         send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
-        if self._group is None:
-            raise ValueError("the NCCL rail transport was closed")
+        group = self._rail_group()
         torch = self._torch
         # A collective, so every rank of the rail takes part in every call (also with nothing to
         # move), as torch's lazily made NCCL communicators need; NCCL copies the self entry on the device.
@@ -144,12 +140,7 @@ class TorchNcclRailTransport(RailTransport):
             torch.distributed.all_to_all_single(
                 self._bytes(recv_ptr, sum(recv_bytes)), self._bytes(send_ptr, sum(send_bytes)),
                 output_split_sizes=recv_bytes, input_split_sizes=send_bytes,
-                group=self._group.process_group)
+                group=group.process_group)
 
     def alltoall_ints(self, values: Sequence[int]) -> List[int]:
-        return _host_alltoall_ints(self, self._group, values)
-
-    def close(self) -> None:
-        if self._group is not None:
-            group, self._group = self._group, None
-            group.free()
+        return _host_alltoall_ints(self, self._rail_group(), values)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+from .base import RailTransport, offsets
 from .memory import CudaMemory
-from .rail import RailTransport, offsets
 
 #: Pinned staging buffers grow in steps of this many bytes (and never shrink).
 STAGING_GRANULE = 1 << 20
@@ -39,7 +39,6 @@ class TorchStagedRailTransport(RailTransport):
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
-        self._group: Optional[Any] = rail_group
         self._memory = CudaMemory(device_id) if memory is None else memory
         self._send_host: Optional[Any] = None
         self._recv_host: Optional[Any] = None
@@ -47,6 +46,7 @@ class TorchStagedRailTransport(RailTransport):
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int, owners: Sequence[Any] = ()) -> None:
+        group = self._rail_group()
         send_bytes, recv_bytes = self._byte_counts(send_bytes, recv_bytes)
         me, memory = self.rank, self._memory
         send_off, recv_off = offsets(send_bytes), offsets(recv_bytes)
@@ -65,7 +65,7 @@ class TorchStagedRailTransport(RailTransport):
         recv_counts = [0 if p == me else c for p, c in enumerate(recv_bytes)]
         self._dist.all_to_all_single(recv_host[:sum(recv_counts)], send_host[:sum(send_counts)],
                                      output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                                     group=self._group.process_group)
+                                     group=group.process_group)
         for host_start, start, end in _other_ranges(recv_off, recv_bytes, me):
             memory.to_device(recv_ptr + start, recv_host.numpy(), host_start, end - start, stream)
         if self._copied_back is None:
@@ -73,12 +73,12 @@ class TorchStagedRailTransport(RailTransport):
         memory.record(self._copied_back, stream)
 
     def alltoall_ints(self, values: Sequence[int]) -> List[int]:
-        rows = self._group.allgather(self._check_ints(values))
+        rows = self._rail_group().allgather(self._check_ints(values))
         return [int(rows[p][self.rank]) for p in range(self.size)]
 
     def close(self) -> None:
-        if self._group is not None:
-            group, self._group = self._group, None
+        group = self._take_group()
+        if group is not None:
             if self._copied_back is not None:
                 self._memory.event_synchronize(self._copied_back)
                 self._memory.destroy_event(self._copied_back)

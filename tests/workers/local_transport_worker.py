@@ -18,7 +18,7 @@ def rank_main(group):
     import cupy
     from transport_fakes import expected_recv, packed_send, random_counts
 
-    from deepep_cupy.transports.rail import make_transport
+    from deepep_cupy.transports import make_transport
 
     t = make_transport(None, group, list(range(group.size)), cupy.cuda.Device().id, timeout_s=60)
     rng = np.random.default_rng(99)   # the same matrices on every rank

@@ -28,7 +28,7 @@ def _transport(mode, cuda_aware, timeout_s=60.0):
     from transport_fakes import HostMemory
 
     from deepep_cupy.groups.group import MPIGroup
-    from deepep_cupy.transports.rail import make_transport
+    from deepep_cupy.transports import make_transport
 
     world = MPIGroup(MPI.COMM_WORLD)
     per_node = 2 if world.size == 4 else 1

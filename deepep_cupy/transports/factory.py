@@ -1,11 +1,7 @@
-"""Rail transports: how bytes travel between nodes, from a rank to its rail peers.
+"""Which rail transport a rank gets, made collectively: :func:`make_transport`.
 
-A rail is the ranks with the same local index on every node (:meth:`NodeTopology.rail_ranks`),
-one per node, in node order. Between nodes, the library only ever moves bytes along a rail, with
-one operation: an all-to-all of variable byte counts on device memory, ordered on a CUDA stream
-(:meth:`RailTransport.alltoallv`), plus a small host all-to-all of counts.
-
-One interface, one implementation per transport (as CuPy's ``cupyx.distributed`` does):
+One interface (:class:`deepep_cupy.transports.base.RailTransport`), one implementation per
+transport (as CuPy's ``cupyx.distributed`` does):
 
 * ``"nccl"`` (:mod:`deepep_cupy.transports.nccl`): grouped ``ncclSend``/``ncclRecv``, through
   the ProcessGroup of a ``torch.distributed`` NCCL group, or through a CuPy NCCL communicator
@@ -17,132 +13,30 @@ One interface, one implementation per transport (as CuPy's ``cupyx.distributed``
 * ``"local"`` (:mod:`deepep_cupy.transports.local`): ranks that are threads of one process
   (:class:`deepep_cupy.groups.local.ThreadGroup`): device-to-device copies ordered by events.
 
-All of them move bytes, so their results are identical.
+All of them move bytes, so their results are identical. The implementations import CUDA, MPI,
+NCCL and torch only when one is made, so importing them all here costs nothing.
 """
 
 from __future__ import annotations
 
-import abc
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import RankMismatchError
+from ..groups.group import MPIGroup, TorchGroup
 from ..groups.nodes import gpu_address
+from .base import RailTransport
+from .local import LocalRailTransport
+from .mpi import MpiRailTransport
+from .nccl import NcclRailTransport, TorchNcclRailTransport
 from .nccl_library import NO_NCCL_HINT, nccl_or_none
+from .torch_staged import TorchStagedRailTransport
 
 #: Environment variable: the transport :func:`make_transport` picks when its ``kind`` is None.
 TRANSPORT_ENV = "DEEPEP_CUPY_TRANSPORT"
 
 #: The transports by name.
 TRANSPORT_KINDS = ("nccl", "mpi", "torch", "local")
-
-
-class RailTransport(abc.ABC):
-    """Moves bytes between the ranks of one rail (one rank per node).
-
-    Args:
-        rail_group: the rail's :class:`deepep_cupy.groups.group.Group` (one rank per node; owned by the
-            transport: freed by :meth:`close`).
-        rail: the rail's global ranks (in the Buffer's group), in rail order (for messages).
-        device_id: this rank's CUDA device.
-        timeout_s: how long a host wait of the transport may last (where it has one).
-
-    Attributes:
-        name: ``"nccl"``, ``"mpi"``, ``"torch"`` or ``"local"``.
-        size: ranks in the rail (the number of nodes).
-        rank: this rank's index in the rail (its node index).
-        rail: the global ranks of the rail (in the Buffer's group), in rail order.
-        device_id, timeout_s: as given.
-    """
-
-    name: str = ""
-
-    def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float):
-        self.rail = [int(r) for r in rail]
-        self.size = len(self.rail)
-        self.rank = rail_group.rank
-        if rail_group.size != self.size:
-            raise ValueError(f"rail: {self.size} ranks, but the rail group has {rail_group.size}")
-        self.device_id = device_id
-        self.timeout_s = float(timeout_s)
-
-    @abc.abstractmethod
-    def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
-                  stream: int, owners: Sequence[Any] = ()) -> None:
-        """Send ``send_bytes[p]`` bytes to rail peer ``p`` and receive ``recv_bytes[p]`` from it.
-
-        Every rank of the rail calls it, with matching counts (``send_bytes[q]`` on rank ``p``
-        equals ``recv_bytes[p]`` on rank ``q``).
-
-        Args:
-            send_ptr: device pointer (this rank's GPU) of the bytes to send, packed by peer:
-                peer ``p``'s bytes start at ``sum(send_bytes[:p])``.
-            send_bytes: ``size`` non-negative ints.
-            recv_ptr: device pointer of the receive buffer, packed by peer likewise.
-            recv_bytes: ``size`` non-negative ints.
-            stream: a raw ``cudaStream_t``: the move starts after the work queued on it so far,
-                and work queued on it afterwards sees the received bytes. The self entry
-                (``p == rank``) is a device-to-device copy. Both buffers must stay alive until
-                that work has run.
-            owners: the objects that own the memory at ``send_ptr`` and ``recv_ptr``. A transport
-                that gives up on a move its library cannot cancel (a timed-out MPI request on
-                device memory) keeps them for good, since a late peer may still write there.
-        """
-
-    @abc.abstractmethod
-    def alltoall_ints(self, values: Sequence[int]) -> List[int]:
-        """Host all-to-all of one int per peer.
-
-        Args:
-            values: ``size`` ints, ``values[p]`` for rail peer ``p``.
-
-        Returns:
-            ``size`` ints, entry ``p`` being what rail peer ``p`` passed for this rank.
-        """
-
-    def close(self) -> None:
-        """Release the transport's resources (idempotent)."""
-        return None
-
-    # -- shared argument checks ----------------------------------------------------------------
-
-    def _counts(self, name: str, counts: Sequence[int]) -> List[int]:
-        what = "non-negative byte counts"
-        values = self._check_ints(counts, name, what)
-        if any(v < 0 for v in values):
-            raise ValueError(f"{name}: expected {self.size} {what} (one per rail peer), got {values}")
-        return values
-
-    def _byte_counts(self, send_bytes: Sequence[int], recv_bytes: Sequence[int]) -> Tuple[List[int], List[int]]:
-        """:meth:`alltoallv`'s counts checked, the self entries equal (a copy on the device)."""
-        send_bytes, recv_bytes = self._counts("send_bytes", send_bytes), self._counts("recv_bytes", recv_bytes)
-        me = self.rank
-        if send_bytes[me] != recv_bytes[me]:
-            raise ValueError(f"send_bytes/recv_bytes: this rank sends itself {send_bytes[me]} bytes but receives "
-                             f"{recv_bytes[me]}")
-        return send_bytes, recv_bytes
-
-    def _check_ints(self, values: Sequence[int], name: str = "values", what: str = "ints") -> List[int]:
-        """``values`` as ``size`` ints (``what`` names them in the message of a wrong count)."""
-        try:
-            ints = [int(v) for v in values]
-        except (TypeError, ValueError):
-            raise TypeError(f"{name}: expected {self.size} ints, got {values!r}") from None
-        if len(ints) != self.size:
-            raise ValueError(f"{name}: expected {self.size} {what} (one per rail peer), got {ints}")
-        return ints
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(rail={self.rail}, rank={self.rank})"
-
-
-def offsets(counts: Sequence[int]) -> List[int]:
-    """Exclusive prefix sums: where each peer's bytes start in a packed buffer."""
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out
 
 
 def _requested_kind(kind: Optional[str]) -> Optional[str]:
@@ -158,7 +52,10 @@ def _requested_kind(kind: Optional[str]) -> Optional[str]:
 
 
 def nccl_module() -> Any:
-    """CuPy's NCCL bindings (:func:`deepep_cupy.transports.nccl_library.load_nccl`), or None when no libnccl loads."""
+    """CuPy's NCCL bindings (:func:`deepep_cupy.transports.nccl_library.load_nccl`), or None when no libnccl loads.
+
+    The automatic choice asks here, not the loader itself, so that tests can stand in for NCCL.
+    """
     return nccl_or_none()
 
 
@@ -178,8 +75,6 @@ def choose_kind(kind: Optional[str], group: Any) -> str:
     Raises:
         ValueError: an unknown kind, or one this group cannot use.
     """
-    from ..groups.group import MPIGroup, TorchGroup
-
     requested = _requested_kind(kind)
     kind_of_group = ("in-process" if group.in_process else "torch.distributed" if isinstance(group, TorchGroup)
                      else "mpi4py" if isinstance(group, MPIGroup) else type(group).__name__)
@@ -217,8 +112,6 @@ def _agree(group: Any, kind: Optional[str], rail: Sequence[int], device_id: int)
     mpi4py communicator: CuPy cannot load NCCL on some rank, or two ranks of a rail share a GPU
     (NCCL refuses that; tests run ranks on one GPU).
     """
-    from ..groups.group import MPIGroup
-
     mine = [int(r) for r in rail]
     # What this rank refuses is refused on every rank (after the gather), so that none waits.
     try:
@@ -286,25 +179,13 @@ def make_transport(kind: Optional[str], group: Any, rail: Sequence[int], device_
     rail_group = group.split(parts)
     try:
         if chosen == "local":
-            from .local import LocalRailTransport
-
             return LocalRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
         if chosen == "mpi":
-            from .mpi import MpiRailTransport
-
             return MpiRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
         if chosen == "torch":
-            from .torch_staged import TorchStagedRailTransport
-
             return TorchStagedRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
-        from ..groups.group import TorchGroup
-
         if isinstance(group, TorchGroup):
-            from .nccl import TorchNcclRailTransport
-
             return TorchNcclRailTransport(rail_group, mine, device_id, timeout_s)
-        from .nccl import NcclRailTransport
-
         return NcclRailTransport(rail_group, mine, device_id, timeout_s, memory=memory)
     except BaseException:
         rail_group.free()
