@@ -15,9 +15,8 @@ from host_fakes import FakeArray, FakeGroup, FakeLib, FakeMapped, FakeNvlBuffer,
 import deepep_cupy as ep
 from deepep_cupy import constants, tensors
 from deepep_cupy.constants import ERROR_BAD_EXPERT_ID, KERNEL_STAGES, LL_DATA_OFFSET, LL_SIGNALS_END
-from deepep_cupy.gpu import kernels, launch, slots
+from deepep_cupy.gpu import kernels, launch, plan_cache, slots
 from deepep_cupy.gpu.slots import HostSlots
-from deepep_cupy.intranode import plans
 from deepep_cupy.low_latency import path as low_latency
 from deepep_cupy.low_latency.path import (
     COMBINE_KERNEL,
@@ -674,7 +673,7 @@ def test_plans_are_kept_per_kind_of_arguments_and_forgotten_past_a_bound(path, m
     path.path.dispatch(x, topk, M, E)
     path.path.dispatch(x, topk, M, E)
     assert len(path.path._dispatch_plans) == 1
-    monkeypatch.setattr(plans, "MAX_PLANS", 1)
+    monkeypatch.setattr(plan_cache, "MAX_PLANS", 1)
     path.path.dispatch(x, topk, M, E, use_fp8=False)
     assert len(path.path._dispatch_plans) == 1 and len(path.log) == 3
 

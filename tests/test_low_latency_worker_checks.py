@@ -46,7 +46,7 @@ class ReferenceBuffer:
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += mine["recv_count"]
         recv = (mine["recv_x"], mine["scales"]) if use_fp8 else mine["recv_x"]
-        handle = ep.low_latency.path.LowLatencyHandle(mine["src_info"], mine["layout_range"], M, x.shape[1], E)
+        handle = ep.low_latency.LowLatencyHandle(mine["src_info"], mine["layout_range"], M, x.shape[1], E)
         self.results = getattr(self, "results", {})
         self.results[id(handle.src_info)] = results
         event = SimpleNamespace(current_stream_wait=lambda: None)

@@ -1,0 +1,28 @@
+"""What a low-latency dispatch hands its combine: DeepEP's handle, as a tuple."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = ["LowLatencyHandle", "check_handle"]
+
+
+class LowLatencyHandle(NamedTuple):
+    """What a low-latency dispatch hands its combine (DeepEP's handle, as a tuple).
+
+    ``src_info`` int32 ``[L, R * M]``: the source token index of each received row;
+    ``layout_range`` int64 ``[L, R]``: ``(first row from source r) << 32 | rows from r``. Both are
+    device arrays of the caller's library, written by the receive.
+    """
+
+    src_info: Any
+    layout_range: Any
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+
+
+def check_handle(handle: Any) -> None:
+    """Raise unless ``handle`` is a low-latency dispatch's."""
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, got {type(handle).__name__}")
