@@ -12,6 +12,7 @@ model every GPU result is checked against.
 from .buffer import Buffer
 from .config import Config, get_combine_config, get_dispatch_config, get_nvl_buffer_size_hint
 from .errors import (
+    BufferKindError,
     DeepEPError,
     DeepEPTimeoutError,
     GpuUnavailableError,
@@ -32,6 +33,7 @@ from .intranode.handle import DispatchHandle
 __all__ = [
     "Buffer", "Config", "DispatchHandle", "EventOverlap", "Group", "MPIGroup", "TorchGroup", "as_group",
     "get_combine_config", "get_dispatch_config", "get_nvl_buffer_size_hint",
+    "BufferKindError",
     "DeepEPError", "DeepEPTimeoutError", "PeerAbortedError", "PeerFailedError", "RankMismatchError", "KernelBuildError",
     "GpuUnavailableError",
     "ThreadGroup", "run_local_group", "RankFailed", "GroupAbortedError", "check_sm_budget",

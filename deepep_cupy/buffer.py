@@ -1,45 +1,38 @@
 """Buffer: the user API of expert-parallel dispatch and combine.
 
-A facade that owns its paths as objects with explicit inputs: the intranode dispatch path
-(``dispatch_path.DispatchPath``: layout, fresh, ``num_worst_tokens`` and cached dispatch), the
-intranode combine path (``combine_path.CombinePath``), both given the Buffer's
-``operation_context.OperationContext`` (group, NVLink buffer, slots, stream order, plans); the
-internode path (``internode.InternodePath``) when the group spans nodes; the low-latency path
-(``low_latency.LowLatencyPath``) with ``low_latency_mode``. The Buffer checks the arguments every
-path shares (config, the Buffer's state), routes each call to its path and owns the GPU resources'
-lifetime; no path imports it.
-
-Per call a Buffer reads its arguments natively (:func:`deepep_cupy.tensors.read`) and looks up
-the plan made for arguments of those kinds; only a call with new kinds of arguments runs the
-checks, compiles or loads kernels and binds their fixed arguments.
+A facade over one engine, chosen once in ``__init__`` (:func:`deepep_cupy.engines.make_engine`): an
+intranode engine (:class:`deepep_cupy.intranode.engine.IntranodeEngine`: the NVLink buffer, slots,
+stream order and the dispatch and combine paths) on one node, the internode path
+(:class:`deepep_cupy.internode.path.InternodePath`, given an intranode engine for its node) on a
+group of several nodes with ``num_rdma_bytes > 0``, or a low-latency engine
+(:class:`deepep_cupy.low_latency.engine.LowLatencyEngine`) with ``low_latency_mode``. Every public
+operation and property is a one-line delegation to it; one that the engine's kind lacks raises
+:class:`deepep_cupy.errors.BufferKindError` naming the kind. No engine imports the Buffer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
-import numpy as np
-
-from . import compat, tensors
-from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
-from .constants import MAX_RANKS
-from .errors import RankMismatchError
+from . import compat, config
+from .config import Config
+from .engine import Engine
+from .engines import Settings, check_settings, make_engine
 from .events import EventOverlap
-from .gpu import kernels
-from .gpu.ipc import NvlBuffer
-from .gpu.slots import HostSlots
-from .gpu.sm_budget import check_sm_budget
-from .gpu.streams import StreamOrder
-from .groups.group import Group, as_group
-from .intranode.combine import CombinePath
-from .intranode.context import OperationContext
-from .intranode.dispatch import DispatchPath
+from .groups.group import as_group
 from .intranode.handle import DispatchHandle
-from .low_latency import path as low_latency
-from .low_latency.path import LowLatencyPath, get_low_latency_rdma_size_hint
+from .low_latency.path import get_low_latency_rdma_size_hint
 
 __all__ = ["Buffer", "DispatchHandle"]
+
+
+class _DefaultNumSms:
+    """``Buffer.num_sms`` (DeepEP's class attribute): the SM count of the default configs, kept by
+    :mod:`deepep_cupy.config` (:meth:`Buffer.set_num_sms`)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> int:
+        return config.default_num_sms()
+
 
 class Buffer:
     """NVLink buffers of one rank plus the streams and counters of its dispatch/combine calls.
@@ -122,9 +115,7 @@ class Buffer:
     """
 
     #: The SM count of the default configs (DeepEP's ``Buffer.num_sms``), set by :meth:`set_num_sms`.
-    num_sms: int = DEFAULT_NUM_SMS
-    # Until set_num_sms is called the default configs are the recommended (or tuned) ones as they are.
-    _num_sms_chosen = False
+    num_sms = _DefaultNumSms()
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -133,121 +124,68 @@ class Buffer:
                  comm: Any = None, *, timeout_s: float = 100.0, device: Optional[int] = None,
                  allocate_ahead: bool = True, ranks_per_node: Optional[int] = None,
                  internode_transport: Optional[str] = None):
-        import cupy
-
         compat.check_supported(num_rdma_bytes, low_latency_mode=low_latency_mode, allow_mnnvl=allow_mnnvl,
                                use_fabric=use_fabric, enable_shrink=enable_shrink and not low_latency_mode)
-        self._set_up_host(compat.resolve_group(group, comm), num_nvl_bytes, timeout_s, device, allocate_ahead,
-                          low_latency_mode=low_latency_mode)
-        self.explicitly_destroy = bool(explicitly_destroy)
-        self.num_rdma_bytes = int(num_rdma_bytes)
-        self.topology = self.internode_transport = None
-        if not low_latency_mode and self._set_up_internode(ranks_per_node, internode_transport):
-            return
-        with self._on_device:
-            self._check_group(cupy)
-            ranks_on_gpu = self._ranks_on_gpu()
-            shares_gpu = ranks_on_gpu > 1
-            # A low-latency Buffer (DeepEP's decode API) may have no NVLink buffer for the normal
-            # calls (num_nvl_bytes=0); its own buffer is num_rdma_bytes, owned by its LowLatencyPath.
-            self._nvl = NvlBuffer(self._group, self.num_nvl_bytes) if self.num_nvl_bytes else None
-            try:
-                self._attach(HostSlots(self.rank, self.timeout_s, self._group.in_process),
-                             StreamOrder.create(self.device_id, shares_gpu),
-                             self._nvl.peer_ptrs.data.ptr if self._nvl is not None else 0)
-                if self._nvl is not None:
-                    kernels.warm_up(self.num_ranks, every_instance=shares_gpu)
-                if low_latency_mode:
-                    self.low_latency_mode = True
-                    self._low_latency = LowLatencyPath.create(
-                        self._group, self.num_rdma_bytes, order=self._order, slots=self._slots,
-                        timeout_s=self.timeout_s, device_id=self.device_id, on_device=self._on_device,
-                        ranks_on_gpu=ranks_on_gpu, enable_shrink=enable_shrink)
-            except BaseException:
-                self.destroy()
-                raise
-        self._group.barrier()
-
-    def _set_up_internode(self, ranks_per_node: Optional[int], transport: Optional[str]) -> bool:
-        """With ``num_rdma_bytes > 0`` on a group of several nodes: route the operations to an
-        :class:`deepep_cupy.internode.path.InternodePath` (rail transport, node sub-group, an intranode
-        Buffer per node of several ranks) and return True. On one node the Buffer is intranode, as
-        DeepEP's is there (``num_rdma_bytes`` unused); False."""
-        if not self.num_rdma_bytes:
-            if ranks_per_node is not None or transport is not None:
-                raise ValueError("ranks_per_node, internode_transport: internode settings; pass num_rdma_bytes > 0 "
-                                 "(Config.get_rdma_buffer_size_hint) to make an internode Buffer")
-            return False
-        from .groups.nodes import discover_topology
-        from .internode import path as internode
-
-        with self._on_device:
-            topology = discover_topology(self._group, ranks_per_node)
-            if topology.num_nodes == 1:
-                return False
-            shares_gpu = self._ranks_on_gpu() > 1
-            settings = dict(timeout_s=self.timeout_s, device=self.device_id, allocate_ahead=self.allocate_ahead)
-            path = internode.create_internode_path(
-                self._group, topology, device_id=self.device_id, timeout_s=self.timeout_s,
-                transport_kind=transport, shares_gpu=shares_gpu,
-                make_intranode=lambda node_group: Buffer(node_group, self.num_nvl_bytes, **settings))
-        self.topology, self._internode, self._order = topology, path, path.order
-        self.internode_transport = path.transport.name
-        return True
-
-    def _ranks_on_gpu(self) -> int:
-        """The group's ranks on this Buffer's GPU in this process (their kernels must fit on it together)."""
-        return max(1, self._group.ranks_on_device(self.device_id)) if self._group.in_process else 1
-
-    def _set_up_host(self, group: Any, num_nvl_bytes: int, timeout_s: float, device: Optional[int],
-                     allocate_ahead: bool, low_latency_mode: bool = False) -> None:
-        """The Buffer's host-side state (no GPU work): checked settings, counters, plan cache."""
-        if low_latency_mode and num_nvl_bytes == 0:
-            pass  # a decode-only Buffer, as DeepEP's: Buffer(group, 0, num_rdma_bytes, low_latency_mode=True)
-        elif isinstance(num_nvl_bytes, bool) or not isinstance(num_nvl_bytes, (int, np.integer)) or num_nvl_bytes <= 0:
-            raise ValueError(f"num_nvl_bytes: expected a positive int, got {num_nvl_bytes!r} (size it with "
-                             "deepep_cupy.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-        self._group: Group = as_group(group)
-        self.group = group
-        self.rank = self._group.rank
-        self.num_ranks = self.group_size = self._group.size
-        self.num_nvl_bytes = int(num_nvl_bytes)
-        self.num_rdma_bytes = 0
-        self.low_latency_mode = False
-        self.explicitly_destroy = False
+        check_settings(num_nvl_bytes, timeout_s, low_latency_mode)
+        self.group = compat.resolve_group(group, comm)
+        self._group = as_group(self.group)
+        self.rank, self.num_ranks = self._group.rank, self._group.size
+        self.group_size = self.num_ranks
+        self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self.timeout_s = float(timeout_s)
-        self.device_id = device_id = compat.resolve_device(device, self._group)
-        self._nvl: Optional[NvlBuffer] = None
-        self._low_latency: Optional[LowLatencyPath] = None
-        # With num_rdma_bytes > 0 on several nodes every operation is this path's (the intranode
-        # state stays empty: the node's engine is an intranode Buffer of its own).
-        self._internode = None
-        self._slots: Optional[HostSlots] = None
-        self._order: Optional[StreamOrder] = None
-        self._default_configs: Dict[tuple, Config] = {}
-        self._checked_sms: set = set()
-        self._ctx = OperationContext(self._group, device_id, self.timeout_s, self.num_nvl_bytes)
-        self._on_device: Any = self._ctx.on_device
-        self._dispatch = DispatchPath(self._ctx, allocate_ahead)
-        self._combine = CombinePath(self._ctx)
+        self.device_id = compat.resolve_device(device, self._group)
+        self._engine: Engine = make_engine(self._group, Settings(
+            self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode, bool(enable_shrink), self.timeout_s,
+            self.device_id, bool(allocate_ahead), ranks_per_node, internode_transport))
+
+    # -----------------------------------------------------------------------------------------
+    # Properties (the engine's)
+
+    @property
+    def topology(self):
+        """The :class:`deepep_cupy.groups.nodes.NodeTopology` of an internode Buffer (else None)."""
+        return self._engine.topology
+
+    @property
+    def internode_transport(self) -> Optional[str]:
+        """The name of an internode Buffer's rail transport (else None)."""
+        return self._engine.internode_transport
 
     @property
     def allocate_ahead(self) -> bool:
-        return self._dispatch.allocate_ahead
+        return self._engine.allocate_ahead
 
     @allocate_ahead.setter
     def allocate_ahead(self, value: bool) -> None:
-        self._dispatch.allocate_ahead = bool(value)
+        self._engine.allocate_ahead = value
 
     @property
     def last_dispatch_allocation(self) -> Optional[str]:
-        return self._dispatch.last_dispatch_allocation
+        return self._engine.last_dispatch_allocation
 
     @property
     def last_dispatch_rows_allocated(self) -> Optional[int]:
-        return self._dispatch.last_dispatch_rows_allocated
+        return self._engine.last_dispatch_rows_allocated
+
+    @property
+    def last_count_wait_s(self) -> float:
+        return self._engine.last_count_wait_s
+
+    @property
+    def last_internode_rows(self) -> int:
+        """Rows that left this rank for other nodes in the last dispatch (internode Buffers)."""
+        return self._engine.last_internode_rows
+
+    @property
+    def comm_stream(self):
+        """The ``cupy.cuda.Stream`` the Buffer's kernels run on."""
+        return self._engine.comm_stream
+
+    def get_comm_stream(self):
+        """The communication stream as DeepEP returns it: a ``torch.cuda.Stream`` naming
+        :attr:`comm_stream` (that stream itself, CuPy's, where PyTorch is not installed)."""
+        return compat.torch_stream_of(self._engine.comm_stream, self.device_id)
 
     # -----------------------------------------------------------------------------------------
     # DeepEP's static names
@@ -262,28 +200,18 @@ class Buffer:
         Raises:
             ValueError: not a positive even int.
         """
-        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 \
-                or new_num_sms % 2:
-            raise ValueError(f"num_sms: expected a positive even int, got {new_num_sms!r}")
-        Buffer.num_sms = new_num_sms
-        Buffer._num_sms_chosen = True
+        config.set_default_num_sms(new_num_sms)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """The default dispatch config for ``num_ranks`` ranks: :func:`deepep_cupy.get_dispatch_config`,
         with :attr:`num_sms` once :meth:`set_num_sms` was called."""
-        return Buffer._with_chosen_sms(get_dispatch_config(num_ranks))
+        return config.default_config("dispatch", num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """The default combine config for ``num_ranks`` ranks (see :meth:`get_dispatch_config`)."""
-        return Buffer._with_chosen_sms(get_combine_config(num_ranks))
-
-    @staticmethod
-    def _with_chosen_sms(config: Config) -> Config:
-        if not Buffer._num_sms_chosen or config.num_sms == Buffer.num_sms:
-            return config
-        return dataclasses.replace(config, num_sms=Buffer.num_sms)
+        return config.default_config("combine", num_ranks)
 
     @staticmethod
     def capture(stream: Any = None) -> EventOverlap:
@@ -296,9 +224,6 @@ class Buffer:
         """True: the kernels are compiled at run time for the GPU in use (DeepEP's name; FP8 works)."""
         return True
 
-    # -----------------------------------------------------------------------------------------
-    # Decode: DeepEP's low-latency API (deepep_cupy/low_latency/path.py does the work)
-
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
@@ -306,216 +231,8 @@ class Buffer:
         :func:`deepep_cupy.low_latency.path.get_low_latency_rdma_size_hint`."""
         return get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
-    def _low_latency_path(self) -> LowLatencyPath:
-        if self._low_latency is None:
-            raise ValueError("low_latency_mode: this Buffer was created without low_latency_mode=True; create it as "
-                             "Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(...), low_latency_mode=True)")
-        return self._low_latency
-
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
-        """Send each token to the owner of each of its experts, packed per expert (decode).
-
-        Args:
-            x: BF16 ``[num_tokens, hidden]``, ``num_tokens <= num_max_dispatch_tokens_per_rank``
-                (the same on every rank); hidden a multiple of 8 (of 128 for FP8, 512 for UE8M0).
-            topk_idx: int64 ``[num_tokens, num_topk]``, expert ids or -1; a token names an expert at
-                most once. Ids outside ``[-1, num_experts)`` are sent nowhere and make the next
-                call raise ``ValueError``.
-            cumulative_local_expert_recv_stats: None or int32 ``[num_local_experts]``: each
-                expert's received rows are added to it.
-            dispatch_wait_recv_cost_stats: None or int64 ``[num_ranks]``: per source rank, the
-                clock64 cycles this rank's receive waited for its counts are added, summed over the
-                local experts (DeepEP's wait_recv_cost).
-            use_fp8: cast to FP8 e4m3 in the kernel, with a float32 scale per 128 channels
-                (``amax * (1 / 448)`` as DeepEP computes it, amax of the group floored at 1e-4).
-            round_scale: round each scale up to a power of two; use_ue8m0: and return them as
-                packed exponent bytes (implies round_scale).
-            async_finish: return an event instead of making the current stream wait.
-            return_recv_hook: issue only the send; ``hook()`` issues the receive (on the stream
-                current then). Two calls may be in flight (send, send, hook, hook); hooks must run
-                in the order of their calls, and a call without a hook is refused while a hook of
-                its op is not called yet (``ValueError``).
-
-        Returns:
-            ``(recv_x, recv_count, handle, event, hook)``: recv_x BF16 ``[L, R * M, hidden]`` or
-            ``(fp8 [L, R * M, hidden], scales)`` with scales float32 ``[L, R * M, hidden // 128]``
-            (column-major: a transposed view) or int32 ``[L, R * M, hidden // 512]`` (UE8M0, 4
-            exponent bytes per int); recv_count int32 ``[L]``; rows of expert ``l``: source rank 0's
-            tokens first, then rank 1's ..., each by source token index; ``handle`` (DeepEP's
-            tuple: src_info int32 ``[L, R * M]``, layout_range int64 ``[L, R]`` = begin << 32 |
-            count, M, hidden, num_experts); ``hook`` is None without return_recv_hook.
-        """
-        return self._low_latency_path().dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
-                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None, combine_wait_recv_cost_stats=None):
-        """Send each expert's rows back and sum them per token with their weights (decode).
-
-        Args:
-            x: BF16 ``[L, R * M, hidden]`` in the layout of the dispatch that gave ``handle``.
-            topk_idx, topk_weights: that dispatch's routing (int64) and float32 weights
-                ``[num_tokens, num_topk]``.
-            use_logfmt: send the rows LogFMT-compressed (DeepEP's LogFMT-10; hidden a multiple of 512).
-            zero_copy: send the rows written into :meth:`get_next_low_latency_combine_buffer`
-                instead of ``x`` (then only checked for shape).
-            async_finish, return_recv_hook: as for :meth:`low_latency_dispatch`.
-            out: None or BF16 ``[num_tokens, hidden]`` to write into.
-            combine_wait_recv_cost_stats: None or int64 ``[num_ranks]``, as dispatch's.
-
-        Returns:
-            ``(combined_x, event, hook)``: combined_x[t] = sum over k (in order, ids != -1) of
-            ``topk_weights[t, k] * row of (t, topk_idx[t, k])``, in float32, rounded to BF16.
-        """
-        return self._low_latency_path().combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                                                async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
-
-    def get_next_low_latency_combine_buffer(self, handle):
-        """BF16 ``[L, R * M, hidden]``, a view of this rank's low-latency buffer: write the expert
-        outputs there and call :meth:`low_latency_combine` with ``zero_copy=True``."""
-        return self._low_latency_path().next_combine_buffer(handle)
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (or unmask) a rank for this rank's decode calls (``enable_shrink=True``; DeepEP's)."""
-        self._low_latency_path().update_mask(rank_to_mask, mask)
-
-    def low_latency_query_mask_buffer(self, mask_status) -> None:
-        """Write this rank's mask into int32 ``mask_status[num_ranks]`` (1: masked; DeepEP's)."""
-        self._low_latency_path().query_mask(mask_status)
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank (``enable_shrink=True``; DeepEP's)."""
-        self._low_latency_path().clean_mask()
-
-    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
-        """This rank's NVLink buffer (or with ``use_rdma_buffer`` its low-latency one) as ``dtype`` (DeepEP's)."""
-        return low_latency.local_buffer_tensor(self._low_latency if use_rdma_buffer else self._nvl, dtype, size, offset)
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency signal words and call counters on every rank (collective; the host
-        waits for this rank's calls first). Not needed between calls: the signals carry epochs."""
-        from .low_latency.path import clean_arguments
-
-        clean_arguments(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._low_latency_path().clean(self._group.barrier)
-
     # -----------------------------------------------------------------------------------------
-    # Set-up
-
-    def _attach(self, host_slots: HostSlots, order: StreamOrder, peer_table_ptr: int) -> None:
-        """Take the slots and the stream order, and give them, with the NVLink buffer, to the
-        operations' context (which binds the arguments every kernel shares)."""
-        self._slots = host_slots
-        self._order = order
-        self._ctx.attach(self._nvl, host_slots, order, peer_table_ptr)
-
-    # -----------------------------------------------------------------------------------------
-    # Lifetime
-
-    def _check_group(self, cupy) -> None:
-        if not 2 <= self.num_ranks <= MAX_RANKS:
-            raise ValueError(f"comm: expected 2..{MAX_RANKS} ranks, got {self.num_ranks}")
-        me = {"host": self._group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self.device_id),
-              "nvl_bytes": self.num_nvl_bytes, "rdma_bytes": self.num_rdma_bytes}
-        everyone = self._group.allgather(me)
-        hosts = sorted({e["host"] for e in everyone})
-        if len(hosts) > 1:
-            raise ValueError(f"comm: all ranks must run on one node (intranode NVLink), got nodes {hosts}")
-        # Both sizes place what the ranks write into each other's buffers (the low-latency layout
-        # comes from num_rdma_bytes alone), so every rank must have the same.
-        for name in ("nvl_bytes", "rdma_bytes"):
-            sizes = [e[name] for e in everyone]
-            if len(set(sizes)) > 1:
-                raise RankMismatchError(f"num_{name}: ranks disagree, got {sizes} (rank order)")
-        buses = [e["bus"] for e in everyone]
-        if not self._group.in_process and len(set(buses)) < len(buses):
-            raise ValueError(
-                f"comm: expected one GPU per rank, got GPUs {buses} (rank order); select the device "
-                "from the local rank before creating the Buffer, e.g. cupy.cuda.Device(local_rank).use()")
-
-    @property
-    def comm_stream(self):
-        """The ``cupy.cuda.Stream`` the Buffer's kernels run on."""
-        return self._order.stream
-
-    def get_comm_stream(self):
-        """The communication stream as DeepEP returns it: a ``torch.cuda.Stream`` naming
-        :attr:`comm_stream` (that stream itself, CuPy's, where PyTorch is not installed)."""
-        try:
-            torch_lib = tensors.library("torch")
-        except ImportError:
-            return self._order.stream
-        return torch_lib.stream(self._order.ptr, self.device_id)
-
-    def destroy(self) -> None:
-        """Free the NVLink buffer, unmap the peers' and free the host counters (idempotent).
-
-        Every rank must call it (it ends with a group barrier only when the Buffer was complete).
-        It first waits for this Buffer's kernels, whatever streams its calls ran on, and it is the
-        way out after a timeout: it does not raise because a call or a kernel failed, and a new
-        Buffer on the same communicator works afterwards (docs/FAILURES.md, "After a timeout").
-        """
-        if self._internode is not None:
-            self._internode.destroy()
-            return
-        if self._nvl is None and self._slots is None and self._low_latency is None:
-            return
-        with self._on_device:
-            try:
-                # Only this Buffer's kernels (StreamOrder.synchronize): ranks sharing the GPU may
-                # have kernels in flight that wait for this rank, and a device-wide synchronize
-                # would wait for them. Ours end by themselves: every wait has a deadline, and after
-                # a timeout they stop at once (the abort mark, kernels/common.cuh).
-                if self._order is not None:
-                    self._order.synchronize()
-            except Exception:
-                pass
-            if (self._nvl is not None or self._low_latency is not None) and self._slots is not None:
-                # No peer may still write into our buffer when it is freed.
-                try:
-                    self._group.barrier()
-                except Exception:
-                    pass
-            self._release()
-
-    def _release(self) -> None:
-        try:
-            if self._low_latency is not None:
-                low_latency, self._low_latency = self._low_latency, None
-                low_latency.close()
-            if self._nvl is not None:
-                nvl, self._nvl = self._nvl, None
-                nvl.close()
-        finally:
-            if self._slots is not None:
-                self._slots.free()
-                self._slots.failed = "the Buffer was destroyed"
-            self._ctx.plans.clear()
-            self._dispatch.forget()
-
-    def __enter__(self) -> "Buffer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.destroy()
-
-    def __del__(self):  # pragma: no cover - a safety net; destroy() is the contract
-        try:
-            self._release()
-        except Exception:
-            pass
-
-    @property
-    def last_count_wait_s(self) -> float:
-        return self._slots.last_wait_s
-
-    # -----------------------------------------------------------------------------------------
-    # What every operation shares
+    # Operations
 
     def check_kernel_errors(self) -> None:
         """Raise what the Buffer's kernels reported (a timeout, ranks that disagree), if anything.
@@ -523,31 +240,7 @@ class Buffer:
         Every operation does this first; call it after waiting for an asynchronous call to learn
         of its failure without starting another one.
         """
-        if self._internode is not None:
-            return self._internode.check_kernel_errors()
-        self._slots.raise_if_failed()
-
-    def _config(self, config: Optional[Config], kind: str) -> Config:
-        if not self.num_nvl_bytes:
-            raise ValueError(f"{kind}: this Buffer has no NVLink buffer (num_nvl_bytes=0, a low-latency Buffer); "
-                             "create it with num_nvl_bytes > 0 for dispatch and combine")
-        if config is None:
-            chosen = (kind, Buffer.num_sms if Buffer._num_sms_chosen else None)
-            config = self._default_configs.get(chosen)
-            if config is None:
-                default = Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config
-                with self._on_device:  # the recommended SM count is that of the Buffer's GPU
-                    config = self._default_configs[chosen] = default(self.num_ranks)
-        elif not isinstance(config, Config):
-            raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
-        if config.num_sms not in self._checked_sms:
-            # Ranks sharing a GPU spin-wait on each other, so all their blocks must be resident at once.
-            check_sm_budget({self.device_id: self._ranks_on_gpu()}, config.num_sms)
-            self._checked_sms.add(config.num_sms)
-        return config
-
-    # -----------------------------------------------------------------------------------------
-    # Layout
+        self._engine.check_kernel_errors()
 
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -565,16 +258,8 @@ class Buffer:
             is_token_in_rank bool [num_tokens, R], event)``. The ``None`` stands where DeepEP returns
             its RDMA counts (internode only).
         """
-        if self._internode is not None:
-            return self._internode.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
-                                                       allocate_on_comm_stream)
-        self._slots.raise_if_failed()
-        per_rank, per_expert, in_rank, event = self._dispatch.layout(topk_idx, num_experts, previous_event,
-                                                                     async_finish, allocate_on_comm_stream)
-        return per_rank, None, per_expert, in_rank, event
-
-    # -----------------------------------------------------------------------------------------
-    # Dispatch
+        return self._engine.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                                allocate_on_comm_stream)
 
     def dispatch(self, x, handle: Optional[DispatchHandle] = None, num_tokens_per_rank=None,
                  num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -641,29 +326,10 @@ class Buffer:
             ``recv_topk_weights`` float32 (0 where the id is -1), both None without top-k;
             the expert counts as a Python list (None in cached mode).
         """
-        if self._internode is not None:
-            return self._internode.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                            num_worst_tokens, config, previous_event, async_finish,
-                                            allocate_on_comm_stream, expand=expand, recv_x_in_buffer=recv_x_in_buffer)
-        self._slots.raise_if_failed()
-        config = self._config(config, "dispatch")
-        if num_tokens_per_rdma_rank is not None:
-            raise ValueError("num_tokens_per_rdma_rank: expected None (intranode dispatch has no RDMA ranks)")
-        if handle is not None:
-            if num_worst_tokens:
-                raise ValueError("num_worst_tokens: a cached dispatch receives the handle's row count; pass 0")
-            if expand:
-                raise ValueError("expand: a cached dispatch returns the rows in receive order; expand them with "
-                                 "handle.expanded_rows of the fresh dispatch that expanded")
-            return self._dispatch.cached(x, handle, config, previous_event, async_finish, allocate_on_comm_stream,
-                                         recv_x_in_buffer)
-        return self._dispatch.fresh(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                    topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
-                                    async_finish, allocate_on_comm_stream, expand, recv_x_in_buffer)
-
-    # -----------------------------------------------------------------------------------------
-    # Combine
+        return self._engine.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                     config, previous_event, async_finish, allocate_on_comm_stream, expand=expand,
+                                     recv_x_in_buffer=recv_x_in_buffer)
 
     def combine(self, x, handle: DispatchHandle, topk_weights=None, bias=None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -694,23 +360,122 @@ class Buffer:
             to in ascending order of their rows, rounded to x's dtype (0 for tokens sent nowhere
             without bias).
         """
-        if self._internode is not None:
-            return self._internode.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                           allocate_on_comm_stream)
-        self._slots.raise_if_failed()
-        config = self._config(config, "combine")
-        return self._combine.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                     allocate_on_comm_stream)
-
-    # -----------------------------------------------------------------------------------------
+        return self._engine.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                    allocate_on_comm_stream)
 
     def barrier(self) -> None:
         """A device-side barrier of all ranks on the communication stream; the host waits for it."""
-        if self._internode is not None:
-            return self._internode.barrier()
-        self._slots.raise_if_failed()
-        with self._on_device:
-            stream = self._order.begin_on_comm_stream()
-            self._ctx.bind("barrier_kernel", grid=1).run(stream)
-            self._order.synchronize()
-            self._slots.raise_if_failed()
+        self._engine.barrier()
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each token to the owner of each of its experts, packed per expert (decode).
+
+        Args:
+            x: BF16 ``[num_tokens, hidden]``, ``num_tokens <= num_max_dispatch_tokens_per_rank``
+                (the same on every rank); hidden a multiple of 8 (of 128 for FP8, 512 for UE8M0).
+            topk_idx: int64 ``[num_tokens, num_topk]``, expert ids or -1; a token names an expert at
+                most once. Ids outside ``[-1, num_experts)`` are sent nowhere and make the next
+                call raise ``ValueError``.
+            cumulative_local_expert_recv_stats: None or int32 ``[num_local_experts]``: each
+                expert's received rows are added to it.
+            dispatch_wait_recv_cost_stats: None or int64 ``[num_ranks]``: per source rank, the
+                clock64 cycles this rank's receive waited for its counts are added, summed over the
+                local experts (DeepEP's wait_recv_cost).
+            use_fp8: cast to FP8 e4m3 in the kernel, with a float32 scale per 128 channels
+                (``amax * (1 / 448)`` as DeepEP computes it, amax of the group floored at 1e-4).
+            round_scale: round each scale up to a power of two; use_ue8m0: and return them as
+                packed exponent bytes (implies round_scale).
+            async_finish: return an event instead of making the current stream wait.
+            return_recv_hook: issue only the send; ``hook()`` issues the receive (on the stream
+                current then). Two calls may be in flight (send, send, hook, hook); hooks must run
+                in the order of their calls, and a call without a hook is refused while a hook of
+                its op is not called yet (``ValueError``).
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``: recv_x BF16 ``[L, R * M, hidden]`` or
+            ``(fp8 [L, R * M, hidden], scales)`` with scales float32 ``[L, R * M, hidden // 128]``
+            (column-major: a transposed view) or int32 ``[L, R * M, hidden // 512]`` (UE8M0, 4
+            exponent bytes per int); recv_count int32 ``[L]``; rows of expert ``l``: source rank 0's
+            tokens first, then rank 1's ..., each by source token index; ``handle`` (DeepEP's
+            tuple: src_info int32 ``[L, R * M]``, layout_range int64 ``[L, R]`` = begin << 32 |
+            count, M, hidden, num_experts); ``hook`` is None without return_recv_hook.
+        """
+        return self._engine.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                                 use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        """Send each expert's rows back and sum them per token with their weights (decode).
+
+        Args:
+            x: BF16 ``[L, R * M, hidden]`` in the layout of the dispatch that gave ``handle``.
+            topk_idx, topk_weights: that dispatch's routing (int64) and float32 weights
+                ``[num_tokens, num_topk]``.
+            use_logfmt: send the rows LogFMT-compressed (DeepEP's LogFMT-10; hidden a multiple of 512).
+            zero_copy: send the rows written into :meth:`get_next_low_latency_combine_buffer`
+                instead of ``x`` (then only checked for shape).
+            async_finish, return_recv_hook: as for :meth:`low_latency_dispatch`.
+            out: None or BF16 ``[num_tokens, hidden]`` to write into.
+            combine_wait_recv_cost_stats: None or int64 ``[num_ranks]``, as dispatch's.
+
+        Returns:
+            ``(combined_x, event, hook)``: combined_x[t] = sum over k (in order, ids != -1) of
+            ``topk_weights[t, k] * row of (t, topk_idx[t, k])``, in float32, rounded to BF16.
+        """
+        return self._engine.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                                return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """BF16 ``[L, R * M, hidden]``, a view of this rank's low-latency buffer: write the expert
+        outputs there and call :meth:`low_latency_combine` with ``zero_copy=True``."""
+        return self._engine.get_next_low_latency_combine_buffer(handle)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (or unmask) a rank for this rank's decode calls (``enable_shrink=True``; DeepEP's)."""
+        self._engine.low_latency_update_mask_buffer(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status) -> None:
+        """Write this rank's mask into int32 ``mask_status[num_ranks]`` (1: masked; DeepEP's)."""
+        self._engine.low_latency_query_mask_buffer(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank (``enable_shrink=True``; DeepEP's)."""
+        self._engine.low_latency_clean_mask_buffer()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
+        """This rank's NVLink buffer (or with ``use_rdma_buffer`` its low-latency one) as ``dtype`` (DeepEP's)."""
+        return self._engine.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency signal words and call counters on every rank (collective; the host
+        waits for this rank's calls first). Not needed between calls: the signals carry epochs."""
+        self._engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def destroy(self) -> None:
+        """Free the NVLink buffer, unmap the peers' and free the host counters (idempotent).
+
+        Every rank must call it (it ends with a group barrier only when the Buffer was complete).
+        It first waits for this Buffer's kernels, whatever streams its calls ran on, and it is the
+        way out after a timeout: it does not raise because a call or a kernel failed, and a new
+        Buffer on the same communicator works afterwards (docs/FAILURES.md, "After a timeout").
+        """
+        self._engine.destroy()
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def __del__(self):  # pragma: no cover - a safety net; destroy() is the contract
+        engine = self.__dict__.get("_engine")
+        if engine is not None:
+            try:
+                engine.release()
+            except Exception:
+                pass

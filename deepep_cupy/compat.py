@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+from . import tensors
 from .events import EventOverlap
 from .tensors import library
 
@@ -132,3 +133,13 @@ def topk_idx_dtype() -> Any:
 
         return numpy.int64
     return torch.int64
+
+
+def torch_stream_of(stream: Any, device_id: int) -> Any:
+    """``stream`` (a CuPy stream) as a ``torch.cuda.Stream`` naming it, as DeepEP's
+    ``get_comm_stream`` returns it; the CuPy stream itself where PyTorch is not installed."""
+    try:
+        torch_lib = tensors.library("torch")
+    except ImportError:
+        return stream
+    return torch_lib.stream(stream.ptr, device_id)

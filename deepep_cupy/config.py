@@ -4,6 +4,7 @@ of tuned configs (written by ``python -m deepep_cupy.bench --tune --save-config`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -369,3 +370,39 @@ def get_combine_config(num_ranks: int) -> Config:
     """The recommended combine config for ``num_ranks`` ranks (a tuned one if ``DEEPEP_CUPY_CONFIG`` names one)."""
     _check_num_ranks(num_ranks)
     return _tuned("combine", num_ranks) or recommended_config()
+
+
+# ---------------------------------------------------------------------------------------------
+# The SM count of the default configs (DeepEP's ``Buffer.set_num_sms``)
+
+#: The count :func:`set_default_num_sms` chose (one entry), empty until it is called (process-wide, as
+#: DeepEP's class attribute): until then the default configs are the recommended (or tuned) ones as
+#: they are. Read it; set it only through :func:`set_default_num_sms`.
+CHOSEN_NUM_SMS: List[int] = []
+
+
+def set_default_num_sms(num_sms: int) -> None:
+    """Make ``num_sms`` the SM count of every default config from now on (a positive even int)."""
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0 or num_sms % 2:
+        raise ValueError(f"num_sms: expected a positive even int, got {num_sms!r}")
+    CHOSEN_NUM_SMS[:] = [num_sms]
+
+
+def chosen_num_sms() -> Optional[int]:
+    """The SM count :func:`set_default_num_sms` chose, or None."""
+    return CHOSEN_NUM_SMS[0] if CHOSEN_NUM_SMS else None
+
+
+def default_num_sms() -> int:
+    """The SM count of the default configs as DeepEP's ``Buffer.num_sms`` reads it."""
+    return CHOSEN_NUM_SMS[0] if CHOSEN_NUM_SMS else DEFAULT_NUM_SMS
+
+
+def default_config(kind: str, num_ranks: int) -> Config:
+    """The default ``"dispatch"`` or ``"combine"`` config for ``num_ranks`` ranks: the recommended (or
+    tuned) one, with the chosen SM count once :func:`set_default_num_sms` was called."""
+    config = get_dispatch_config(num_ranks) if kind == "dispatch" else get_combine_config(num_ranks)
+    chosen = chosen_num_sms()
+    if chosen is None or config.num_sms == chosen:
+        return config
+    return dataclasses.replace(config, num_sms=chosen)

@@ -102,3 +102,8 @@ class GpuUnavailableError(DeepEPError):
     """This process has no usable CUDA GPU (CuPy does not import, no driver, or no device): raised
     by ``Buffer()`` and :func:`run_local_group` before any CUDA call, with one sentence saying what
     is missing (``deepep_cupy.gpu.check``)."""
+
+
+class BufferKindError(ValueError):
+    """An operation or property that this kind of Buffer (intranode, internode or low-latency) does
+    not have; the message names the Buffer's kind and how to make one that has it."""

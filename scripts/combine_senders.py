@@ -26,11 +26,11 @@ workload = reference_workload(buf, rank, args.tokens)
 
 for sms in sms_list:
     config = ep.Config(sms, 4, 256)
-    buf._ctx.plans.clear()
+    buf._engine.ctx.plans.clear()
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(workload["x"], **workload["layout"], config=config)
     combine = lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=config)  # noqa: E731
     expected = [a.copy() for a in combine()[:2]]
-    plan = next(p for key, p in buf._ctx.plans.items() if key[0] == "combine")
+    plan = next(p for key, p in buf._engine.ctx.plans.items() if key[0] == "combine")
     chosen = combine_sender_blocks(sms)
     choices = sorted({chosen} | {int(v) for v in args.senders.split(",") if 0 < int(v) < sms})
     for round_ in range(args.rounds):

@@ -37,7 +37,7 @@ config = ep.Config(24, 4, 256)
 buf = ep.Buffer(comm, ep.get_nvl_buffer_size_hint(H * 2, R, config), timeout_s=20)
 
 stamps = {}
-wait_for_count = buf._slots.wait_for_count
+wait_for_count = buf._engine.slots.wait_for_count
 
 
 def timed_wait(*a, **k):
@@ -47,7 +47,7 @@ def timed_wait(*a, **k):
     return count
 
 
-buf._slots.wait_for_count = timed_wait
+buf._engine.slots.wait_for_count = timed_wait
 launch_notify, launch_transfer = type(buf)._launch_notify, type(buf)._launch_transfer
 
 

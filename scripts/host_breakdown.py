@@ -11,9 +11,9 @@ import argparse
 import numpy as np
 from _host_timing import OPS, PieceTimers, host_times, rank_host_ops_from_command_line
 
-from deepep_cupy import buffer as buffer_module
 from deepep_cupy import tensors
 from deepep_cupy.intranode import dispatch as dispatch_path
+from deepep_cupy.intranode import engine as engine_module
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--op", default="fresh", choices=OPS)
@@ -25,8 +25,9 @@ for _ in range(20):
 
 timers = PieceTimers()
 timers.wrap_host_path([tensors.library(args.lib)])
-timers.wrap(buffer_module.Buffer, "_config")
-for name in ("_dispatch_outputs", "_exchange_and_transfer", "_launch_transfer"):
+timers.wrap(engine_module.IntranodeEngine, "config")
+timers.wrap(dispatch_path, "dispatch_outputs")
+for name in ("_exchange_and_transfer", "_launch_transfer"):
     timers.wrap(dispatch_path.DispatchPath, name)
 
 calls = host_times(op, args.iters, warmup=0, before=comm.Barrier)

@@ -31,6 +31,7 @@ import sys
 import time
 from types import SimpleNamespace
 from typing import Tuple
+from unittest import mock
 
 import cupy
 import numpy as np
@@ -38,12 +39,14 @@ from _host_timing import OPS, PieceTimers, host_ops, host_times
 from _mpi_timing import NUM_EXPERTS, NUM_TOPK
 
 import deepep_cupy as ep
+from deepep_cupy import buffer as buffer_module
 from deepep_cupy import tensors
 from deepep_cupy.bench.timing import interpreter_us
 from deepep_cupy.constants import VERDICT_OVER_CAPACITY
 from deepep_cupy.gpu import kernels, launch, slots, streams
 from deepep_cupy.gpu.check import exit_unless_gpu
 from deepep_cupy.groups.group import Group
+from deepep_cupy.intranode.engine import IntranodeEngine
 
 CONFIG = ep.Config(24, 4, 256)
 WARMUP = 20
@@ -112,10 +115,9 @@ def played_kernel(*args):
 def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfer_us: float = 0.0) -> ep.Buffer:
     """A Buffer whose kernels are empty and whose count exchange the host plays; with
     ``exchange_us``, whose kernels play the peer on the GPU (see the docstring)."""
-    buf = ep.Buffer.__new__(ep.Buffer)
     memory = cupy.empty(NVL_BYTES, cupy.uint8)  # a dispatch with rows in place returns views of it
-    buf._set_up_host(HostPlayedPeer(), NVL_BYTES, 30.0, 0, True)
-    buf._nvl = SimpleNamespace(local_ptr=memory.data.ptr, num_bytes=NVL_BYTES, memory=memory)
+    engine = IntranodeEngine(HostPlayedPeer(), NVL_BYTES, 30.0, 0, True)
+    engine.nvl = SimpleNamespace(local_ptr=memory.data.ptr, num_bytes=NVL_BYTES, memory=memory)
     host_slots = slots.HostSlots(0, 30.0, False)
     if exchange_us:
         played = {}
@@ -127,13 +129,17 @@ def alone_buffer(num_recv: int, expert_counts, exchange_us: float = 0.0, transfe
             return played[base]
 
         kernels.get_kernel = get_kernel
-        buf.exchange_window = ExchangeWindow(host_slots)
+        exchange_window = ExchangeWindow(host_slots)
     else:
         empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
         empty.compile()
         kernels.get_kernel = lambda name: SimpleNamespace(kernel=SimpleNamespace(ptr=empty.kernel.ptr))
         launch.launch = host_playing_the_peer(launch.launch, host_slots, num_recv, expert_counts)
-    buf._attach(host_slots, streams.StreamOrder.create(0, False), 0)
+    engine.attach(host_slots, streams.StreamOrder.create(0, False), 0)
+    with mock.patch.object(buffer_module, "make_engine", lambda group, settings: engine):
+        buf = ep.Buffer(engine.group, NVL_BYTES, timeout_s=30.0, device=0)
+    if exchange_us:
+        buf.exchange_window = exchange_window
     return buf
 
 
@@ -199,7 +205,7 @@ def loop_and_work_us(fn, calls: int, buf: ep.Buffer) -> Tuple[float, float, floa
     for _ in range(WARMUP):
         fn()
     cupy.cuda.runtime.deviceSynchronize()
-    slots_of_buf, window = buf._slots, getattr(buf, "exchange_window", None)
+    slots_of_buf, window = buf._engine.slots, getattr(buf, "exchange_window", None)
     walls, works, on_path = np.empty(calls), np.empty(calls), np.empty(calls)
     for i in range(calls):
         slots_of_buf.last_wait_s = 0.0  # only a fresh dispatch waits

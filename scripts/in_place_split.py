@@ -33,7 +33,7 @@ def loop_us(fn):
 
 def set_peer_blocks(value):
     """Every in-place plan's transfer launches with ``value`` pushing blocks from now on."""
-    for key, plan in buf._ctx.plans.items():
+    for key, plan in buf._engine.ctx.plans.items():
         if key[0] in ("dispatch", "cached dispatch") and key[-1] is True:
             plan.main.params.values.num_senders = value
 
@@ -54,7 +54,7 @@ def show(label, figures):
 for sms in sms_list:
     config = ep.Config(sms, 4, 256)
     fresh = dict(workload["layout"], config=config)
-    buf._ctx.plans.clear()
+    buf._engine.ctx.plans.clear()
     copied = buf.dispatch(x, **fresh)
     handle = copied[4]
     expected = [a.copy() for a in copied[:3]] + [handle[3].copy()]

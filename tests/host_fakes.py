@@ -31,10 +31,12 @@ from deepep_cupy.constants import (
     VERDICT_OVER_CAPACITY,
 )
 from deepep_cupy.events import EventOverlap
-from deepep_cupy.gpu import launch, slots
+from deepep_cupy.gpu import kernels, launch, slots
 from deepep_cupy.gpu.slots import ERROR_RECORD, HostSlots
 from deepep_cupy.gpu.streams import StreamOrder
 from deepep_cupy.groups.group import Group
+from deepep_cupy.intranode import engine as engine_module
+from deepep_cupy.intranode.engine import IntranodeEngine
 
 DEVICE = 0
 #: The stream FakeLib's callers are on, and the communication stream of the fake orders.
@@ -321,23 +323,30 @@ def fake_buffer(monkeypatch, *, rank=0, num_ranks=2, num_nvl_bytes=1 << 30, allo
     lib = FakeLib()
     monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
     null_kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0))
-    monkeypatch.setattr(buffer_module.kernels, "get_kernel", lambda name: null_kernel)
-    monkeypatch.setattr(buffer_module, "check_sm_budget", lambda ranks_per_device, num_sms: None)
-    buf = Buffer.__new__(Buffer)
-    buf._set_up_host(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)
-    buf._on_device = buf._ctx.on_device = buf._ctx.plans.scope = contextlib.nullcontext()
+    monkeypatch.setattr(kernels, "get_kernel", lambda name: null_kernel)
+    monkeypatch.setattr(engine_module, "check_sm_budget", lambda ranks_per_device, num_sms: None)
+    engine = IntranodeEngine(FakeGroup(rank, num_ranks), num_nvl_bytes, 5.0, DEVICE, allocate_ahead)
+    engine.on_device = engine.ctx.on_device = engine.ctx.plans.scope = contextlib.nullcontext()
     if nvl_memory:
-        buf._nvl = FakeNvlBuffer(num_nvl_bytes)
+        engine.nvl = FakeNvlBuffer(num_nvl_bytes)
     elif nvl is not None:
-        buf._nvl = nvl
+        engine.nvl = nvl
     host_slots = HostSlots(rank, 5.0, in_process=False, mapped=FakeMapped())
-    buf._attach(host_slots, FakeOrder() if order is None else order, 0xB0F)
+    engine.attach(host_slots, FakeOrder() if order is None else order, 0xB0F)
+    buf = buffer_over(monkeypatch, engine, num_nvl_bytes=num_nvl_bytes, allocate_ahead=allocate_ahead)
     launches = Launches(host_slots, **launch_script)
     router = launch.launch if isinstance(launch.launch, _Router) else _Router()
     router.add(buf, launches)
     monkeypatch.setattr(launch, "launch", router)
     monkeypatch.setattr(launch, "fill_bytes", launches.fill)
     return buf, launches, lib
+
+
+def buffer_over(monkeypatch, engine, group=None, num_nvl_bytes=1 << 30, **settings):
+    """A Buffer made by its public constructor whose engine is ``engine`` (fake hardware);
+    ``group``: the Buffer's (default the engine's)."""
+    monkeypatch.setattr(buffer_module, "make_engine", lambda group, chosen: engine)
+    return Buffer(engine.group if group is None else group, num_nvl_bytes, timeout_s=5.0, device=DEVICE, **settings)
 
 
 class _Router:
@@ -351,8 +360,9 @@ class _Router:
 
     def __call__(self, call, stream_ptr):
         for buf, launches in self.routes:
-            planned = (c for p in buf._ctx.plans.values()
+            planned = (c for p in buf._engine.ctx.plans.values()
                        for c in (p.main, p.notify, p.main_with_exchange, p.main_for_host, p.refuse))
-            if any(call is c for c in planned) or any(call is c for c in buf._dispatch._expand_calls.values()):
+            expand_calls = buf._engine.dispatch_path._expand_calls.values()
+            if any(call is c for c in planned) or any(call is c for c in expand_calls):
                 return launches(call, stream_ptr)
         raise AssertionError(f"a launch of {call.name} from no fake Buffer's plan")

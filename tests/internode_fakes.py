@@ -20,6 +20,8 @@ import numpy as np
 from host_fakes import DEVICE, FakeArray, FakeLib, FakeOrder, on_device
 
 from deepep_cupy import tensors
+from deepep_cupy.gpu import call_span
+from deepep_cupy.internode import arrays as internode_arrays
 from deepep_cupy.internode import path as internode
 from deepep_cupy.reference import intranode as ref
 
@@ -82,9 +84,10 @@ def use_host_arrays(monkeypatch) -> FakeLib:
     lib = FakeLib()
     monkeypatch.setitem(tensors._LIBS, FakeArray, lib)
     numpy_as_cupy = NumpyAsCupy()
-    monkeypatch.setattr(internode, "_cupy", lambda: numpy_as_cupy)
-    monkeypatch.setattr(internode, "device_view", host_view)
-    monkeypatch.setattr(internode, "device_pointer", lambda a: a.ctypes.data)
+    monkeypatch.setattr(internode_arrays, "cupy_module", lambda: numpy_as_cupy)
+    monkeypatch.setattr(call_span, "_cupy", lambda: numpy_as_cupy)
+    monkeypatch.setattr(internode_arrays, "device_view", host_view)
+    monkeypatch.setattr(internode_arrays, "device_pointer", lambda a: a.ctypes.data)
     return lib
 
 

@@ -20,9 +20,9 @@ PACKAGE = Path(deepep_cupy.__file__).resolve().parent
 LAYERS = (
     ("leaves", ("constants", "tensors", "errors", "events", "driver_check")),
     ("plumbing", ("gpu", "groups", "transports", "reference")),
-    ("settings", ("config", "compat")),
+    ("settings", ("config", "compat", "engine", "checks")),
     ("paths", ("intranode", "internode", "low_latency")),
-    ("facade", ("buffer",)),
+    ("facade", ("buffer", "engines")),
     ("entry points", ("__init__", "bench")),
 )
 #: The folders of the operation paths, which never import each other.

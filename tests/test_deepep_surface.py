@@ -8,6 +8,7 @@ from host_fakes import fake_buffer, on_device
 from test_host_path import CONFIG, STAGE_IDS, E, H, K, N, dispatch, workload
 
 import deepep_cupy as ep
+from deepep_cupy import config
 from deepep_cupy.constants import ERROR_DISPATCH_REFUSED, VERDICT_OVER_CAPACITY
 from deepep_cupy.reference import intranode as ref
 
@@ -20,9 +21,9 @@ def fake(monkeypatch):
 @pytest.fixture
 def default_num_sms():
     """Leave Buffer.num_sms as the test found it."""
-    saved = ep.Buffer.num_sms, ep.Buffer._num_sms_chosen
+    saved = list(config.CHOSEN_NUM_SMS)
     yield
-    ep.Buffer.num_sms, ep.Buffer._num_sms_chosen = saved
+    config.CHOSEN_NUM_SMS[:] = saved
 
 
 # --- constructor -------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_combine_takes_a_worst_case_handles_fixed_rows(fake):
 
 def test_a_capture_refuses_a_dispatch_that_waits_for_the_counts(fake):
     buf, launches, _ = fake
-    buf._order.capturing = True
+    buf._engine.order.capturing = True
     with pytest.raises(ValueError, match="a fresh dispatch without num_worst_tokens makes the host wait"):
         dispatch(buf, workload())
     assert launches.names() == []

@@ -60,7 +60,7 @@ def test_a_rank_that_cannot_allocate_its_outputs_takes_part_only_to_refuse_the_d
     assert launches.names() == ["notify_dispatch_kernel"]  # the count exchange alone
     p = launches.last("notify_dispatch_kernel")
     assert p["recv_capacity"] == -HOST_FAILED_ALLOCATION and p["report_refusal"] == 0
-    assert buf._slots.verdict() == verdict_of(0, HOST_FAILED_ALLOCATION)
+    assert buf._engine.slots.verdict() == verdict_of(0, HOST_FAILED_ALLOCATION)
     if sys.version_info >= (3, 11):  # exceptions take notes from 3.11 on
         assert any("only to refuse it" in note for note in info.value.__notes__)
     heal()
@@ -73,7 +73,7 @@ def test_a_rank_interrupted_while_allocating_refuses_the_dispatch_as_interrupted
     with pytest.raises(KeyboardInterrupt):
         dispatch(buf, workload())
     assert launches.last("notify_dispatch_kernel")["recv_capacity"] == -HOST_FAILED_INTERRUPT
-    assert buf._slots.failed is None
+    assert buf._engine.slots.failed is None
 
 
 def test_a_dispatch_whose_peer_refused_it_raises_peer_failed_naming_the_peer_and_the_failure(monkeypatch):
@@ -96,7 +96,7 @@ def test_a_dispatch_with_num_worst_tokens_that_cannot_allocate_refuses_and_raise
     assert "every other rank raises PeerFailedError at its next call" in str(getattr(info.value, "__notes__", ""))
     p = launches.last("notify_dispatch_kernel")
     assert p["recv_capacity"] == -HOST_FAILED_ALLOCATION and p["report_refusal"] == 0
-    assert not buf._slots.values[slots.ERROR_RECORD]
+    assert not buf._engine.slots.values[slots.ERROR_RECORD]
     heal()
     dispatch(buf, workload(), num_worst_tokens=300)
 
@@ -151,7 +151,7 @@ def test_a_host_failing_after_its_dispatch_launched_gives_up_on_the_buffer(monke
     def failing_wait(kernel_done=None):
         raise failure
 
-    monkeypatch.setattr(buf._slots, "wait_for_count", failing_wait)
+    monkeypatch.setattr(buf._engine.slots, "wait_for_count", failing_wait)
     with pytest.raises(type(failure)):
         dispatch(buf, workload())
     assert nvl.marks == [code]
@@ -174,7 +174,7 @@ def test_an_interrupt_after_the_call_settled_still_gives_up_on_the_buffer(monkey
     buf, _, _ = fake_buffer(monkeypatch, received=(100,), nvl=nvl)
     w = workload()
     recv_x, _, _, _, handle, _ = dispatch(buf, w)
-    monkeypatch.setattr(buf._order, "finish", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(buf._engine.order, "finish", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         buf.combine(recv_x, handle, config=CONFIG)
     assert nvl.marks == [HOST_FAILED_INTERRUPT]

@@ -69,7 +69,7 @@ def test_every_operation_sets_every_kernel_parameter(fake):
     buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
     buf.combine(recv_x, handle, config=CONFIG)
     assert set(launches.names()) == {"dispatch_layout_kernel", "dispatch_kernel<2>", "combine_kernel<bf16_t, 2>"}
-    buf._ctx.exchange_in_transfer = False  # in-process ranks make the count exchange in notify_dispatch
+    buf._engine.ctx.exchange_in_transfer = False  # in-process ranks make the count exchange in notify_dispatch
     dispatch(buf, w)
     assert "notify_dispatch_kernel" in launches.names()
 
@@ -96,20 +96,20 @@ def test_a_dispatch_of_a_rank_with_a_process_of_its_own_is_one_launch_exchanging
         dispatch(buf, w)
         assert launches.names()[before:] == ["dispatch_kernel<2>"] * rounds
         transfer = launches.last("dispatch_kernel<2>")
-        assert transfer["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
+        assert transfer["recv_counter"] == buf._engine.slots.device_ptr(slots.RECV_COUNT)
         assert transfer["exchange"] == 1 and transfer["check_op"] == 0
 
 
 def test_in_process_ranks_exchange_counts_in_notify_dispatch_launched_before_the_transfer(fake):
     buf, launches, _ = fake
-    buf._ctx.exchange_in_transfer = False  # as for ranks that are threads of one process
+    buf._engine.ctx.exchange_in_transfer = False  # as for ranks that are threads of one process
     w = workload()
     for rounds in (2, 1):
         before = len(launches.log)
         dispatch(buf, w)
         assert launches.names()[before:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"] * rounds
         notify, transfer = launches.last("notify_dispatch_kernel"), launches.last("dispatch_kernel<2>")
-        assert notify["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
+        assert notify["recv_counter"] == buf._engine.slots.device_ptr(slots.RECV_COUNT)
         assert transfer["exchange"] == transfer["check_op"] == 0
 
 
@@ -435,24 +435,24 @@ def steady(monkeypatch, received=(100,), **options):
 def test_the_outputs_prepared_for_the_next_call_hold_no_more_rows_than_a_rank_can_receive(monkeypatch):
     buf, launches, lib = fake_buffer(monkeypatch, received=(100,))
     dispatch(buf, workload())
-    plan = next(p for p in buf._dispatch._ctx.plans.values() if p.notify is not None)
+    plan = next(p for p in buf._engine.dispatch_path._ctx.plans.values() if p.notify is not None)
     most = 120  # the guess (100 rows with headroom) is capped here, and the prepared rows with it
-    for key, value in list(buf._dispatch._ctx.plans.items()):
+    for key, value in list(buf._engine.dispatch_path._ctx.plans.items()):
         if value is plan:
-            buf._dispatch._ctx.plans[key] = plan._replace(most_recv_rows=most)
+            buf._engine.dispatch_path._ctx.plans[key] = plan._replace(most_recv_rows=most)
     dispatch(buf, workload())
     dispatch(buf, workload())  # like the one before: it prepares the next call's outputs
     assert buf.last_dispatch_rows_allocated == most
-    assert buf._dispatch._next_outputs.ready.rows == most < next_outputs.prepared_rows(most)
+    assert buf._engine.dispatch_path._next_outputs.ready.rows == most < next_outputs.prepared_rows(most)
 
 
 def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatch):
     buf, launches, lib = fake_buffer(monkeypatch, received=(100,))
     dispatch(buf, workload())
-    assert buf._dispatch._next_outputs.ready is None  # the first has no count to size them from
+    assert buf._engine.dispatch_path._next_outputs.ready is None  # the first has no count to size them from
     dispatch(buf, workload())
-    ready = buf._dispatch._next_outputs.ready
-    assert not buf._dispatch._next_outputs.over_limit
+    ready = buf._engine.dispatch_path._next_outputs.ready
+    assert not buf._engine.dispatch_path._next_outputs.over_limit
     rows_ahead = int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS
     assert ready.rows == next_outputs.prepared_rows(rows_ahead) > rows_ahead
     assert lib.allocations[-1] == ((ready.rows, H), "bfloat16") and ready.pointers[0] == ready.outputs[0].ctypes.data
@@ -461,15 +461,15 @@ def test_a_dispatch_like_the_last_one_allocates_the_next_ones_outputs(monkeypatc
 def test_the_outputs_prepared_over_a_steady_loop_keep_their_size(monkeypatch):
     # Sized from each call's guess, not from the rows the call was handed (an eighth more already).
     buf, _, _, _, _ = steady(monkeypatch)
-    first = buf._dispatch._next_outputs.ready.rows
+    first = buf._engine.dispatch_path._next_outputs.ready.rows
     for _ in range(4):
         dispatch(buf, workload())
-        assert buf._dispatch._next_outputs.ready.rows == first
+        assert buf._engine.dispatch_path._next_outputs.ready.rows == first
 
 
 def test_a_dispatch_with_its_outputs_ready_is_one_launch_writing_them(monkeypatch):
     buf, launches, lib, launched, allocated = steady(monkeypatch)
-    ready = buf._dispatch._next_outputs.ready
+    ready = buf._engine.dispatch_path._next_outputs.ready
     w = workload()
     recv_x, recv_topk, _, _, handle, _ = dispatch(buf, w)
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
@@ -484,8 +484,8 @@ def test_a_dispatch_with_its_outputs_ready_is_one_launch_writing_them(monkeypatc
 
 def test_in_process_ranks_move_tokens_into_ready_outputs_behind_notify_dispatch(monkeypatch):
     buf, launches, lib, launched, _ = steady(monkeypatch)
-    buf._ctx.exchange_in_transfer = False  # as for ranks that are threads of one process
-    ready = buf._dispatch._next_outputs.ready
+    buf._engine.ctx.exchange_in_transfer = False  # as for ranks that are threads of one process
+    ready = buf._engine.dispatch_path._next_outputs.ready
     recv_x = dispatch(buf, workload())[0]
     assert launches.names()[launched:] == ["notify_dispatch_kernel", "dispatch_kernel<2>"]
     assert launches.last("dispatch_kernel<2>")["recv_x"] == ready.pointers[0] == recv_x.ctypes.data
@@ -495,13 +495,13 @@ def test_a_dispatch_with_another_token_count_neither_uses_nor_prepares_outputs(m
     buf, launches, lib, launched, allocated = steady(monkeypatch)
     dispatch(buf, workload(num_tokens=N // 2))
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
-    assert len(lib.allocations) - allocated == 2 and buf._dispatch._next_outputs.ready is None
+    assert len(lib.allocations) - allocated == 2 and buf._engine.dispatch_path._next_outputs.ready is None
 
 
 @pytest.mark.parametrize("change", [dict(allocate_on_comm_stream=True), dict(topk_weights=None)])
 def test_outputs_ready_for_another_stream_or_plan_are_not_used(monkeypatch, change):
     buf, launches, _, launched, _ = steady(monkeypatch)
-    ready = buf._dispatch._next_outputs.ready
+    ready = buf._engine.dispatch_path._next_outputs.ready
     recv_x = dispatch(buf, workload(), **change)[0]
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
     assert recv_x.ctypes.data != ready.pointers[0]
@@ -511,16 +511,16 @@ def test_dispatches_alternating_between_two_plans_prepare_nothing(monkeypatch):
     buf, launches, lib, launched, _ = steady(monkeypatch)
     for _ in range(2):
         dispatch(buf, workload(), topk_weights=None)
-        assert buf._dispatch._next_outputs.ready is None
+        assert buf._engine.dispatch_path._next_outputs.ready is None
         dispatch(buf, workload())
-        assert buf._dispatch._next_outputs.ready is None
+        assert buf._engine.dispatch_path._next_outputs.ready is None
     assert launches.names()[launched:] == ["dispatch_kernel<2>"] * 4
 
 
 def test_outputs_above_the_byte_limit_are_not_prepared(monkeypatch):
     monkeypatch.setattr(next_outputs, "MAX_BYTES", 1 << 10)
     buf, launches, _, launched, _ = steady(monkeypatch)
-    assert buf._dispatch._next_outputs.ready is None and buf._dispatch._next_outputs.over_limit
+    assert buf._engine.dispatch_path._next_outputs.ready is None and buf._engine.dispatch_path._next_outputs.over_limit
     dispatch(buf, workload())
     assert launches.names()[launched:] == ["dispatch_kernel<2>"]
 
@@ -535,16 +535,16 @@ def test_a_dispatch_outgrowing_its_ready_outputs_is_redone_with_exact_sizes(monk
 
 def test_destroy_lets_go_of_ready_outputs(monkeypatch):
     buf, _, _, _, _ = steady(monkeypatch)
-    buf._release()
-    assert buf._dispatch._next_outputs.ready is None
+    buf._engine.release()
+    assert buf._engine.dispatch_path._next_outputs.ready is None
 
 
 def test_destroy_forgets_that_outputs_were_over_the_byte_limit(monkeypatch):
     monkeypatch.setattr(next_outputs, "MAX_BYTES", 1 << 10)
     buf, _, _, _, _ = steady(monkeypatch)
-    assert buf._dispatch._next_outputs.over_limit
-    buf._release()
-    assert not buf._dispatch._next_outputs.over_limit
+    assert buf._engine.dispatch_path._next_outputs.over_limit
+    buf._engine.release()
+    assert not buf._engine.dispatch_path._next_outputs.over_limit
 
 
 # --- verdicts of the count exchange ----------------------------------------------------------
@@ -635,13 +635,13 @@ def _timeline_with_count_waits(monkeypatch, **launch_script):
     timeline = []
     buf, launches, lib = fake_buffer(monkeypatch, order=recording_order(timeline), timeline=timeline,
                                      **launch_script)
-    wait_for_count = buf._slots.wait_for_count
+    wait_for_count = buf._engine.slots.wait_for_count
 
     def recorded_wait(kernel_done=None):
         timeline.append(("count wait",))
         return wait_for_count(kernel_done)
 
-    buf._slots.wait_for_count = recorded_wait
+    buf._engine.slots.wait_for_count = recorded_wait
     return buf, timeline
 
 
@@ -770,7 +770,7 @@ def in_place(monkeypatch):
 
 
 def inside(buf, array):
-    return buf._nvl.local_ptr <= array.ctypes.data < buf._nvl.local_ptr + buf._nvl.num_bytes
+    return buf._engine.nvl.local_ptr <= array.ctypes.data < buf._engine.nvl.local_ptr + buf._engine.nvl.num_bytes
 
 
 @contextlib.contextmanager
@@ -804,9 +804,9 @@ def test_a_dispatch_with_rows_in_place_allocating_ahead_is_one_launch_making_the
     assert launches.names()[before:] == ["dispatch_kernel<2, false, true>"]
     p = launches.last("dispatch_kernel<2, false, true>")
     assert p["exchange"] == 1 and p["report_refusal"] == 0 and p["check_op"] == 0
-    assert p["recv_counter"] == buf._slots.device_ptr(slots.RECV_COUNT)
-    assert p["mismatch_flag"] == buf._slots.device_ptr(slots.VERDICT)
-    assert p["recv_expert_counter"] == buf._slots.device_ptr(slots.EXPERT_COUNTS)
+    assert p["recv_counter"] == buf._engine.slots.device_ptr(slots.RECV_COUNT)
+    assert p["mismatch_flag"] == buf._engine.slots.device_ptr(slots.VERDICT)
+    assert p["recv_expert_counter"] == buf._engine.slots.device_ptr(slots.EXPERT_COUNTS)
     # The guess, but no more rows than the areas hold (a rank never receives more: capacity.py).
     most_rows = R * handle.rows_in_buffer.region_tokens
     assert p["recv_capacity"] == min(int(100 * (1 + HEADROOM_FRACTION)) + HEADROOM_ROWS, most_rows)
@@ -908,8 +908,8 @@ def test_a_combine_of_recv_x_overwritten_in_place_reads_every_ranks_rows_where_t
     buf.combine(recv_x, handle, topk_weights=recv_w, config=CONFIG)
     p = launches.last("combine_kernel<bf16_t, 2, true>")
     assert p["num_senders"] == 0 and p["check_op"] == plans.OP_COMBINE_IN_PLACE and p["zero_count"] == 0
-    assert buf._nvl.local_ptr + p["x_off"] == recv_x.ctypes.data == buf._nvl.local_ptr + lay.x_off
-    assert buf._nvl.local_ptr + p["topk_weights_off"] == recv_w.ctypes.data
+    assert buf._engine.nvl.local_ptr + p["x_off"] == recv_x.ctypes.data == buf._engine.nvl.local_ptr + lay.x_off
+    assert buf._engine.nvl.local_ptr + p["topk_weights_off"] == recv_w.ctypes.data
 
 
 def test_a_combine_of_a_copy_still_sends_its_rows(in_place):
@@ -964,7 +964,7 @@ def test_rows_in_place_wider_than_the_area_that_holds_them_are_refused(in_place)
     lay = dispatch(buf, {**workload(), "x": fp8}, recv_x_in_buffer=True)[4].rows_in_buffer
     rows = (lay.src_idx_off - lay.x_off) // (2 * H) + 1  # BF16 rows over the FP8 rows' area
     handle = dispatch(buf, {**workload(), "x": fp8}, recv_x_in_buffer=True, num_worst_tokens=rows)[4]
-    x = buf._nvl.memory[lay.x_off:lay.x_off + rows * 2 * H].view(np.uint16).reshape(rows, H)
+    x = buf._engine.nvl.memory[lay.x_off:lay.x_off + rows * 2 * H].view(np.uint16).reshape(rows, H)
     with refused_before_any_launch(launches, f"^x: {rows} rows of {2 * H} bytes in place overrun"):
         buf.combine(x, handle, config=CONFIG)
 
@@ -977,7 +977,7 @@ def test_recv_x_in_buffer_must_be_a_bool(in_place):
 
 def test_num_worst_tokens_beyond_the_rows_the_buffer_holds_is_refused_with_recv_x_in_buffer(in_place):
     buf, launches, _ = in_place
-    rows = plans.check_fresh_dispatch(buf._ctx.checks, *[workload()[k] for k in (
+    rows = plans.check_fresh_dispatch(buf._engine.ctx.checks, *[workload()[k] for k in (
         "x", "num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert", "topk_idx", "topk_weights")],
         1, CONFIG, True).layout.rows
     with pytest.raises(ValueError, match=f"asks for {rows + 1} received rows, more than the {rows}"):

@@ -7,17 +7,16 @@ from types import SimpleNamespace
 import pytest
 
 import deepep_cupy as ep
+from deepep_cupy import engines
 from deepep_cupy.groups import nodes
 from deepep_cupy.groups.local import ThreadGroup
-from deepep_cupy.internode import path as internode
-from deepep_cupy.intranode import context as operation_context
 
 
 @pytest.fixture
 def built(monkeypatch):
     """Buffer construction with the topology and the path replaced; returns what was asked for."""
     asked = {}
-    monkeypatch.setattr(operation_context, "DeviceScope", lambda device_id: contextlib.nullcontext())
+    monkeypatch.setattr(engines, "DeviceScope", lambda device_id: contextlib.nullcontext())
 
     def topology(group, ranks_per_node=None, peers_mappable=None):
         asked["ranks_per_node"] = ranks_per_node
@@ -25,13 +24,13 @@ def built(monkeypatch):
 
     def path(group, topology, **settings):
         asked.update(settings, topology=topology, group=group)
-        return SimpleNamespace(order=SimpleNamespace(stream="the path's stream"), transport=SimpleNamespace(name="mpi"),
+        return SimpleNamespace(comm_stream="the path's stream", topology=topology, internode_transport="mpi",
                                **{name: (lambda *a, _name=name, **k: _name) for name in
                                   ("get_dispatch_layout", "dispatch", "combine", "destroy", "check_kernel_errors",
                                    "barrier")})
 
-    monkeypatch.setattr(nodes, "discover_topology", topology)
-    monkeypatch.setattr(internode, "create_internode_path", path)
+    monkeypatch.setattr(engines, "discover_topology", topology)
+    monkeypatch.setattr(engines, "create_internode_path", path)
     return asked
 
 

@@ -11,6 +11,7 @@ from internode_fakes import make_paths, run_ranks, use_host_arrays
 from workers.gpu_worker import draw_rows
 
 from deepep_cupy.errors import PeerFailedError, RankMismatchError
+from deepep_cupy.internode import arrays as internode_arrays
 from deepep_cupy.internode import path as internode
 from deepep_cupy.internode.handle import InternodeHandle
 from deepep_cupy.internode.records import RecordLayout
@@ -237,9 +238,9 @@ def test_each_call_launches_one_notify_and_one_kernel_named_for_its_operation(mo
 def test_deepeps_order_lists_the_node_stage_rows_by_source_rank():
     # 2 nodes x 2 ranks; rows from source ranks 0..3: 1, 2, 3, 4. The node stage puts forwarder 0's
     # (sources 0 and 2) first: rows 0 | 1 1 1 from source 2, then forwarder 1's: 2 2 | 4 4 4 4.
-    order = internode.deepep_order(np.array([1, 2, 3, 4]), 2, 2)
+    order = internode_arrays.deepep_order(np.array([1, 2, 3, 4]), 2, 2)
     assert order.tolist() == [0, 4, 5, 1, 2, 3, 6, 7, 8, 9]
-    assert internode.deepep_order(np.array([3, 0, 2]), 3, 1) is None
+    assert internode_arrays.deepep_order(np.array([3, 0, 2]), 3, 1) is None
 
 
 # --- failures: every rank raises from the same call, and the group stays in step ------------------
@@ -278,7 +279,7 @@ def run_one_rank_wrong(monkeypatch, changes, shape=(2, 2), call="dispatch"):
     (dict(topk_weights=on_device(np.zeros((3, 2), np.float16))), TypeError, "topk_weights: expected dtype float32"),
     (dict(topk_idx=on_device(np.full((3, 2), 8, np.int64))), ValueError, r"expert ids out of \[-1, 8\) on rank 1"),
     (dict(is_token_in_rank=on_device(np.zeros((3, 4), np.int32))), TypeError, "is_token_in_rank: expected dtype bool"),
-    (dict(x=on_device(np.zeros((3, 3), np.float32))), ValueError, "multiple of 16 bytes"),
+    (dict(x=on_device(np.zeros((3, 3), np.float32))), ValueError, "row bytes must be a multiple of 16"),
     (dict(x=np.zeros((3, 64), np.float32)), TypeError, "x: expected a device array"),
     (dict(x=on_device(np.zeros((3, 128), np.uint8))), ValueError, "FP8 rows need their scales"),
     (dict(expert_alignment=0), ValueError, "expert_alignment"),
@@ -432,7 +433,7 @@ def test_a_fresh_dispatch_reads_the_device_once(monkeypatch):
     # copy; nothing else waits for the device: no nonzero, bincount or boolean mask, whose sizes
     # CuPy reads back with a host sync.
     use_host_arrays(monkeypatch)
-    numpy_as_cupy = internode._cupy()
+    numpy_as_cupy = internode_arrays.cupy_module()
     syncs = []
 
     class Counting(type(numpy_as_cupy)):
@@ -446,7 +447,7 @@ def test_a_fresh_dispatch_reads_the_device_once(monkeypatch):
             return getattr(np, name)
 
     counting = Counting()
-    monkeypatch.setattr(internode, "_cupy", lambda: counting)
+    monkeypatch.setattr(internode_arrays, "cupy_module", lambda: counting)
     inputs = make_inputs(11, 2, 8, 3, "bfloat16", drop=0.2)
 
     def body(rank, path):

@@ -15,8 +15,10 @@ from host_fakes import FakeArray, FakeGroup, FakeLib, FakeMapped, FakeNvlBuffer,
 import deepep_cupy as ep
 from deepep_cupy import constants, tensors
 from deepep_cupy.constants import ERROR_BAD_EXPERT_ID, KERNEL_STAGES, LL_DATA_OFFSET, LL_SIGNALS_END
+from deepep_cupy.engines import check_settings
 from deepep_cupy.gpu import kernels, launch, plan_cache, slots
 from deepep_cupy.gpu.slots import HostSlots
+from deepep_cupy.intranode.engine import IntranodeEngine
 from deepep_cupy.low_latency import path as low_latency
 from deepep_cupy.low_latency.path import (
     COMBINE_KERNEL,
@@ -610,23 +612,20 @@ def test_a_combine_x_with_fewer_experts_than_a_kept_plan_checked_is_refused(path
 def test_a_buffer_without_low_latency_mode_refuses_the_low_latency_calls(monkeypatch):
     buf, _, _ = fake_buffer(monkeypatch)
     x, topk, _ = inputs()
-    with pytest.raises(ValueError, match="low_latency_mode: this Buffer was created without low_latency_mode=True"):
+    with pytest.raises(ep.BufferKindError, match=r"not available on this intranode Buffer; create it as Buffer\("):
         buf.low_latency_dispatch(x, topk, M, E)
     with pytest.raises(ValueError, match="low_latency_mode"):
         buf.clean_low_latency_buffer(M, H, E)
 
 
-def test_a_low_latency_buffer_without_nvlink_bytes_refuses_the_normal_calls(monkeypatch):
-    buf, _, _ = fake_buffer(monkeypatch)
-    buf.num_nvl_bytes = 0
+def test_a_low_latency_buffer_without_nvlink_bytes_refuses_the_normal_calls():
+    engine = IntranodeEngine(FakeGroup(0, 2), 0, 5.0, 0, True)
     with pytest.raises(ValueError, match="dispatch: this Buffer has no NVLink buffer"):
-        buf._config(None, "dispatch")
+        engine.config(None, "dispatch")
 
 
 def test_a_low_latency_buffer_takes_zero_nvlink_bytes_and_positive_rdma_bytes():
-    buf = ep.Buffer.__new__(ep.Buffer)
-    buf._set_up_host(FakeGroup(0, 2), 0, 5.0, 0, True, low_latency_mode=True)
-    assert buf.num_nvl_bytes == 0
+    check_settings(0, 5.0, low_latency_mode=True)
     with pytest.raises(ValueError, match="num_rdma_bytes: expected a positive int with low_latency_mode=True"):
         ep.Buffer(object(), 0, 0, low_latency_mode=True)
 
@@ -646,11 +645,9 @@ class _GroupOfTwo(FakeGroup):
 
 
 def _checked_group(group, num_nvl_bytes, num_rdma_bytes):
-    buf = ep.Buffer.__new__(ep.Buffer)
-    buf._set_up_host(group, num_nvl_bytes, 5.0, 0, True, low_latency_mode=True)
-    buf.num_rdma_bytes = num_rdma_bytes
+    engine = IntranodeEngine(group, num_nvl_bytes, 5.0, 0, True)
     cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(deviceGetPCIBusId=lambda d: "0000:01:00.0")))
-    buf._check_group(cupy)
+    engine.check_group(cupy, num_rdma_bytes)
 
 
 def test_ranks_that_disagree_on_the_low_latency_buffer_size_are_refused():

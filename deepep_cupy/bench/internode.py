@@ -110,9 +110,9 @@ def run_internode(args: argparse.Namespace) -> int:
                                     topk_weights=weights)
 
             recv_x, _, recv_weights, _, handle, _ = fresh()
-            sent = buf._internode.last_internode_rows
+            sent = buf.last_internode_rows
             rows = traffic_rows(group.allgather(w["topk_idx"]), E, L)
-            result.update(transport=buf._internode.transport.name, internode_rows=sent,
+            result.update(transport=buf.internode_transport, internode_rows=sent,
                           flat_rows=rows["flat"][rank], nccl_rows=rows["flat_all_ranks"][rank],
                           ok=sent == rows["hierarchical"][rank],
                           why=f"{sent} rows to other nodes, the reference counts {rows['hierarchical'][rank]}")

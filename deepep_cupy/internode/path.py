@@ -32,132 +32,24 @@ topology, the rail transport, the intranode engine, the group's vote) are given 
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import tensors
+from .. import checks, tensors
 from ..config import Config
+from ..engine import Engine
 from ..errors import PeerFailedError, RankMismatchError
 from ..events import EventOverlap
-from ..tensors import ITEMSIZE, STORAGE, check_array, check_int, describe
+from ..gpu.call_span import CallSpan
+from ..tensors import check_array, check_int, describe
+from . import arguments
+from . import arrays as device
 from .handle import InternodeHandle
 from .records import PackSources, RecordLayout, UnpackTargets
 
-__all__ = ["InternodeHandle", "InternodePath", "RecordLayout", "create_internode_path"]
+__all__ = ["InternodeHandle", "InternodePath", "RecordLayout"]
 
-#: Element types of x that combine sums (FP8 is dispatched only).
-COMBINE_DTYPES = ("bfloat16", "float16", "float32")
-DISPATCH_DTYPES = COMBINE_DTYPES + ("float8_e4m3fn",)
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks (host only: they run before any GPU work, and the CPU tests run them)
-
-def _split_x(x) -> Tuple[Any, Any]:
-    if type(x) is tuple and len(x) == 2:
-        return x
-    return x, None
-
-
-def check_rows(x, device_id: int, dtypes: Tuple[str, ...]) -> Tuple[Any, Any, tensors.ArrayInfo,
-                                                                       Optional[tensors.ArrayInfo]]:
-    """``(rows, scales or None, rows' info, scales' info)`` of ``x`` or ``(x_fp8, scales)``; raises
-    TypeError/ValueError naming the argument."""
-    rows, scales = _split_x(x)
-    info = describe(rows, "x", device_id)
-    check_array(info, "x", dtypes, 2)
-    row_bytes = tensors.row_bytes(info.shape[1:], info.dtype_name)
-    if row_bytes % 16:
-        raise ValueError(f"x: rows of {row_bytes} bytes; expected a multiple of 16 bytes")
-    scales_info = None
-    if info.dtype_name == "float8_e4m3fn":
-        if scales is None:
-            raise ValueError("x: FP8 rows need their scales: pass x=(x_fp8, x_scales)")
-        scales_info = describe(scales, "x[1]", device_id)
-        check_array(scales_info, "x[1]", ("float32",), len(scales_info.shape), any_strides=True)
-        if len(scales_info.shape) not in (1, 2) or scales_info.shape[0] != info.shape[0]:
-            raise ValueError(f"x[1]: expected scales of shape ({info.shape[0]}, S) or ({info.shape[0]},), got "
-                             f"{scales_info.shape}")
-    elif scales is not None:
-        raise ValueError(f"x: scales come only with FP8 rows, got {info.dtype_name} rows and scales")
-    return rows, scales, info, scales_info
-
-
-def check_topk(topk_idx, topk_weights, num_tokens: int, device_id: int):
-    """``(topk info or None, weights info or None)``: the top-k travels with the tokens when given."""
-    if topk_idx is None:
-        if topk_weights is not None:
-            raise ValueError("topk_weights: they travel with topk_idx; pass both or neither")
-        return None, None
-    topk = describe(topk_idx, "topk_idx", device_id)
-    check_array(topk, "topk_idx", ("int64",), 2, (num_tokens, None))
-    weights = None
-    if topk_weights is not None:
-        weights = describe(topk_weights, "topk_weights", device_id)
-        check_array(weights, "topk_weights", ("float32",), 2, topk.shape)
-    return topk, weights
-
-
-# ---------------------------------------------------------------------------------------------
-# Device helpers (CuPy)
-
-def _cupy():
-    import cupy
-
-    return cupy
-
-
-def device_view(array, info: tensors.ArrayInfo, device_id: int):
-    """A CuPy array over ``array``'s memory (storage dtype, shape and strides of ``info``)."""
-    cupy = _cupy()
-    dtype = STORAGE[info.dtype_name]
-    if any(extent == 0 for extent in info.shape):
-        return cupy.empty(info.shape, dtype)
-    if info.lib.name == "cupy":
-        return array.view(dtype)
-    ptr = tensors.read(array)[1]
-    extent = ITEMSIZE[info.dtype_name] + sum((n - 1) * s for n, s in zip(info.shape, info.strides))
-    memory = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, extent, array, device_id), 0)
-    return cupy.ndarray(info.shape, dtype, memory, strides=info.strides)
-
-
-def device_pointer(values) -> int:
-    """The device address of a CuPy array."""
-    return values.data.ptr
-
-
-def _byte_rows(values):
-    """The ``[T, H]`` ``values`` as uint8 rows ``[T, row bytes]`` (a copy unless C-contiguous)."""
-    return _cupy().ascontiguousarray(values).view(_cupy().uint8)
-
-
-def _scale_rows(values, info: tensors.ArrayInfo):
-    """FP8 scales ``[T, S]`` or ``[T]`` (any strides) as ``[T, S]``."""
-    return values if len(info.shape) == 2 else values.reshape(info.shape[0], 1)
-
-
-def _c_strides(shape: Tuple[int, ...], dtype_name: str) -> Tuple[int, ...]:
-    strides, step = [], ITEMSIZE[dtype_name]
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(extent, 1)
-    return tuple(reversed(strides))
-
-
-def deepep_order(counts: np.ndarray, num_nodes: int, ranks_per_node: int) -> Optional[np.ndarray]:
-    """For each row of a receiver in DeepEP's order (by source rank ``g = m*L + j``, then source
-    token), its row in the node stage's order (by forwarding local rank ``j``, then source node
-    ``m``, then source token); ``counts[g]``: the rows from source rank ``g``. None when the two
-    orders are the same."""
-    c = np.asarray(counts, np.int64).reshape(num_nodes, ranks_per_node)   # [m, j]
-    stage_start = (np.cumsum(c.T.ravel()) - c.T.ravel()).reshape(ranks_per_node, num_nodes).T
-    deepep_start = (np.cumsum(c.ravel()) - c.ravel()).reshape(num_nodes, ranks_per_node)
-    shift = (stage_start - deepep_start).ravel()
-    if not shift.any():
-        return None
-    return np.repeat(shift, c.ravel()) + np.arange(int(c.sum()), dtype=np.int64)
 
 
 class _Route(NamedTuple):
@@ -170,7 +62,7 @@ class _Route(NamedTuple):
     slots: Any          # int32 [N, T]: token t's record in node n's block, -1 for none
 
 
-class InternodePath:
+class InternodePath(Engine):
     """Layout, dispatch and combine across nodes (see the module docstring).
 
     Args:
@@ -178,9 +70,9 @@ class InternodePath:
         transport: the rail's :class:`deepep_cupy.transports.rail.RailTransport` (one rank per node,
             ``transport.rank`` = this rank's node).
         device_id: the GPU.
-        intranode: the engine of the node's sub-group: an object with the intranode Buffer's
-            ``dispatch``, ``combine`` and ``destroy`` (the Buffer passes an intranode Buffer), or
-            None with one rank per node.
+        intranode: the engine of the node's sub-group (an
+            :class:`deepep_cupy.intranode.engine.IntranodeEngine`: ``dispatch``, ``combine``,
+            ``check_kernel_errors``, ``release`` and ``destroy``), or None with one rank per node.
         order: the stream order of the internode calls (a :class:`deepep_cupy.gpu.streams.StreamOrder`).
         records: the record kernels (:class:`deepep_cupy.internode.records.RecordKernels`).
         vote: the whole group's allgather of one Python object per rank, with a deadline
@@ -189,6 +81,8 @@ class InternodePath:
             closed (the sub-groups' ``free``).
         group_barrier: the whole group's host barrier (:meth:`barrier`).
     """
+
+    kind = "internode"
 
     def __init__(self, topology, transport, device_id: int, intranode, order, *, records, vote: Callable[[Any], list],
                  on_destroy: Sequence[Callable[[], Any]] = (), group_barrier: Optional[Callable[[], Any]] = None):
@@ -209,48 +103,12 @@ class InternodePath:
         self._vote_all = vote
         self._on_destroy = list(on_destroy)
         self._group_barrier = group_barrier
-        self._streams: dict = {}
+        self._span = CallSpan(order, device_id, topology.rank)
         self._closed = False
-        #: Rows that left this rank for other nodes in the last dispatch (the benchmark reads it).
-        self.last_internode_rows = 0
+        self._rows_sent_out = 0
 
     # -----------------------------------------------------------------------------------------
     # Streams, the vote, outputs
-
-    def _cupy_stream(self, ptr: int):
-        stream = self._streams.get(ptr)
-        if stream is None:
-            stream = self._streams[ptr] = _cupy().cuda.ExternalStream(ptr, self.device_id)
-        return stream
-
-    @contextlib.contextmanager
-    def _on(self, lib, run_on: int):
-        """CuPy's current stream (and the caller's library's) is ``run_on`` inside: the CuPy work
-        and the intranode engine's calls are ordered there."""
-        cupy = _cupy()
-        stream = self._cupy_stream(run_on)
-        with cupy.cuda.Device(self.device_id), stream:
-            if lib.name == "cupy":
-                yield
-            else:
-                with lib.allocating_on(stream, self.device_id):
-                    yield
-
-    @contextlib.contextmanager
-    def _call(self, lib, previous_event, async_finish, allocate_on_comm_stream) -> Iterator[Tuple[int, int]]:
-        """The span of one call: ordered after the caller's work (``order.begin``), its GPU work on
-        ``run_on`` (:meth:`_on`); yields ``(caller's stream, run_on)``. Leaving by an exception
-        tells the stream order that work may be queued on ``run_on`` already (``order.abandon``),
-        so that the next call and destroy() come after it."""
-        caller = lib.current_stream(self.device_id)
-        run_on = self.order.begin(caller, previous_event, async_finish or allocate_on_comm_stream,
-                                  self.topology.rank)
-        with self._on(lib, run_on):
-            try:
-                yield caller, run_on
-            except BaseException:
-                self.order.abandon(run_on)
-                raise
 
     def _vote(self, what: str, failure: Optional[BaseException], payload: Any = None) -> List[Any]:
         """Every rank's ``payload``, once every rank has said whether its part of the call so far
@@ -278,7 +136,7 @@ class InternodePath:
         return result
 
     def _finish(self, lib, caller: int, run_on: int, async_finish: bool, arrays, outputs) -> EventOverlap:
-        return self.order.finish(caller, run_on, lib, async_finish, [a for a in arrays if a is not None],
+        return self._span.finish(lib, async_finish, [a for a in arrays if a is not None],
                                  [o for o in outputs if o is not None], run_on != caller)
 
     def _new_output(self, lib, shape: Tuple[int, ...], dtype_name: str):
@@ -286,8 +144,8 @@ class InternodePath:
         out = lib.empty(shape, dtype_name, self.device_id)
         if lib.name == "cupy":
             return out, out
-        info = tensors.ArrayInfo(lib, dtype_name, None, tuple(shape), True, _c_strides(shape, dtype_name))
-        return out, device_view(out, info, self.device_id)
+        info = tensors.ArrayInfo(lib, dtype_name, None, tuple(shape), True, device.c_strides(shape, dtype_name))
+        return out, device.device_view(out, info, self.device_id)
 
     def _to_lib(self, lib, values, dtype_name: str):
         """``values`` (CuPy, storage dtype) as an array of the caller's library (a copy for PyTorch)."""
@@ -300,7 +158,7 @@ class InternodePath:
 
     def _host_ints(self, lib, values: Sequence[int]):
         """Host ints as an int32 array of the caller's library."""
-        return self._to_lib(lib, _cupy().asarray(np.asarray(values, np.int32)), "int32")
+        return self._to_lib(lib, device.cupy_module().asarray(np.asarray(values, np.int32)), "int32")
 
     # -----------------------------------------------------------------------------------------
     # Layout
@@ -318,12 +176,15 @@ class InternodePath:
         info = describe(topk_idx, "topk_idx", self.device_id)
         check_array(info, "topk_idx", ("int64",), 2)
         lib = info.lib
-        with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            topk = device_view(topk_idx, info, self.device_id)
+        with self._span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as span, \
+                span.current(lib):
+            caller, run_on = span
+            topk = device.device_view(topk_idx, info, self.device_id)
             in_rank = self._in_rank_of(topk, num_experts)
-            per_expert = _counts(topk, num_experts)
-            per_rank = in_rank.sum(axis=0).astype(_cupy().int32)
-            per_node = in_rank.reshape(topk.shape[0], N, R // N).any(axis=2).sum(axis=0).astype(_cupy().int32)
+            per_expert = device.counts(topk, num_experts)
+            per_rank = in_rank.sum(axis=0).astype(device.cupy_module().int32)
+            per_node = in_rank.reshape(topk.shape[0], N, R // N).any(axis=2).sum(axis=0)
+            per_node = per_node.astype(device.cupy_module().int32)
             outputs = (self._to_lib(lib, per_rank, "int32"), self._to_lib(lib, per_node, "int32"),
                        self._to_lib(lib, per_expert, "int32"), self._to_lib(lib, in_rank, "bool"))
             event = self._finish(lib, caller, run_on, async_finish, (topk_idx, *outputs), outputs)
@@ -331,7 +192,7 @@ class InternodePath:
 
     def _in_rank_of(self, topk, num_experts: int):
         """bool ``[T, R]``: whether each token has an expert on each rank (ids out of range: none)."""
-        cupy = _cupy()
+        cupy = device.cupy_module()
         R = self.topology.num_ranks
         valid = (topk >= 0) & (topk < num_experts)
         rank_of = cupy.where(valid, topk // (num_experts // R), -1)
@@ -357,8 +218,10 @@ class InternodePath:
         and ``recv_x_in_buffer`` are intranode only. An argument that is wrong on one rank makes
         every rank raise from the call, before anything moves.
         """
-        lib = _call_lib(_split_x(x)[0], topk_idx, is_token_in_rank)
-        with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+        lib = device.call_lib(checks.split_x(x)[0], topk_idx, is_token_in_rank)
+        with self._span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as span, \
+                span.current(lib):
+            caller, run_on = span
             if handle is not None:
                 checked = self._voting("dispatch", lambda: self._check_cached(x, handle, num_worst_tokens, expand,
                                                                               recv_x_in_buffer, config))
@@ -367,92 +230,25 @@ class InternodePath:
                                         expert_alignment, num_worst_tokens, config, expand, recv_x_in_buffer,
                                         caller, run_on, async_finish)
 
-    def _check_common(self, expand: bool, recv_x_in_buffer: bool, config) -> None:
-        if expand:
-            raise ValueError("expand: not available across nodes; expand the received rows yourself")
-        if recv_x_in_buffer:
-            raise ValueError("recv_x_in_buffer: not available across nodes (the rows arrive through the rail "
-                             "transport and the node's intranode dispatch)")
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
-
-    def _check_handle(self, handle) -> InternodeHandle:
-        if not isinstance(handle, InternodeHandle):
-            raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
-        if handle.owner != id(self):
-            raise ValueError("handle: it was made by another Buffer; a handle is only valid on the Buffer "
-                             "whose dispatch returned it")
-        return handle
-
     def _check_cached(self, x, handle, num_worst_tokens, expand, recv_x_in_buffer, config):
-        self._check_common(expand, recv_x_in_buffer, config)
-        rows, scales, info, scales_info = check_rows(x, self.device_id, DISPATCH_DTYPES)
-        if num_worst_tokens:
-            raise ValueError("num_worst_tokens: a cached dispatch receives the handle's row count; pass 0")
-        handle = self._check_handle(handle)
-        if info.shape[0] != handle.num_tokens:
-            raise ValueError(f"x: expected {handle.num_tokens} rows (the tokens of the handle's dispatch), got "
-                             f"{info.shape[0]}")
-        x_rows, x_scales = self._read_x(rows, scales, info, scales_info)
+        """A cached dispatch's checks, then what it allocates (the rail buffers): one vote for both."""
+        info, scales_info, handle, x_rows, x_scales = arguments.check_cached(
+            x, handle, num_worst_tokens, expand, recv_x_in_buffer, config, device_id=self.device_id, owner=id(self))
         layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
         send, recv = self._rail_buffers(layout, handle.send_counts, handle.recv_counts)
+        rows, scales = checks.split_x(x)
         return rows, scales, info, scales_info, handle, x_rows, x_scales, layout, send, recv
 
-    def _check_fresh(self, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                     num_worst_tokens, expand, recv_x_in_buffer, config) -> "_FreshArgs":
-        self._check_common(expand, recv_x_in_buffer, config)
-        rows, scales, info, scales_info = check_rows(x, self.device_id, DISPATCH_DTYPES)
-        T, dev, R = info.shape[0], self.device_id, self.topology.num_ranks
-        topk_info, weights_info = check_topk(topk_idx, topk_weights, T, dev)
-        in_rank = None
-        if is_token_in_rank is not None:
-            in_rank_info = describe(is_token_in_rank, "is_token_in_rank", dev)
-            check_array(in_rank_info, "is_token_in_rank", ("bool",), 2, (T, R), any_strides=True)
-            in_rank = device_view(is_token_in_rank, in_rank_info, dev)
-        elif topk_info is None:
-            raise ValueError("is_token_in_rank: a dispatch without topk_idx is routed by is_token_in_rank; pass the "
-                             "one get_dispatch_layout returned")
-        per_expert = None
-        if num_tokens_per_expert is not None:
-            per_expert_info = describe(num_tokens_per_expert, "num_tokens_per_expert", dev)
-            check_array(per_expert_info, "num_tokens_per_expert", ("int32",), 1)
-            num_experts = per_expert_info.shape[0]
-            per_expert = device_view(num_tokens_per_expert, per_expert_info, dev)
-        else:
-            raise ValueError("num_tokens_per_expert: required (its length is the expert count, and the receivers' "
-                             "expert counts are the senders' sums); pass the one get_dispatch_layout returned")
-        if num_experts == 0 or num_experts % R:
-            raise ValueError(f"num_tokens_per_expert: expected a multiple of the rank count ({R}) of experts, got "
-                             f"{num_experts}")
-        expert_alignment = check_int(expert_alignment, "expert_alignment")
-        num_worst_tokens = check_int(num_worst_tokens, "num_worst_tokens", 0)
-        x_rows, x_scales = self._read_x(rows, scales, info, scales_info)
-        topk = None if topk_info is None else device_view(topk_idx, topk_info, dev)
-        weights = None if weights_info is None else device_view(topk_weights, weights_info, dev)
-        num_topk = 0 if topk_info is None else topk_info.shape[1]
-        settings = (num_experts, info.dtype_name, info.shape[1:],
-                    None if scales_info is None else scales_info.shape[1:], num_topk, weights_info is not None,
-                    num_worst_tokens, expert_alignment)
-        return _FreshArgs(info, scales_info, x_rows, x_scales, topk, weights, in_rank, per_expert,
-                          num_experts, expert_alignment, num_worst_tokens, settings)
-
-    def _read_x(self, rows, scales, info, scales_info):
-        """x as uint8 rows ``[T, row bytes]`` and its scales as ``[T, S]`` (None without), CuPy views."""
-        dev = self.device_id
-        x_rows = _byte_rows(device_view(rows, info, dev))
-        x_scales = None if scales_info is None else _scale_rows(device_view(scales, scales_info, dev), scales_info)
-        return x_rows, x_scales
-
-    def _route(self, args: "_FreshArgs") -> _Route:
+    def _route(self, args: arguments.FreshArgs) -> _Route:
         """Where this rank's tokens go: its counts per node, rank and expert reach the host in one
         copy (with whether an expert id is out of range); the tokens of each node and their slots
         stay on the device."""
-        cupy = _cupy()
+        cupy = device.cupy_module()
         R, N = self.topology.num_ranks, self.topology.num_nodes
         T, E = args.x_rows.shape[0], args.num_experts
         in_rank = args.in_rank if args.in_rank is not None else self._in_rank_of(args.topk, E)
         in_node = in_rank.reshape(T, N, R // N).any(axis=2)
-        per_expert = args.per_expert if args.per_expert is not None else _counts(args.topk, E)
+        per_expert = args.per_expert if args.per_expert is not None else device.counts(args.topk, E)
         bad = cupy.zeros(1, cupy.int64)
         if args.topk is not None and args.topk.size:
             bad = ((args.topk < -1) | (args.topk >= E)).any().reshape(1).astype(cupy.int64)
@@ -480,8 +276,9 @@ class InternodePath:
         R, N, L, me = topo.num_ranks, topo.num_nodes, topo.ranks_per_node, topo.rank
         failure = args = route = None
         try:
-            args = self._check_fresh(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                     expert_alignment, num_worst_tokens, expand, recv_x_in_buffer, config)
+            args = arguments.check_fresh(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                         expert_alignment, num_worst_tokens, expand, recv_x_in_buffer, config,
+                                         device_id=self.device_id, num_ranks=R)
             route = self._route(args)
         except Exception as exc:  # every rank raises from this call (_vote)
             failure = exc
@@ -522,7 +319,7 @@ class InternodePath:
                                       args.expert_alignment, worst, config, per_rank[:, me])
 
         outputs, inner, order = self._voting("dispatch", move)
-        self.last_internode_rows = sum(send_counts) - send_counts[topo.node]
+        self._rows_sent_out = sum(send_counts) - send_counts[topo.node]
         epr = E // R
         expert_list = [] if worst else [int(-(-int(c) // args.expert_alignment) * args.expert_alignment)
                                         for c in per_expert[:, me * epr:(me + 1) * epr].sum(axis=0)]
@@ -532,7 +329,7 @@ class InternodePath:
         handle = InternodeHandle(fields, owner=id(self), num_tokens=info.shape[0], send_token_idx=route.token_ids,
                                  send_counts=tuple(send_counts), recv_counts=tuple(recv_counts), slots=route.slots,
                                  intranode=inner, num_recv_tokens=num_recv, order=order,
-                                 inverse=None if order is None else _inverse(order), num_worst_tokens=worst,
+                                 inverse=None if order is None else device.inverse_of(order), num_worst_tokens=worst,
                                  num_topk=K)
         recv_x, recv_scales, recv_topk, recv_weights = outputs
         event = self._finish(lib, caller, run_on, async_finish, (x, topk_idx, topk_weights, *outputs), outputs)
@@ -540,15 +337,15 @@ class InternodePath:
             handle, event
 
     def _rail_buffers(self, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int]):
-        cupy = _cupy()
+        cupy = device.cupy_module()
         return (cupy.empty((sum(send_counts), layout.bytes), cupy.uint8),
                 cupy.empty((sum(recv_counts), layout.bytes), cupy.uint8))
 
     def _exchange(self, send, recv, record_bytes: int, send_counts: Sequence[int], recv_counts: Sequence[int],
                   run_on: int) -> None:
         """The rail's all-to-all of records, in node order (the own node's block a copy on the GPU)."""
-        self.transport.alltoallv(device_pointer(send), [int(c) * record_bytes for c in send_counts],
-                                 device_pointer(recv), [int(c) * record_bytes for c in recv_counts], run_on,
+        self.transport.alltoallv(device.device_pointer(send), [int(c) * record_bytes for c in send_counts],
+                                 device.device_pointer(recv), [int(c) * record_bytes for c in recv_counts], run_on,
                                  owners=(send, recv))
 
     def _outputs(self, lib, rows: int, info, scales_info, num_topk: int, weights: bool, in_rank: int = 0):
@@ -561,7 +358,8 @@ class InternodePath:
                 None if not in_rank else self._new_output(lib, (rows, in_rank), "bool")]
         arrays = [None if m is None else m[0] for m in made]
         views = [None if m is None else m[1] for m in made]
-        views[0] = views[0].view(_cupy().uint8).reshape(rows, tensors.row_bytes(info.shape[1:], info.dtype_name))
+        row_bytes = tensors.row_bytes(info.shape[1:], info.dtype_name)
+        views[0] = views[0].view(device.cupy_module().uint8).reshape(rows, row_bytes)
         if views[1] is not None:
             views[1] = views[1].reshape(rows, (scales_info.shape + (1,))[1])
         return arrays, UnpackTargets(*views)
@@ -593,11 +391,11 @@ class InternodePath:
             is_token_in_rank=in_rank_in, num_tokens_per_expert=self._host_ints(lib, per_expert), topk_idx=topk_in,
             topk_weights=weights_in, expert_alignment=expert_alignment, num_worst_tokens=worst, config=config)
         recv_x, recv_scales = recv_x if scales_in is not None else (recv_x, None)
-        order = deepep_order(from_sources, N, L)
+        order = device.deepep_order(from_sources, N, L)
         outputs = [recv_x, recv_scales, recv_topk, recv_weights]
         if order is None:
             return outputs, inner, None
-        order = _cupy().asarray(order)
+        order = device.cupy_module().asarray(order)
         return [self._reordered(lib, a, order) for a in outputs], inner, order
 
     def _reordered(self, lib, array, order):
@@ -605,10 +403,10 @@ class InternodePath:
         if array is None:
             return None
         info = describe(array, "output", self.device_id)
-        source = device_view(array, info, self.device_id)
+        source = device.device_view(array, info, self.device_id)
         out, view = self._new_output(lib, info.shape, info.dtype_name)
         n = order.shape[0]
-        _cupy().take(source, order, axis=0, out=view[:n])
+        device.cupy_module().take(source, order, axis=0, out=view[:n])
         if info.shape[0] > n:
             view[n:] = source[n:]
         return out
@@ -651,15 +449,18 @@ class InternodePath:
         each node's partial sum of the token's copies (the intranode combine's, rounded to x's
         dtype), in node order, rounded to x's dtype. An argument that is wrong on one rank makes
         every rank raise from the call, before anything moves."""
-        lib = _call_lib(x, topk_weights)
-        with self._call(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
+        lib = device.call_lib(x, topk_weights)
+        with self._span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as span, \
+                span.current(lib):
+            caller, run_on = span
             checked = self._voting("combine", lambda: self._check_and_allocate_combine(x, handle, topk_weights, bias,
                                                                                         config))
             return self._combine(x, topk_weights, *checked, config, caller, run_on, async_finish)
 
     def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config):
         """The combine's checks, then what it allocates (the rail buffers, the outputs): one vote for both."""
-        handle, info, w_info, bias_views = self._check_combine(x, handle, topk_weights, bias, config)
+        handle, info, w_info, bias_views = arguments.check_combine(x, handle, topk_weights, bias, config,
+                                                                   device_id=self.device_id, owner=id(self))
         lib, dtype = info.lib, info.dtype_name
         T, H = handle.num_tokens, info.shape[1]
         K = 0 if w_info is None else w_info.shape[1]
@@ -669,33 +470,6 @@ class InternodePath:
         out_w = None if not K else self._new_output(lib, (T, K), "float32")
         return handle, info, w_info, bias_views, layout, send, recv, out, out_w
 
-    def _check_combine(self, x, handle, topk_weights, bias, config):
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config: expected deepep_cupy.Config, got {type(config).__name__}")
-        handle = self._check_handle(handle)
-        info = describe(x, "x", self.device_id)
-        check_array(info, "x", COMBINE_DTYPES, 2)
-        if info.shape[0] != handle.rows:
-            received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
-            raise ValueError(f"x: expected {handle.rows} rows ({received}), got {info.shape[0]}")
-        if tensors.row_bytes(info.shape[1:], info.dtype_name) % 16:
-            raise ValueError("x: rows must be a multiple of 16 bytes")
-        w_info = None
-        if topk_weights is not None:
-            w_info = describe(topk_weights, "topk_weights", self.device_id)
-            check_array(w_info, "topk_weights", ("float32",), 2, (handle.rows, None))
-        biases = bias if isinstance(bias, (tuple, list)) else (bias,)
-        if len(biases) > 2:
-            raise ValueError(f"bias: expected an array or a pair of arrays, got a sequence of {len(biases)}")
-        views = []
-        for i, b in enumerate(biases):
-            if b is None:
-                continue
-            b_info = describe(b, f"bias[{i}]", self.device_id)
-            check_array(b_info, f"bias[{i}]", (info.dtype_name,), 2, (handle.num_tokens, info.shape[1]))
-            views.append(device_view(b, b_info, self.device_id))
-        return handle, info, w_info, views
-
     def _combine(self, x, weights, handle: InternodeHandle, info, w_info, bias_views, layout: RecordLayout, send,
                  recv, out_made, out_w, config, caller, run_on, async_finish):
         lib, dtype = info.lib, info.dtype_name
@@ -703,7 +477,7 @@ class InternodePath:
 
         def move():
             partial, partial_w = self._node_partials(lib, x, info, weights, w_info, handle, config)
-            rows = _byte_rows(partial)
+            rows = device.byte_rows(partial)
             self.records.pack(run_on, send, layout, None, send.shape[0], PackSources(rows, weights=partial_w))
             self._exchange(send, recv, layout.bytes, handle.recv_counts, handle.send_counts, run_on)
             biases = (bias_views + [None, None])[:2]
@@ -721,16 +495,16 @@ class InternodePath:
         dev = self.device_id
         forwarded = handle.num_forwarded
         if self.intranode is None:
-            partial = device_view(x, info, dev)[:forwarded]
-            partial_w = None if w_info is None else device_view(weights, w_info, dev)[:forwarded]
+            partial = device.device_view(x, info, dev)[:forwarded]
+            partial_w = None if w_info is None else device.device_view(weights, w_info, dev)[:forwarded]
             return partial, partial_w
         if handle.inverse is not None:
             x = self._reordered(lib, x, handle.inverse)
             weights = None if weights is None else self._reordered(lib, weights, handle.inverse)
         partial, partial_w, _ = self.intranode.combine(x, handle.intranode, topk_weights=weights, config=config)
-        partial = device_view(partial, describe(partial, "x", dev), dev)
+        partial = device.device_view(partial, describe(partial, "x", dev), dev)
         if partial_w is not None:
-            partial_w = device_view(partial_w, describe(partial_w, "topk_weights", dev), dev)
+            partial_w = device.device_view(partial_w, describe(partial_w, "topk_weights", dev), dev)
         return partial, partial_w
 
     # -----------------------------------------------------------------------------------------
@@ -746,6 +520,25 @@ class InternodePath:
         self.order.synchronize()
         if self._group_barrier is not None:
             self._group_barrier()
+
+    @property
+    def comm_stream(self):
+        """The stream of the calls that run on a stream of their own."""
+        return self.order.stream
+
+    @property
+    def last_internode_rows(self) -> int:
+        """Rows that left this rank for other nodes in the last dispatch (the benchmark reads it)."""
+        return self._rows_sent_out
+
+    @property
+    def internode_transport(self) -> str:
+        """The rail transport's name."""
+        return self.transport.name
+
+    def release(self) -> None:
+        if self.intranode is not None:
+            self.intranode.release()
 
     def destroy(self) -> None:
         """Destroy the intranode engine, close the transport, free the sub-groups (idempotent)."""
@@ -768,88 +561,4 @@ class InternodePath:
                         release()
                     except Exception:
                         pass
-                self._streams.clear()
-
-
-class _FreshArgs(NamedTuple):
-    """A fresh dispatch's checked arguments (CuPy views of the caller's arrays)."""
-    info: tensors.ArrayInfo
-    scales_info: Optional[tensors.ArrayInfo]
-    x_rows: Any
-    x_scales: Any
-    topk: Any
-    weights: Any
-    in_rank: Any         # a view of the caller's is_token_in_rank, or None
-    per_expert: Any
-    num_experts: int
-    expert_alignment: int
-    num_worst_tokens: int
-    settings: tuple      # what every rank must pass alike
-
-
-def _counts(ids, length: int):
-    """int32 occurrences of each id in ``[0, length)`` among ``ids`` (any shape; other values, -1
-    included, are not counted). No host sync: ``cupy.bincount`` and a boolean mask both read a size
-    back to the host, a scatter-add into one spare bin for the ids not counted does not."""
-    cupy = _cupy()
-    bins = cupy.zeros(length + 1, cupy.int32)
-    if ids.size:
-        cupy.add.at(bins, cupy.where((ids >= 0) & (ids < length), ids, length).ravel(), 1)
-    return bins[:length]
-
-
-def _call_lib(*arrays) -> tensors.ArrayLib:
-    """The array library of a call: its first argument's that has one (an argument of no library
-    is refused by the checks, on every rank, in the call's vote), else CuPy's."""
-    for array in arrays:
-        lib = None if array is None else tensors.lib_of(array)
-        if lib is not None:
-            return lib
-    return tensors.library("cupy")
-
-
-def _inverse(order):
-    """The permutation that undoes ``order`` (a CuPy int64 permutation)."""
-    cupy = _cupy()
-    inverse = cupy.empty_like(order)
-    inverse[order] = cupy.arange(order.shape[0], dtype=order.dtype)
-    return inverse
-
-
-def create_internode_path(group, topology, *, device_id: int, timeout_s: float, transport_kind: Optional[str],
-                          make_intranode: Callable[[Any], Any], shares_gpu: bool = False) -> InternodePath:
-    """Build an :class:`InternodePath` for ``group`` (collective): the node sub-group
-    (``group.split``), the rail transport (``transports.make_transport`` of the rail's ranks), the node's intranode
-    engine (``make_intranode(node_group)``, only with more than one rank per node), the record
-    kernels and a stream order.
-
-    Args:
-        group: the Buffer's :class:`deepep_cupy.groups.group.Group`.
-        topology: this rank's :class:`deepep_cupy.groups.nodes.NodeTopology`.
-        transport_kind: ``"nccl"``, ``"mpi"``, ``"torch"``, ``"local"`` or None (automatic).
-        make_intranode: makes the intranode engine of a node sub-group (the Buffer passes a
-            function making an intranode Buffer).
-        shares_gpu: other in-process ranks run on this GPU (the stream order waits for each call).
-    """
-    from ..gpu.streams import StreamOrder
-    from ..transports.rail import make_transport
-    from .records import RecordKernels
-
-    node_group = group.split(topology.node_partition())
-    releases: List[Callable[[], Any]] = [node_group.free]
-    transport = engine = None
-    try:
-        transport = make_transport(transport_kind, group, topology.rail_ranks(), device_id, timeout_s)
-        engine = make_intranode(node_group) if topology.ranks_per_node > 1 else None
-        order = StreamOrder.create(device_id, shares_gpu)
-        return InternodePath(topology, transport, device_id, engine, order, records=RecordKernels(),
-                             vote=lambda obj: group.allgather_within(obj, timeout_s), on_destroy=releases,
-                             group_barrier=group.barrier)
-    except BaseException:
-        if engine is not None:
-            engine.destroy()
-        if transport is not None:
-            transport.close()
-        for release in releases:
-            release()
-        raise
+                self._span.forget_streams()

@@ -68,7 +68,7 @@ class CombinePath:
                 if rows != num_tokens and rows != ABSENT_ROWS:
                     raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
                                      f"got {rows}")
-        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        with ctx.on_device, ctx.span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):

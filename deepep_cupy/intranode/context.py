@@ -1,6 +1,6 @@
 """What every operation of an intranode Buffer shares: its rank group and GPU, its NVLink buffer,
 host-mapped slots and stream order, the kernel arguments every launch carries, the plans made so
-far, and the span of one call (:class:`OrderedCall`).
+far, and the span of one call (:class:`deepep_cupy.gpu.call_span.CallSpan`).
 
 The Buffer makes one :class:`OperationContext` and hands it to each operation path it owns (the
 dispatch path, the combine path); the paths take everything they share from it, explicitly, and
@@ -11,13 +11,12 @@ the same for all of them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..config import Config
-from ..constants import HOST_FAILURES
-from ..errors import DeepEPError
-from ..events import EventOverlap
 from ..gpu import launch, slots
+from ..gpu.call_span import CallSpan
+from ..gpu.device_scope import DeviceScope
 from ..gpu.launch import KernelCall
 from ..gpu.slots import ERROR_RECORD, HostSlots
 from ..gpu.streams import StreamOrder
@@ -26,79 +25,6 @@ from . import plans
 from .handle import DispatchHandle
 
 _NO_CONTEXT = contextlib.nullcontext()
-
-
-class DeviceScope:
-    """Makes a GPU current for the duration of a call (nothing to do when it is)."""
-
-    def __init__(self, device_id: int):
-        from cupy.cuda import runtime
-
-        self.device_id = device_id
-        self._runtime = runtime
-        self._previous: List[int] = []
-
-    def __enter__(self):
-        current = self._runtime.getDevice()
-        if current != self.device_id:
-            self._runtime.setDevice(self.device_id)
-        self._previous.append(current)
-
-    def __exit__(self, *exc):
-        previous = self._previous.pop()
-        if previous != self.device_id:
-            self._runtime.setDevice(previous)
-
-
-class OrderedCall:
-    """The span of one operation's GPU work, from :meth:`OperationContext.begin`: entering gives the
-    call itself, which unpacks as ``(caller's stream, stream to run on)``. The operation sets
-    ``launched`` before its first kernel that meets other ranks and ``settled`` once what the call
-    does on every rank no longer depends on this host (its kernels are queued and, for a host that
-    waits for the counts, its verdict is in). Leaving by an exception tells the stream order that
-    kernels may be queued already (``StreamOrder.abandon``), so that destroy() and the next call
-    come after them; and when the call had launched such kernels but was not settled, or was
-    interrupted at any point after its launch, the rank gives up on the Buffer (:meth:`give_up`),
-    so that its peers stop at once, naming it, instead of waiting out their timeout. Exceptions the
-    ranks raise together (``DeepEPError``) need none of that. One per Buffer, reused by each call
-    (a Buffer's calls never nest)."""
-
-    __slots__ = ("_order", "_nvl", "_slots", "caller", "run_on", "launched", "settled")
-
-    def __init__(self, order: StreamOrder, nvl: Any, host_slots: HostSlots):
-        self._order, self._nvl, self._slots = order, nvl, host_slots
-        self.caller = self.run_on = 0
-        self.launched = self.settled = False
-
-    def give_up(self, failure: BaseException) -> None:
-        """This rank's host failed after its call launched kernels that meet the other ranks: mark
-        the Buffer given up on every rank (their kernels stop and name this rank and the failure,
-        instead of waiting out their timeout) and on this one (its next call raises)."""
-        code = slots.host_failure_code(failure, before_launch=False)
-        what = HOST_FAILURES[code]
-        try:
-            self._nvl.mark_gave_up(code)
-        except Exception as exc:  # the context may be the thing that failed
-            what += f"; telling the other ranks failed too ({exc})"
-        self._slots.failed = (f"this rank gave up on it after {what} ({type(failure).__name__}) once its call had "
-                              f"launched kernels; the other ranks' kernels stop naming it. {slots.RECOVERY}")
-
-    def __iter__(self):
-        return iter((self.caller, self.run_on))
-
-    def __enter__(self) -> "OrderedCall":
-        return self
-
-    def __exit__(self, exc_type, exc, traceback) -> bool:
-        if exc_type is None:
-            self.launched = self.settled = False
-            return False
-        launched, settled = self.launched, self.settled
-        self.launched = self.settled = False
-        self._order.abandon(self.run_on)
-        if launched and not issubclass(exc_type, DeepEPError) and (not settled or not issubclass(exc_type, Exception)):
-            self.give_up(exc)
-        return False
 
 
 class OperationContext:
@@ -134,7 +60,8 @@ class OperationContext:
         self.rows_in_buffer_of: Optional[DispatchHandle] = None
         self.shared_args: Dict[str, Any] = {}
         self.host_counts: Dict[str, Any] = {}
-        self._call: Optional[OrderedCall] = None
+        #: The span of each call (gpu/call_span.py), made by :meth:`attach`.
+        self.span: CallSpan
         #: What a handle made by this Buffer's dispatches names as its owner.
         self.owner = id(self)
 
@@ -142,7 +69,8 @@ class OperationContext:
         """Take the NVLink buffer, the slots and the stream order; bind the arguments every kernel
         shares (:meth:`bind`)."""
         self.nvl, self.slots, self.order = nvl, host_slots, order
-        self._call = OrderedCall(order, nvl, host_slots)
+        self.span = CallSpan(order, self.device_id, self.rank, slots=host_slots,
+                              mark_gave_up=getattr(nvl, "mark_gave_up", None))
         self.shared_args = launch.shared_arguments(peer_table_ptr, self.num_ranks, self.rank, self.timeout_s,
                                                    host_slots.device_ptr(ERROR_RECORD))
         # Where a count exchange publishes the counts and verdict of a dispatch whose host waits for them.
@@ -156,15 +84,6 @@ class OperationContext:
         launched by ``run`` with ``per_call``'s values (launch.KernelCall)."""
         return launch.bind(kernel, self.shared_args, template_args, grid=grid, shared_mem=shared_mem,
                            per_call=per_call, **fixed)
-
-    def begin(self, lib, previous_event: Optional[EventOverlap], async_finish: bool,
-              allocate_on_comm_stream: bool) -> OrderedCall:
-        """Order the call after the caller's work (see deepep_cupy/gpu/streams.py); the call's GPU work
-        goes in ``with context.begin(...) as call:`` (``caller, run_on = call``)."""
-        call = self._call
-        call.caller = caller = lib.current_stream(self.device_id)
-        call.run_on = self.order.begin(caller, previous_event, async_finish or allocate_on_comm_stream, self.rank)
-        return call
 
     def allocating(self, lib, on_comm_stream: bool):
         return lib.allocating_on(self.order.stream, self.device_id) if on_comm_stream else _NO_CONTEXT

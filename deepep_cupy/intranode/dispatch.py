@@ -1,9 +1,11 @@
-"""The host path of ``Buffer.get_dispatch_layout`` and ``Buffer.dispatch``: fresh (the host waits
-for the receive counts, or allocates ahead of them), with ``num_worst_tokens`` (never waits: counts
-and verdict stay on the device) and cached (the layout of an earlier dispatch's handle).
+"""The host path of ``Buffer.dispatch``: fresh (the host waits for the receive counts, or allocates
+ahead of them), with ``num_worst_tokens`` (never waits: counts and verdict stay on the device) and
+cached (the layout of an earlier dispatch's handle).
 
-A :class:`DispatchPath` is owned by a :class:`deepep_cupy.Buffer`, whose ``dispatch`` checks the
-shared arguments and routes here. It takes everything the Buffer's operations share from the
+A :class:`DispatchPath` is owned by an intranode engine
+(:class:`deepep_cupy.intranode.engine.IntranodeEngine`), whose ``dispatch`` checks the shared
+arguments and routes here; the transfer kernel's binding and outputs are :mod:`.transfer`'s. It
+takes everything the engine's operations share from the
 :class:`deepep_cupy.intranode.context.OperationContext` it is given (group, slots, stream order,
 NVLink buffer, plans, binding and ordering a call), and keeps what only dispatches need: the
 receive-count guess, the outputs prepared for the next call, how the last one was sized.
@@ -15,10 +17,8 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ..config import peer_blocks_in_place, sender_blocks
 from ..constants import VERDICT_OVER_CAPACITY
 from ..errors import DeepEPError
-from ..events import EventOverlap
 from ..gpu import launch
 from ..gpu.launch import KernelCall
 from ..gpu.layout import INT_BYTES
@@ -30,6 +30,15 @@ from .context import OperationContext
 from .handle import DispatchHandle, KeptOutputs, handle_layout, kept_outputs
 from .next_outputs import NextOutputs, ReadyOutputs, prepared_rows
 from .plans import Plan
+from .transfer import (
+    bind_transfer,
+    check_recv_rows_fit,
+    device_pointers,
+    dispatch_outputs,
+    note_rows_in_buffer,
+    output_windows,
+    scale_strides_of,
+)
 
 #: The array arguments of a fresh and of a cached dispatch, as their errors name them (``x[1]``:
 #: the FP8 scales of ``x = (rows, scales)``).
@@ -148,37 +157,6 @@ class DispatchPath:
         self._expand_calls.clear()
 
     # -----------------------------------------------------------------------------------------
-    # Layout
-
-    def layout(self, topk_idx, num_experts: int, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool):
-        """``Buffer.get_dispatch_layout``: ``(per rank, per expert, in rank, event)``."""
-        ctx = self._ctx
-        lib, topk_ptr, num_tokens, topk_key = read(topk_idx)
-        key = ("layout", topk_key, num_experts)
-        plan = ctx.plans.get(key) or ctx.plans.make(key, self._layout_plan, topk_idx, num_experts)
-        R, dev = ctx.num_ranks, ctx.device_id
-        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as (caller, run_on):
-            with ctx.allocating(lib, allocate_on_comm_stream):
-                per_rank = lib.empty((R,), "int32", dev)
-                per_expert = lib.empty((num_experts,), "int32", dev)
-                in_rank = lib.empty((num_tokens, R), "bool", dev)
-            plan.main.run(run_on, topk_ptr, lib.pointer(per_rank), lib.pointer(per_expert), lib.pointer(in_rank),
-                          num_tokens)
-            outputs = (per_rank, per_expert, in_rank)
-            event = ctx.finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
-                               allocate_on_comm_stream)
-        return per_rank, per_expert, in_rank, event
-
-    def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
-        spec = plans.check_layout(self._ctx.checks, topk_idx, num_experts)
-        main = self._ctx.bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self._ctx.num_ranks),
-                              per_call=("topk_idx", "num_tokens_per_rank", "num_tokens_per_expert",
-                                        "is_token_in_rank", "num_tokens"),
-                              num_topk=spec.num_topk, num_experts=spec.num_experts)
-        return plans.Plan(spec, None, main)
-
-    # -----------------------------------------------------------------------------------------
     # Dispatch
 
     def fresh(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
@@ -232,16 +210,16 @@ class DispatchPath:
             raise ValueError(f"num_worst_tokens: expected a non-negative int, got {num_worst_tokens!r}")
         rows, plan, lib, dev = int(num_worst_tokens), call.plan, call.lib, self._ctx.device_id
         spec = plan.spec
-        self._check_recv_rows_fit(plan, rows, "num_worst_tokens")
+        check_recv_rows_fit(plan, rows, "num_worst_tokens")
         num_local_experts = spec.num_experts // self._ctx.num_ranks
         layout = handle_layout(self._ctx.num_ranks, spec.config.num_channels, call.num_tokens)
         ctx = self._ctx
-        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        with ctx.on_device, ctx.span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):
                     block = lib.empty((layout.words(rows, num_local_experts),), "int64", dev)
-                    outputs = self._dispatch_outputs(lib, plan, rows)
+                    outputs = dispatch_outputs(self._ctx, lib, plan, rows)
             except BaseException as failure:
                 # The peers learn of it at their next call, as of any refusal of this dispatch (a
                 # capture runs nothing: there is no call to refuse).
@@ -251,8 +229,8 @@ class DispatchPath:
             ordered.launched = True
             handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, self._ctx.owner)
             handle.publish_on_device(rows, num_local_experts)
-            self._note_rows_in_buffer(plan, handle)
-            pointers = self._pointers(lib, outputs)
+            note_rows_in_buffer(self._ctx, plan, handle)
+            pointers = device_pointers(lib, outputs)
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
                 launch.fill_bytes(pointers[2], 0xFF, rows * spec.num_topk * 8, run_on)
@@ -265,16 +243,6 @@ class DispatchPath:
                                allocate_on_comm_stream)
         self.last_dispatch_allocation = "fixed"
         return dispatch_result(outputs, [], handle, event)
-
-    def _note_rows_in_buffer(self, plan: Plan, handle: DispatchHandle) -> None:
-        """A dispatch with ``handle`` writes the buffer's areas (its kernels are queued, or about to
-        be): with rows in place they then hold its rows (the handle keeps their layout, a combine
-        in place reads them there); otherwise what they held is gone."""
-        if plan.windows is not None:
-            handle.rows_in_buffer = plan.spec.layout
-            self._ctx.rows_in_buffer_of = handle
-        else:
-            self._ctx.rows_in_buffer_of = None
 
     def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int) -> None:
         """notify_dispatch of a fresh dispatch whose host waits for the counts (in the slots)."""
@@ -302,15 +270,8 @@ class DispatchPath:
             plan = ctx.plans.make(key, self._fresh_plan, x, per_rank, in_rank, per_expert, topk_idx, topk_weights,
                             expert_alignment, config, recv_x_in_buffer)
         return DispatchCall(plan, lib, n, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr,
-                             self._scale_strides(plan.spec.rows, lib, scales),
+                             scale_strides_of(plan.spec.rows, lib, scales),
                              (rows, scales, per_rank, in_rank, per_expert, topk_idx, topk_weights))
-
-    @staticmethod
-    def _scale_strides(rows: plans.Rows, lib, scales) -> Tuple[int, int]:
-        if not rows.scales_strided:
-            return rows.scale_strides
-        strides = lib.element_strides(scales)
-        return (strides[0], strides[1] if len(strides) > 1 else 1)
 
     def _fresh_plan(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment, config,
                     recv_x_in_buffer):
@@ -327,72 +288,22 @@ class DispatchPath:
                                  zero_count=lay.zero_count, region_tokens=lay.region_tokens, **ctx.host_counts)
         notify = ctx.bind("notify_dispatch_kernel", grid=1 + ctx.num_ranks, per_call=NOTIFY_PER_CALL,
                           **exchange_settings)
-        main = self._bind_transfer(spec, TRANSFER_PER_CALL)
+        main = bind_transfer(self._ctx, spec, TRANSFER_PER_CALL)
         exchange = dict(exchange=1, row_bytes=row_bytes, topk_code=topk_code, num_sms=num_sms, recv_chunk=recv_chunk,
                         expert_alignment=spec.expert_alignment, zero_off=lay.meta_off, zero_count=lay.zero_count)
-        main_with_exchange = self._bind_transfer(spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, **exchange,
+        main_with_exchange = bind_transfer(self._ctx, spec, TRANSFER_PER_CALL + EXCHANGE_PER_CALL, **exchange,
                                                  report_refusal=1)
-        main_for_host = self._bind_transfer(spec, TRANSFER_PER_CALL + HOST_EXCHANGE_PER_CALL, **exchange,
+        main_for_host = bind_transfer(self._ctx, spec, TRANSFER_PER_CALL + HOST_EXCHANGE_PER_CALL, **exchange,
                                             **ctx.host_counts)
         row_args = 2 + (spec.rows.scales is not None) + (spec.num_topk > 0) + spec.with_weights
         outputs = plans.received_arrays(spec)
         lib = spec.rows.lib
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
-                    self._output_windows(lib, spec, outputs), main_for_host,
+                    output_windows(self._ctx, lib, spec, outputs), main_for_host,
                     ahead_row_bytes(outputs, kept, spec.rows_in_buffer), None,
                     refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels),
                     ctx.num_ranks * lay.region_tokens)
-
-    def _output_windows(self, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
-        """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
-        array of ``lib`` with the output's type and every row of the area of this rank's NVLink
-        buffer that holds it (None for one the call does not return); a call returns its first
-        rows. None for a dispatch that allocates its outputs."""
-        if not spec.rows_in_buffer:
-            return None
-        self._ctx.rows_in_buffer_used = True  # views of the buffer may reach the caller from now on
-        lay, base = spec.layout, self._ctx.nvl.local_ptr
-        offsets = (lay.x_off, lay.scales_off, lay.topk_idx_off, lay.topk_weights_off)
-        ctx = self._ctx
-        return tuple(None if out is None else
-                     lib.rows_in(lib.window(base + offset, lay.rows * row_bytes(*out), ctx.device_id, ctx.nvl),
-                                 lay.rows, *out)
-                     for offset, out in zip(offsets, outputs))
-
-    @staticmethod
-    def _check_recv_rows_fit(plan: Plan, rows: int, what: str) -> None:
-        """With rows in place, the outputs have at most the rows of the Buffer's areas."""
-        if plan.windows is not None and rows > plan.spec.layout.rows:
-            raise ValueError(f"recv_x_in_buffer: {what} asks for {rows} received rows, more than the "
-                             f"{plan.spec.layout.rows} this Buffer holds for these rows; create it with "
-                             "deepep_cupy.get_nvl_buffer_size_hint(..., recv_x_in_buffer=True) bytes. No tokens "
-                             "were moved")
-
-    def _bind_transfer(self, spec: plans.DispatchSpec, per_call: Tuple[str, ...], **fixed) -> KernelCall:
-        """dispatch_kernel for ``spec``, launched with ``per_call``'s values, with neither a settings
-        check nor a count exchange of its own unless ``fixed`` binds one (``check_op``: a cached
-        dispatch; ``exchange``: a fresh one's counts, whose per-call values each launch then gives)."""
-        lay, config = spec.layout, spec.config
-        checks = dict(check_op=0, row_bytes=0, row_detail=0, num_sms=0, recv_chunk=0, zero_off=0, zero_count=0,
-                      dispatch_verdict=None, exchange=0, topk_code=0, expert_alignment=0)
-        if not fixed.get("exchange"):
-            checks.update(num_tokens_per_rank=None, num_tokens_per_expert=None, recv_capacity=0, recv_counter=None,
-                          mismatch_flag=None, recv_expert_counter=None, report_refusal=0)
-        checks.update(fixed)
-        checks = {name: value for name, value in checks.items() if name not in per_call}
-        template_args = (self._ctx.num_ranks, "true") if spec.rows.scales_strided else (self._ctx.num_ranks,)
-        if spec.rows_in_buffer:
-            template_args = (self._ctx.num_ranks, "true" if spec.rows.scales_strided else "false", "true")
-        num_senders = (peer_blocks_in_place(config.num_sms, self._ctx.num_ranks) if spec.rows_in_buffer
-                       else sender_blocks(config.num_sms))
-        return self._ctx.bind("dispatch_kernel", template_args, grid=config.num_sms, per_call=per_call,
-                              hidden_int4=spec.rows.row_bytes // 16, num_topk=spec.num_topk,
-                              num_experts=spec.num_experts, num_scales=spec.rows.num_scales, meta_off=lay.meta_off,
-                              x_off=lay.x_off, src_idx_off=lay.src_idx_off, topk_idx_off=lay.topk_idx_off,
-                              topk_weights_off=lay.topk_weights_off, scales_off=lay.scales_off,
-                              region_tokens=lay.region_tokens, num_channels=config.num_channels,
-                              num_senders=num_senders, send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows: int, rows_guessed: Optional[int], previous_event,
                                async_finish: bool, allocate_on_comm_stream: bool, expand: bool = False):
@@ -425,7 +336,7 @@ class DispatchPath:
         ctx = self._ctx
         plan, lib = call.plan, call.lib
         kept = plan.kept_outputs
-        with ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        with ctx.span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
             if ctx.order.capturing:
                 raise ValueError("dispatch: a fresh dispatch without num_worst_tokens makes the host wait for the "
@@ -457,7 +368,7 @@ class DispatchPath:
                 kernel_done = ctx.order.notify_done
                 self._launch_transfer(run_on, plan.main, call, pointers, handle)
             handle.route(call.in_rank_array, call.in_rank)
-            self._note_rows_in_buffer(plan, handle)
+            note_rows_in_buffer(self._ctx, plan, handle)
             block = handle.block
             # What is returned lies in these allocations (views of them, or they themselves cut to
             # the count): handing them to the stream order and the allocators covers it.
@@ -479,7 +390,7 @@ class DispatchPath:
                 raise self._verdict_error(verdict, call)
             per_expert_list = ctx.slots.expert_counts(plan.spec.num_experts // ctx.num_ranks)
             if plan.windows is not None:
-                outputs = self._dispatch_outputs(lib, plan, num_recv)
+                outputs = dispatch_outputs(self._ctx, lib, plan, num_recv)
             else:
                 shrink = lib.shrink
                 outputs = [None if a is None else shrink(a, num_recv) for a in outputs]
@@ -534,8 +445,8 @@ class DispatchPath:
         kept = plan.kept_outputs
         with self._ctx.allocating(lib, on_comm_stream):
             if kept is None:
-                outputs = self._dispatch_outputs(lib, plan, rows)
-                return outputs, self._pointers(lib, outputs)
+                outputs = dispatch_outputs(self._ctx, lib, plan, rows)
+                return outputs, device_pointers(lib, outputs)
             x_tail, x_dtype = plan.outputs[0]
             recv_x = lib.empty((rows, *x_tail), x_dtype, self._ctx.device_id)
         return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
@@ -586,27 +497,12 @@ class DispatchPath:
                                                                      self._ctx.device_id)
         expanded_rows = lib.empty((total,), "int32", self._ctx.device_id)
         if num_local_experts:
-            expanded_ptrs = self._pointers(lib, (expanded_x, expanded_scales, expanded_rows, recv_x, recv_scales,
+            expanded_ptrs = device_pointers(lib, (expanded_x, expanded_scales, expanded_rows, recv_x, recv_scales,
                                                  recv_topk))
             kernel.run(stream, *expanded_ptrs, handle.num_recv_tokens)
         handle.expanded_rows = expanded_rows
         handle.expert_offsets = [0, *np.cumsum(per_expert_list).tolist()]
         return [expanded_x, expanded_scales, recv_topk, recv_weights], (expanded_x, expanded_scales, expanded_rows)
-
-    def _dispatch_outputs(self, lib, plan: Plan, rows: int) -> list:
-        """``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]`` with ``rows`` rows (None for
-        what the call does not return)."""
-        if plan.windows is not None:
-            # Views of the areas the senders write (all of them at most: more are never received).
-            rows, trim = min(rows, plan.spec.layout.rows), lib.trim
-            return [None if w is None else trim(w, rows) for w in plan.windows]
-        empty, dev = lib.empty, self._ctx.device_id
-        return [None if out is None else empty((rows,) + out[0], out[1], dev) for out in plan.outputs]
-
-    @staticmethod
-    def _pointers(lib, arrays) -> list:
-        """Device addresses of ``arrays`` (0 for None)."""
-        return [0 if a is None else lib.pointer(a) for a in arrays]
 
     @staticmethod
     def _launch_transfer(stream: int, kernel: KernelCall, call: DispatchCall, pointers, handle: DispatchHandle,
@@ -645,13 +541,13 @@ class DispatchPath:
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
         num_recv = handle.rows
-        self._check_recv_rows_fit(plan, num_recv, "the handle")
-        scale_strides = self._scale_strides(plan.spec.rows, lib, scales)
-        with ctx.on_device, ctx.begin(lib, previous_event, async_finish, allocate_on_comm_stream) as ordered:
+        check_recv_rows_fit(plan, num_recv, "the handle")
+        scale_strides = scale_strides_of(plan.spec.rows, lib, scales)
+        with ctx.on_device, ctx.span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as ordered:
             caller, run_on = ordered.caller, ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):
-                    recv_x, recv_scales, _, _ = self._dispatch_outputs(lib, plan, num_recv)
+                    recv_x, recv_scales, _, _ = dispatch_outputs(self._ctx, lib, plan, num_recv)
             except BaseException as failure:
                 # Take part only to refuse the call: no rank moves anything (call_check.cuh).
                 plan.refuse.run(run_on, 0, 0, x_ptr, s_ptr, handle.in_rank_ptr, handle.channel_prefix_ptr,
@@ -659,8 +555,8 @@ class DispatchPath:
                                 handle.verdict_ptr)
                 refused_before_launch(failure, ctx.rank)
                 raise
-            recv_x_ptr, recv_scales_ptr = self._pointers(lib, (recv_x, recv_scales))
-            self._note_rows_in_buffer(plan, handle)
+            recv_x_ptr, recv_scales_ptr = device_pointers(lib, (recv_x, recv_scales))
+            note_rows_in_buffer(self._ctx, plan, handle)
             ordered.launched = True
             plan.main.run(run_on, recv_x_ptr, recv_scales_ptr, x_ptr, s_ptr, handle.in_rank_ptr,
                           handle.channel_prefix_ptr, handle.rank_prefix_ptr, n, *scale_strides, handle.verdict_ptr)
@@ -679,9 +575,9 @@ class DispatchPath:
                                             config, spec.layout)
         unused = dict(recv_src_idx=None, recv_topk_idx=None, recv_topk_weights=None, recv_channel_prefix_matrix=None,
                       send_head=None, topk_idx=None, topk_weights=None)
-        main = self._bind_transfer(spec, CACHED_PER_CALL, **checks, **unused)
+        main = bind_transfer(self._ctx, spec, CACHED_PER_CALL, **checks, **unused)
         checks.pop("check_op")
-        refuse = self._bind_transfer(spec, CACHED_REFUSE_PER_CALL, **checks, **unused)
+        refuse = bind_transfer(self._ctx, spec, CACHED_REFUSE_PER_CALL, **checks, **unused)
         outputs = plans.received_arrays(spec)
         return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
-                    windows=self._output_windows(spec.rows.lib, spec, outputs), refuse=refuse)
+                    windows=output_windows(self._ctx, spec.rows.lib, spec, outputs), refuse=refuse)

@@ -17,16 +17,22 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
-import numpy as np
-
+from ..checks import (
+    check_expert_alignment,
+    check_num_experts,
+    check_row_bytes,
+    check_topk,
+    check_topk_width,
+    check_x,
+    split_bias,  # noqa: F401  (re-exported: the paths split bias and x where they read them)
+    split_x,  # noqa: F401
+)
 from ..config import Config
-from ..constants import MAX_EXPERTS, MAX_LOCAL_EXPERTS, MAX_TOPK, SIGNATURE_ROWS_IN_BUFFER
+from ..constants import SIGNATURE_ROWS_IN_BUFFER
 from ..gpu import layout
 from ..gpu.plan_cache import MAX_PLANS, PlanCache  # noqa: F401  (re-exported: plans.PlanCache has users)
 from ..tensors import ITEMSIZE, ArrayInfo, check_array, describe
 
-DISPATCH_DTYPES = ("bfloat16", "float16", "float32")
-FP8_DTYPE = "float8_e4m3fn"
 #: C element type of each dtype combine reduces (the tag types are defined in kernels/common.cuh).
 COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
 #: Which operation a cached dispatch / combine announces in the settings ranks compare (its transfer
@@ -138,23 +144,6 @@ class CombineSpec:
         return (list(COMBINE_ELEMENTS).index(self.dtype_name) + 1) * 256 + self.num_topk
 
 
-def check_num_experts(num_experts: Any, num_ranks: int) -> int:
-    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
-        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
-    if num_experts % num_ranks:
-        raise ValueError(f"num_experts: expected a multiple of the rank count {num_ranks}, got {num_experts}")
-    if num_experts // num_ranks > MAX_LOCAL_EXPERTS:
-        raise ValueError(f"num_experts: at most {MAX_LOCAL_EXPERTS} experts per rank, got {num_experts // num_ranks}")
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"num_experts: at most {MAX_EXPERTS}, got {num_experts}")
-    return int(num_experts)
-
-
-def _check_topk_width(num_topk: int, arg: str) -> None:
-    if num_topk > MAX_TOPK:
-        raise ValueError(f"{arg}: expected at most {MAX_TOPK} columns, got {num_topk}")
-
-
 def fitting_layout(make, ctx: Context, what: str, row_bytes: int):
     """``make(T)``, the transfer layout with the largest regions (T slots each) that fit the Buffer."""
     plan = layout.largest_fitting(make, ctx.num_nvl_bytes)
@@ -163,16 +152,6 @@ def fitting_layout(make, ctx: Context, what: str, row_bytes: int):
             f"num_nvl_bytes: a {what} of {row_bytes}-byte rows needs more than the Buffer's {ctx.num_nvl_bytes} "
             "bytes of NVLink buffer for even one token; create it with deepep_cupy.get_nvl_buffer_size_hint(...) bytes")
     return plan
-
-
-def _checked_row_bytes(info: ArrayInfo, arg: str) -> int:
-    """Bytes of one row of ``info`` (2-D), which the kernels move in 16-byte pieces."""
-    itemsize = ITEMSIZE[info.dtype_name]
-    row_bytes = info.shape[1] * itemsize
-    if row_bytes % 16:
-        raise ValueError(f"{arg}: row bytes must be a multiple of 16, got hidden {info.shape[1]} x {itemsize} B = "
-                         f"{row_bytes} B")
-    return row_bytes
 
 
 def _dispatch_layout(ctx: Context, config: Config, rows: Rows, num_topk: int,
@@ -189,29 +168,13 @@ def check_layout(ctx: Context, topk_idx: Any, num_experts: Any) -> LayoutSpec:
     topk = describe(topk_idx, "topk_idx", ctx.device_id)
     check_array(topk, "topk_idx", ("int64",), 2)
     num_experts = check_num_experts(num_experts, ctx.num_ranks)
-    _check_topk_width(topk.shape[1], "topk_idx")
+    check_topk_width(topk.shape[1], "topk_idx")
     return LayoutSpec(topk.lib, topk.shape[1], num_experts)
 
 
 def check_rows(x: Any, ctx: Context) -> Rows:
     """``x`` or ``(x_fp8, x_scales)`` of a dispatch."""
-    if isinstance(x, tuple):
-        if len(x) != 2:
-            raise TypeError(f"x: expected an array or a tuple (x_fp8, x_scales), got a tuple of {len(x)}")
-        rows = describe(x[0], "x[0]", ctx.device_id)
-        check_array(rows, "x[0]", (FP8_DTYPE,), 2)
-        scales = describe(x[1], "x[1]", ctx.device_id)
-        # Any non-negative strides: DeepEP's own callers pass column-major scales.
-        if len(scales.shape) == 1:
-            check_array(scales, "x[1]", ("float32",), 1, (rows.shape[0],), any_strides=True)
-        else:
-            check_array(scales, "x[1]", ("float32",), 2, (rows.shape[0], None), any_strides=True)
-    else:
-        rows = describe(x, "x", ctx.device_id)
-        check_array(rows, "x", DISPATCH_DTYPES, 2)
-        scales = None
-    _checked_row_bytes(rows, "x")
-    return Rows(rows, scales)
+    return Rows(*check_x(x, ctx.device_id))
 
 
 def check_fresh_dispatch(ctx: Context, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
@@ -231,24 +194,11 @@ def check_fresh_dispatch(ctx: Context, x, num_tokens_per_rank, is_token_in_rank,
     per_expert = describe(num_tokens_per_expert, "num_tokens_per_expert", dev)
     check_array(per_expert, "num_tokens_per_expert", ("int32",), 1)
     num_experts = check_num_experts(per_expert.shape[0], R)
-    if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, (int, np.integer)) \
-            or expert_alignment < 1:
-        raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
-    num_topk = 0
-    with_weights = False
-    if topk_idx is not None:
-        topk = describe(topk_idx, "topk_idx", dev)
-        check_array(topk, "topk_idx", ("int64",), 2, (num_tokens, None))
-        num_topk = topk.shape[1]
-        _check_topk_width(num_topk, "topk_idx")
-        if topk_weights is not None:
-            check_array(describe(topk_weights, "topk_weights", dev), "topk_weights", ("float32",), 2,
-                        (num_tokens, num_topk))
-            with_weights = True
-    elif topk_weights is not None:
-        raise ValueError("topk_weights: given without topk_idx")
+    expert_alignment = check_expert_alignment(expert_alignment)
+    topk, weights = check_topk(topk_idx, topk_weights, num_tokens, dev)
+    num_topk = 0 if topk is None else topk.shape[1]
     return DispatchSpec(rows, config, _dispatch_layout(ctx, config, rows, num_topk, rows_in_buffer), num_topk,
-                        with_weights, num_experts, int(expert_alignment), rows_in_buffer)
+                        weights is not None, num_experts, expert_alignment, rows_in_buffer)
 
 
 def check_cached_dispatch(ctx: Context, x, config: Config, rows_in_buffer: bool = False) -> DispatchSpec:
@@ -264,7 +214,7 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
     row counts and the handle are checked per call)."""
     rows = describe(x, "x", ctx.device_id)
     check_array(rows, "x", tuple(COMBINE_ELEMENTS), 2)
-    row_bytes = _checked_row_bytes(rows, "x")
+    row_bytes = check_row_bytes(rows, "x")
     for i, bias in enumerate(biases):
         if bias is not None:
             arg = f"bias[{i}]"
@@ -274,7 +224,7 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
         weights = describe(topk_weights, "topk_weights", ctx.device_id)
         check_array(weights, "topk_weights", ("float32",), 2, (rows.shape[0], None))
         num_topk = weights.shape[1]
-        _check_topk_width(num_topk, "topk_weights")
+        check_topk_width(num_topk, "topk_weights")
     plan = fitting_layout(functools.partial(layout.combine_layout, ctx.num_ranks, config.num_channels,
                                             row_bytes=row_bytes, num_topk=num_topk), ctx, "combine", row_bytes)
     return CombineSpec(rows.lib, rows.dtype_name, rows.shape[1], row_bytes, num_topk, config, plan)
@@ -297,24 +247,6 @@ def received_arrays(spec: DispatchSpec) -> tuple:
             None if rows.scales is None else (rows.scales_tail, "float32"),
             ((k,), "int64") if k else None,
             ((k,), "float32") if spec.with_weights else None)
-
-
-def split_bias(bias) -> Tuple[Any, Any]:
-    """DeepEP's ``bias`` (None, one array, or a pair whose entries may be None) -> ``(bias_0, bias_1)``."""
-    if bias is None:
-        return None, None
-    if isinstance(bias, (tuple, list)):
-        if len(bias) != 2:
-            raise ValueError(f"bias: expected an array or a pair of arrays, got a sequence of {len(bias)}")
-        return bias[0], bias[1]
-    return bias, None
-
-
-def split_x(x) -> Tuple[Any, Any]:
-    """``x`` or ``(x_fp8, x_scales)`` -> (rows, scales or None); anything else is left to the checks."""
-    if type(x) is tuple and len(x) == 2:
-        return x
-    return x, None
 
 
 class Plan(NamedTuple):

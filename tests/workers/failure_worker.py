@@ -319,10 +319,10 @@ def case_many_iterations(comm, ep, cupy):
             dispatch_and_check(buf, rng, config)
             if i == 99:
                 # The outputs a call prepares for the next one vary with its count: not a leak.
-                buf._dispatch._next_outputs.drop()
+                buf._engine.dispatch_path._next_outputs.drop()
                 used_early = cupy.get_default_memory_pool().used_bytes()
                 free_early = _device_free_bytes(comm, cupy)
-        buf._dispatch._next_outputs.drop()
+        buf._engine.dispatch_path._next_outputs.drop()
         used_late = cupy.get_default_memory_pool().used_bytes()
         free_late = _device_free_bytes(comm, cupy)
     if used_late > used_early or free_early - free_late > (16 << 20):

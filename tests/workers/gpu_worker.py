@@ -277,7 +277,7 @@ def _run_scenario(buf, sc):
             if a is None or (a.numel() if torch_arrays else a.size) == 0:
                 continue  # an empty tensor's data_ptr() is 0: nothing to check
             address = a.data_ptr() if torch_arrays else a.data.ptr
-            inside = buf._nvl.local_ptr <= address < buf._nvl.local_ptr + buf._nvl.num_bytes
+            inside = buf._engine.nvl.local_ptr <= address < buf._engine.nvl.local_ptr + buf._engine.nvl.num_bytes
             # Expanded rows (and scales) are allocated: only the top-k stays in the buffer.
             if inside != (not expanded or i >= len(arrays) - 2):
                 raise Mismatch(f"recv_x_in_buffer: output {i} {'inside' if inside else 'outside'} the NVLink buffer")
@@ -316,10 +316,10 @@ def _run_scenario(buf, sc):
     buf.allocate_ahead = sc["allocation"] != "exact"
     try:
         if sc["allocation"] == "retried":
-            buf._dispatch._capacity_guess.observe(len(mine["topk"]), 0)  # a guess of 64 rows: too few
+            buf._engine.dispatch_path._capacity_guess.observe(len(mine["topk"]), 0)  # a guess of 64 rows: too few
         elif sc["allocation"] == "ahead":
             # A guess of every rank's tokens (plus headroom): no rank can receive more.
-            buf._dispatch._capacity_guess.observe(len(mine["topk"]), sum(len(i["topk"]) for i in inputs))
+            buf._engine.dispatch_path._capacity_guess.observe(len(mine["topk"]), sum(len(i["topk"]) for i in inputs))
         out = fresh_dispatch()
         if sc["allocation"] != "any":
             check_allocation("first dispatch", sc["allocation"])
@@ -332,7 +332,8 @@ def _run_scenario(buf, sc):
             # The second, like the first, made the third's outputs while it waited for its counts
             # (next_outputs.py); the third moves its tokens into them (in one launch where ranks
             # have processes of their own, or where a test forces that path).
-            if buf._dispatch._next_outputs.ready is None and not buf._dispatch._next_outputs.over_limit:
+            next_outputs = buf._engine.dispatch_path._next_outputs
+            if next_outputs.ready is None and not next_outputs.over_limit:
                 raise Mismatch("second dispatch: no outputs made for the next one (and not over the byte limit)")
             third = fresh_dispatch()
             check_allocation("third dispatch", "ahead")

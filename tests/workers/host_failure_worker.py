@@ -65,7 +65,7 @@ class _Once:
 
 def _fail_allocating(buf, failure):
     """Make the Buffer's next allocation of a dispatch's handle raise ``failure``."""
-    dispatch = buf._dispatch
+    dispatch = buf._engine.dispatch_path
     dispatch._allocate_handle = _Once(dispatch._allocate_handle, failure)
 
 
@@ -120,7 +120,7 @@ def _given_up_on_every_rank(group, ep, failure, what):
     attempt(problems, "first round", lambda: _round(buf, rng, config))
     one, after = Round(buf, rng, config), Round(buf, rng, config)
     if group.rank == FAILING_RANK:
-        buf._slots.wait_for_count = _Once(buf._slots.wait_for_count, failure)
+        buf._engine.slots.wait_for_count = _Once(buf._engine.slots.wait_for_count, failure)
     group.barrier()
     raised, info["seconds"] = _timed(one.dispatch)
     if raised is None and group.rank != FAILING_RANK:

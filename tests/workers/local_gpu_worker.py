@@ -265,7 +265,7 @@ def rank_main(group, scenarios, args, shared=None):
         # The path of ranks with processes of their own (a fresh dispatch with rows in place in
         # one launch), which in-process ranks then take, polling their slots for the counts.
         if args.exchange_in_transfer:
-            buf._ctx.exchange_in_transfer = True
+            buf._engine.ctx.exchange_in_transfer = True
         return buf
 
     failures = 0

@@ -212,7 +212,7 @@ def rank_loop(group, cases, nvl_bytes, args, shared, watchdog, reported):
         # The path of ranks with processes of their own (a fresh dispatch with rows in place in
         # one launch), which in-process ranks then take, polling their slots for the counts.
         if args.exchange_in_transfer:
-            buf._ctx.exchange_in_transfer = True
+            buf._engine.ctx.exchange_in_transfer = True
         return buf
 
     with RankBuffer(group, new_buffer) as rank_buf:

@@ -320,7 +320,7 @@ def rank_memory(ctx, state, seq, step, work, config):
         bound = ahead_bound(state.largest, most, steady)
         info.update(rows_allocated=work["rows_allocated"], largest_before=state.largest, most_rows=most,
                     steady=steady, bound=bound, allowed=allowed_rows(num_recv, state.largest, most, steady),
-                    guess_largest=state.buf._dispatch._capacity_guess.largest_received)
+                    guess_largest=state.buf._engine.dispatch_path._capacity_guess.largest_received)
         exact = exact_output_bytes(num_recv, row_bytes, seq["num_ranks"], config.num_channels, step["tokens"][rank])
         state.largest = max(state.largest, num_recv)
         state.last_fresh = shape
