@@ -1,0 +1,133 @@
+"""The low-latency engine: DeepEP's decode calls on the ranks of one node, beside the normal
+operations of the node's intranode engine (whose host slots and stream order it shares)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..engine import Engine
+from .path import LowLatencyPath, clean_arguments, local_buffer_tensor
+
+
+class LowLatencyEngine(Engine):
+    """A low-latency Buffer's engine (``Buffer``'s docstrings are the contract).
+
+    Args:
+        intranode: the node's intranode engine (its normal operations, slots and stream order; its
+            NVLink buffer may be absent, ``num_nvl_bytes=0``).
+        path: the :class:`deepep_cupy.low_latency.path.LowLatencyPath` of the decode calls.
+        group_barrier: the group's host barrier (a clean is collective).
+    """
+
+    kind = "low-latency"
+
+    def __init__(self, intranode: Any, path: LowLatencyPath, group_barrier: Callable[[], None]):
+        self.intranode = intranode
+        self.path = path
+        self._group_barrier = group_barrier
+
+    @classmethod
+    def create(cls, intranode: Any, group, num_rdma_bytes: int, *, enable_shrink: bool) -> "LowLatencyEngine":
+        """Map the low-latency buffers of every rank of ``group`` (collective) beside ``intranode``."""
+        path = LowLatencyPath.create(group, num_rdma_bytes, order=intranode.order, slots=intranode.slots,
+                                     timeout_s=intranode.timeout_s, device_id=intranode.device_id,
+                                     on_device=intranode.on_device, ranks_on_gpu=intranode.ranks_on_gpu(),
+                                     enable_shrink=enable_shrink)
+        return cls(intranode, path, group.barrier)
+
+    # The normal operations are the node's.
+    def get_dispatch_layout(self, *args, **kwargs):
+        return self.intranode.get_dispatch_layout(*args, **kwargs)
+
+    def dispatch(self, *args, **kwargs):
+        return self.intranode.dispatch(*args, **kwargs)
+
+    def combine(self, *args, **kwargs):
+        return self.intranode.combine(*args, **kwargs)
+
+    def barrier(self) -> None:
+        self.intranode.barrier()
+
+    def check_kernel_errors(self) -> None:
+        self.intranode.check_kernel_errors()
+
+    # Decode
+    def low_latency_dispatch(self, *args, **kwargs):
+        return self.path.dispatch(*args, **kwargs)
+
+    def low_latency_combine(self, *args, **kwargs):
+        return self.path.combine(*args, **kwargs)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        return self.path.next_combine_buffer(handle)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        self.path.update_mask(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status) -> None:
+        self.path.query_mask(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        self.path.clean_mask()
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        clean_arguments(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.path.clean(self._group_barrier)
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
+        return local_buffer_tensor(self.path if use_rdma_buffer else self.intranode.nvl, dtype, size, offset)
+
+    # Properties are the node engine's.
+    @property
+    def comm_stream(self):
+        return self.intranode.comm_stream
+
+    @property
+    def allocate_ahead(self) -> bool:
+        return self.intranode.allocate_ahead
+
+    @allocate_ahead.setter
+    def allocate_ahead(self, value: bool) -> None:
+        self.intranode.allocate_ahead = value
+
+    @property
+    def last_dispatch_allocation(self):
+        return self.intranode.last_dispatch_allocation
+
+    @property
+    def last_dispatch_rows_allocated(self):
+        return self.intranode.last_dispatch_rows_allocated
+
+    @property
+    def last_count_wait_s(self) -> float:
+        return self.intranode.last_count_wait_s
+
+    def release(self) -> None:
+        try:
+            if self.path is not None:
+                path, self.path = self.path, None
+                path.close()
+        finally:
+            self.intranode.release()
+
+    def destroy(self) -> None:
+        """Wait for the Buffer's calls, meet the other ranks (no peer may still write into a buffer
+        being freed), then free the low-latency buffer and the node engine's resources."""
+        intranode = self.intranode
+        if self.path is None:
+            return
+        with intranode.on_device:
+            try:
+                if intranode.order is not None:
+                    intranode.order.synchronize()
+            except Exception:
+                pass
+            try:
+                intranode.group.barrier()
+            except Exception:
+                pass
+            try:
+                path, self.path = self.path, None
+                path.close()
+            finally:
+                intranode.release()
