@@ -13,16 +13,15 @@ NVLink with peer access, as in a 2-rank transfer.
     python3 scripts/sm_rates_probe.py [--rows 14336 7168] [--sms 4 8 16 24] [--peer]
 """
 import argparse
-import pathlib
 
 import cupy
 import numpy as np
 
+from deepep_cupy.bench.own_kernels import read_source
 from deepep_cupy.gpu.check import exit_unless_gpu
 
 TOKENS = 4096
 SHARED_BYTES = 200 * 1024  # of the 227 KiB an H100/H200 block may use
-SOURCE = pathlib.Path(__file__).resolve().parent.parent / "kernels" / "probe_sm_rates.cu"
 
 
 def bf16_rows(rng, rows, row_bytes):
@@ -88,7 +87,7 @@ def main():
     if args.peer:
         cupy.cuda.runtime.deviceEnablePeerAccess(1)
     far = 1 if args.peer else 0
-    module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",))
+    module = cupy.RawModule(code=read_source("probe_sm_rates.cu"), options=("-std=c++17",))
     rng = np.random.default_rng(0)
     for row_bytes in args.rows:
         host_a, host_b = bf16_rows(rng, TOKENS, row_bytes), bf16_rows(rng, TOKENS, row_bytes)

@@ -5,12 +5,14 @@ import re
 import pytest
 
 from deepep_cupy import constants
+from deepep_cupy.bench import own_kernels
 from deepep_cupy.gpu import kernels, layout
 
 
 def _sources():
-    folder = kernels.kernel_dir()
-    return {path.name: path.read_text() for path in sorted(folder.glob("*.cu*"))}
+    """Every CUDA source by name: the library's and the benchmark's own."""
+    paths = [*kernels.kernel_dir().glob("*.cu*"), *own_kernels.KERNEL_DIR.glob("*.cu*")]
+    return {path.name: path.read_text() for path in sorted(paths)}
 
 
 def test_the_kernels_get_every_shared_constant_from_the_generated_header():

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from _harness import skip_or_fail
 
+from deepep_cupy.bench import own_kernels
 from deepep_cupy.gpu import kernels
 
 ARCH = "--gpu-architecture=sm_90"
@@ -90,8 +91,8 @@ def test_instances_compiled_in_threads_at_once_match_those_compiled_one_by_one()
         at_once = list(pool.map(compile_job, jobs))
     assert at_once == one_by_one
 
-#: Kernels outside the library, compiled by the benchmark or a probe script with cupy.RawModule /
-#: RawKernel (extern "C", so each is named as written).
+#: Kernels outside the library (deepep_cupy/bench/kernels/), compiled by the benchmark or a probe
+#: script with cupy.RawModule / RawKernel (extern "C", so each is named as written).
 SCRIPT_KERNELS = {
     "bench_copy.cu": ["copy_int4"],
     "bench_gather.cu": ["gather_rows_int4"],
@@ -102,14 +103,14 @@ SCRIPT_KERNELS = {
 @pytest.mark.parametrize("file_name", sorted(SCRIPT_KERNELS))
 def test_benchmark_and_probe_kernels_compile_for_sm90(file_name):
     nvrtc = _nvrtc()
-    lowered, cubin_size = _compile(nvrtc, file_name, kernels.read_source(file_name), SCRIPT_KERNELS[file_name])
+    lowered, cubin_size = _compile(nvrtc, file_name, own_kernels.read_source(file_name), SCRIPT_KERNELS[file_name])
     assert lowered == {name: name for name in SCRIPT_KERNELS[file_name]}
     assert cubin_size > 0, f"{file_name}: empty CUBIN"
 
 
 def test_every_kernel_file_is_compiled_by_a_test():
-    on_disk = {path.name for path in kernels.kernel_dir().glob("*.cu")}
-    assert on_disk == set(kernels.SOURCES) | set(SCRIPT_KERNELS)
+    assert {path.name for path in kernels.kernel_dir().glob("*.cu")} == set(kernels.SOURCES)
+    assert {path.name for path in own_kernels.KERNEL_DIR.glob("*.cu")} == set(SCRIPT_KERNELS)
 
 
 def test_every_source_file_exists():
@@ -123,6 +124,18 @@ def test_read_source_inlines_local_includes(file_name):
     text = kernels.read_source(file_name)
     left = re.findall(r'^\s*#\s*include\s+"[^"]*"', text, flags=re.MULTILINE)
     assert not left, f"{file_name}: includes left after read_source: {left}"
+
+
+def test_the_bench_reads_its_own_folder_and_the_library_s_headers(tmp_path, monkeypatch):
+    # A bench kernel may include a header of its folder or one of the library's (each once); the
+    # library's kernel folder never holds the bench's sources.
+    (tmp_path / "own.cuh").write_text('#include "common.cuh"\nstruct own_tag {};\n')
+    (tmp_path / "probe.cu").write_text('#include "own.cuh"\n#include "common.cuh"\n__global__ void k() {}\n')
+    monkeypatch.setattr(own_kernels, "KERNEL_DIR", tmp_path)
+    text = own_kernels.read_source("probe.cu")
+    assert "#include" not in text and text.count(kernels.read_source("common.cuh")) == 1
+    assert text.index("struct own_tag") < text.index("void k")
+    assert not set(SCRIPT_KERNELS) & {path.name for path in kernels.kernel_dir().iterdir()}
 
 
 def test_read_source_inlines_each_header_once(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """What pyproject.toml promises holds: each Python version it admits is tested by CI and named in
 the classifiers, the version is written once, mypy checks the whole package, and an installed wheel
-carries the licence, the kernels, the ``py.typed`` marker and a working ``deepep-cupy-bench`` command."""
+carries the licence, the kernels (the library's and the benchmark's own), the ``py.typed`` marker
+and a working ``deepep-cupy-bench`` command."""
 
 import os
 import re
@@ -115,9 +116,21 @@ def test_the_wheel_marks_the_package_as_typed(installed):
     assert (installed / "deepep_cupy" / "py.typed").is_file()
 
 
+def _kernel_sources(folder) -> list:
+    return sorted(p.name for p in folder.iterdir() if p.suffix in (".cu", ".cuh"))
+
+
 def test_the_wheel_carries_every_kernel_source(installed):
-    shipped = sorted(p.name for p in (installed / "deepep_cupy" / "_kernels").iterdir() if p.suffix in (".cu", ".cuh"))
-    assert shipped == sorted(p.name for p in (REPO_ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh"))
+    assert _kernel_sources(installed / "deepep_cupy" / "_kernels") == _kernel_sources(REPO_ROOT / "kernels")
+
+
+def test_the_wheel_carries_the_benchmark_s_own_kernels_where_the_bench_reads_them(installed):
+    bench_kernels = REPO_ROOT / "deepep_cupy" / "bench" / "kernels"
+    assert _kernel_sources(installed / "deepep_cupy" / "bench" / "kernels") == _kernel_sources(bench_kernels) != []
+    run = _run_installed(installed, sys.executable, "-c", "from deepep_cupy.bench import own_kernels; "
+                         "print(own_kernels.KERNEL_DIR); print(own_kernels.read_source('bench_copy.cu'))")
+    assert run.returncode == 0 and run.stdout.startswith(str(installed)), describe(run)
+    assert "copy_int4" in run.stdout, describe(run)
 
 
 def _run_installed(installed, *command):

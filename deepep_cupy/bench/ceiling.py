@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import DeepEPError
 from ..gpu.sm_budget import sm_count_of
-from .nccl import _raw_kernel
+from .own_kernels import raw_kernel
 from .timing import time_ops_multi
 from .workload import gbps
 
@@ -49,7 +49,7 @@ def copy_ceiling(devices: Tuple[int, int], nbytes: int, sms_list: Sequence[int],
     for d in (a, b):
         with cupy.cuda.Device(d):
             bufs[d] = (cupy.ones(nbytes, dtype=cupy.uint8), cupy.zeros(nbytes, dtype=cupy.uint8))
-            kernels[d] = _raw_kernel("bench_copy.cu", "copy_int4")
+            kernels[d] = raw_kernel("bench_copy.cu", "copy_int4")
             streams[d] = cupy.cuda.Stream(non_blocking=True)
             nsm[d] = sm_count_of(d)
             cupy.cuda.Device(d).synchronize()  # the fills ran on the default stream

@@ -12,10 +12,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import NcclUnavailable
-from ..gpu.kernels import read_source
 from ..gpu.sm_budget import sm_count_of
 from ..transports.nccl_library import load_nccl
 from .library import _import_library
+from .own_kernels import raw_kernel
 from .report import op_stats
 from .timing import make_l2_flush, time_ops_multi
 from .workload import (
@@ -188,17 +188,6 @@ def _exchange_counts(backend, send_counts_dev, recv_counts_dev) -> None:
                          [a.reshape(R, 1) for a in recv_counts_dev], [[1] * R] * len(recv_counts_dev))
 
 
-_RAW_KERNELS: Dict[str, Any] = {}
-
-
-def _raw_kernel(file_name: str, name: str):
-    """``name`` from the bench kernel source ``file_name`` in the kernels folder, compiled once."""
-    import cupy
-    if name not in _RAW_KERNELS:
-        _RAW_KERNELS[name] = cupy.RawKernel(read_source(file_name), name)
-    return _RAW_KERNELS[name]
-
-
 def gather_rows(x: Any, rows: Any, out: Any) -> Any:
     """``out[:] = x[rows]`` for C-contiguous 2-D CuPy arrays, with 16-byte vector copies when rows allow.
 
@@ -212,7 +201,7 @@ def gather_rows(x: Any, rows: Any, out: Any) -> Any:
     n = int(rows.shape[0])
     if n:
         sms = sm_count_of(cupy.cuda.Device().id)
-        _raw_kernel("bench_gather.cu", "gather_rows_int4")(
+        raw_kernel("bench_gather.cu", "gather_rows_int4")(
             (min(n, sms * 8),), (256,),
             (np.uint64(x.data.ptr), np.uint64(out.data.ptr), rows.astype(cupy.int64, copy=False),
              np.int64(n), np.int64(row_bytes // 16)))

@@ -1,7 +1,7 @@
 // Probe-only kernels (scripts/sm_rates_probe.py): how many bytes per second an SM moves with
 // 16-byte register copies and with bulk asynchronous copies (TMA: cp.async.bulk between global
 // and shared memory, mbarrier completion). Compiled by the script with cupy.RawModule, not one of
-// the library's kernels (not in deepep_cupy.kernels.SOURCES).
+// the library's kernels (not in deepep_cupy.gpu.kernels.SOURCES).
 typedef long long int64_t_;
 
 __device__ __forceinline__ int4 ld_stream(const int4* p) {

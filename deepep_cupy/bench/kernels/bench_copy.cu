@@ -1,5 +1,5 @@
 // Benchmark-only kernel (deepep_cupy.bench, copy-kernel ceiling): compiled by the bench with
-// cupy.RawKernel, not one of the library's kernels (not in deepep_cupy.kernels.SOURCES).
+// cupy.RawKernel, not one of the library's kernels (not in deepep_cupy.gpu.kernels.SOURCES).
 extern "C" __global__ void __launch_bounds__(1024)
 copy_int4(unsigned long long src_addr, unsigned long long dst_addr, unsigned long long n_vec) {
     // Grid-stride copy of n_vec 16-byte vectors; four loads in flight per thread before the stores.

@@ -1,5 +1,5 @@
 // Benchmark-only kernel (deepep_cupy.bench, NCCL baseline's permute): compiled by the bench with
-// cupy.RawKernel, not one of the library's kernels (not in deepep_cupy.kernels.SOURCES).
+// cupy.RawKernel, not one of the library's kernels (not in deepep_cupy.gpu.kernels.SOURCES).
 extern "C" __global__ void gather_rows_int4(unsigned long long src_addr, unsigned long long dst_addr,
                                             const long long* __restrict__ rows, long long num_rows,
                                             long long row_vecs) {
