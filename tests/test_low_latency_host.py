@@ -20,6 +20,7 @@ from deepep_cupy.gpu import kernels, launch, plan_cache, slots
 from deepep_cupy.gpu.slots import HostSlots
 from deepep_cupy.intranode.engine import IntranodeEngine
 from deepep_cupy.low_latency import path as low_latency
+from deepep_cupy.low_latency.engine import LowLatencyEngine
 from deepep_cupy.low_latency.path import (
     COMBINE_KERNEL,
     DISPATCH_KERNEL,
@@ -767,3 +768,15 @@ def test_enable_shrink_is_accepted_with_low_latency_mode_only():
         ep.Buffer(object(), 0, 1 << 20, low_latency_mode=True, enable_shrink=True)
     with pytest.raises(ValueError, match="enable_shrink=True"):
         ep.Buffer(object(), 1 << 20, enable_shrink=True)
+
+
+def test_a_released_low_latency_engine_refuses_the_decode_calls_as_a_destroyed_buffer(path):
+    engine = LowLatencyEngine(SimpleNamespace(release=lambda: None), path.path, lambda: None)
+    engine.release()
+    assert engine.path is None
+    x, topk, _ = inputs()
+    for call in (lambda: engine.low_latency_dispatch(x, topk, M, E), engine.low_latency_clean_mask_buffer,
+                 lambda: engine.clean_low_latency_buffer(M, H, E)):
+        with pytest.raises(ep.DeepEPError, match="Buffer unusable: the Buffer was destroyed"):
+            call()
+    assert path.log == []

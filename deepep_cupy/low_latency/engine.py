@@ -3,9 +3,10 @@ operations of the node's intranode engine (whose host slots and stream order it 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ..engine import Engine
+from ..errors import DeepEPError
 from .path import LowLatencyPath, clean_arguments, local_buffer_tensor
 
 
@@ -23,7 +24,7 @@ class LowLatencyEngine(Engine):
 
     def __init__(self, intranode: Any, path: LowLatencyPath, group_barrier: Callable[[], None]):
         self.intranode = intranode
-        self.path = path
+        self.path: Optional[LowLatencyPath] = path  # None once released
         self._group_barrier = group_barrier
 
     @classmethod
@@ -52,27 +53,33 @@ class LowLatencyEngine(Engine):
         self.intranode.check_kernel_errors()
 
     # Decode
+    def _live_path(self) -> LowLatencyPath:
+        """The decode calls' path; raises as the released slots would once the Buffer let it go."""
+        if self.path is None:
+            raise DeepEPError("Buffer unusable: the Buffer was destroyed (its low-latency buffer is freed)")
+        return self.path
+
     def low_latency_dispatch(self, *args, **kwargs):
-        return self.path.dispatch(*args, **kwargs)
+        return self._live_path().dispatch(*args, **kwargs)
 
     def low_latency_combine(self, *args, **kwargs):
-        return self.path.combine(*args, **kwargs)
+        return self._live_path().combine(*args, **kwargs)
 
     def get_next_low_latency_combine_buffer(self, handle):
-        return self.path.next_combine_buffer(handle)
+        return self._live_path().next_combine_buffer(handle)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        self.path.update_mask(rank_to_mask, mask)
+        self._live_path().update_mask(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status) -> None:
-        self.path.query_mask(mask_status)
+        self._live_path().query_mask(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        self.path.clean_mask()
+        self._live_path().clean_mask()
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         clean_arguments(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self.path.clean(self._group_barrier)
+        self._live_path().clean(self._group_barrier)
 
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
         return local_buffer_tensor(self.path if use_rdma_buffer else self.intranode.nvl, dtype, size, offset)
