@@ -44,8 +44,12 @@ def check_config(config: Any) -> None:
 
 
 def check_row_bytes(info: ArrayInfo, arg: str) -> int:
-    """Bytes of one row of ``info`` (2-D), which the kernels move in 16-byte pieces."""
-    itemsize = ITEMSIZE[info.dtype_name]
+    """Bytes of one row of ``info`` (2-D, its dtype checked: :func:`deepep_cupy.tensors.check_array`),
+    which the kernels move in 16-byte pieces."""
+    dtype_name = info.dtype_name
+    if dtype_name is None:
+        raise TypeError(f"{arg}: expected a dtype the kernels move, got {info.dtype}")
+    itemsize = ITEMSIZE[dtype_name]
     row_bytes = info.shape[1] * itemsize
     if row_bytes % 16:
         raise ValueError(f"{arg}: row bytes must be a multiple of 16, got hidden {info.shape[1]} x {itemsize} B = "

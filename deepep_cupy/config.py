@@ -58,13 +58,12 @@ class Config:
             raise ValueError(f"Config.num_sms: expected an even number, got {self.num_sms}")
 
     def __hash__(self) -> int:
-        # Hashed on every call (plans are cached by it): computed once.
-        try:
-            return self._hash
-        except AttributeError:
-            object.__setattr__(self, "_hash", hash((self.num_sms, self.num_max_nvl_chunked_send_tokens,
-                                                    self.num_max_nvl_chunked_recv_tokens)))
-            return self._hash
+        # Hashed on every call (plans are cached by it): computed once (_hash).
+        return self._hash
+
+    @functools.cached_property  # frozen: stored in the instance's dict, read from there after the first call
+    def _hash(self) -> int:
+        return hash((self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens))
 
     @functools.cached_property  # read on every call (frozen: stored in the instance's dict)
     def num_channels(self) -> int:

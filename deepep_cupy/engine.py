@@ -26,9 +26,8 @@ class Engine:
     of this kind has it (:attr:`kind`: ``"intranode"``, ``"internode"`` or ``"low-latency"``)."""
 
     kind = "unknown"
-    #: An internode engine's node shape and rail transport's name; None for the other kinds.
+    #: An internode engine's node shape; None for the other kinds.
     topology: Any = None
-    internode_transport: Optional[str] = None
 
     def unsupported(self, what: str, family: str) -> NoReturn:
         raise BufferKindError(f"{what}: not available on this {self.kind} Buffer; {_HOW[family]}")
@@ -81,6 +80,11 @@ class Engine:
     def release(self) -> None:
         """Free what the engine holds without waiting or meeting the other ranks (the Buffer's
         ``__del__``, a safety net: ``destroy`` is the contract)."""
+
+    @property
+    def internode_transport(self) -> Optional[str]:
+        """An internode engine's rail transport's name; None for the other kinds."""
+        return None
 
     @property
     def last_internode_rows(self) -> int:

@@ -22,7 +22,7 @@ allocator) on the stream the caller's library considers current, so they are ret
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -196,7 +196,7 @@ class _CupyLib(ArrayLib):
 class _TorchLib(ArrayLib):
     name = "torch"
 
-    def __init__(self):
+    def __init__(self) -> None:
         import torch
 
         self._torch = torch
@@ -204,6 +204,7 @@ class _TorchLib(ArrayLib):
         self._names = {dtype: name for name, dtype in self._dtypes.items()}
         self._devices: Dict[int, Any] = {}
         self._streams: Dict[Tuple[int, int], Any] = {}
+        self._raw_stream: Callable[[int], int]  # the device's current stream (cudaStream_t)
         try:
             self._raw_stream = torch._C._cuda_getCurrentRawStream
         except AttributeError:  # pragma: no cover - a PyTorch without the raw accessor
@@ -364,12 +365,13 @@ def describe(x, arg: str, device_id: int) -> ArrayInfo:
 
 
 def check_array(info: ArrayInfo, arg: str, dtype_names: Tuple[str, ...], ndim: int,
-                shape: Optional[Tuple[Optional[int], ...]] = None, any_strides: bool = False) -> None:
+                shape: Optional[Tuple[Optional[int], ...]] = None, any_strides: bool = False) -> str:
     """Raise a clear error unless ``info`` has one of ``dtype_names``, ``ndim``, ``shape`` and
     a row-major contiguous layout (``any_strides``: any whole, non-negative element strides).
-    ``None`` in ``shape`` accepts any extent."""
-    if info.dtype_name not in dtype_names:
-        shown = info.dtype_name or str(info.dtype).replace("torch.", "")
+    ``None`` in ``shape`` accepts any extent. Returns ``info``'s dtype name (one of ``dtype_names``)."""
+    dtype_name = info.dtype_name
+    if dtype_name is None or dtype_name not in dtype_names:
+        shown = dtype_name or str(info.dtype).replace("torch.", "")
         raise TypeError(f"{arg}: expected dtype {' or '.join(dtype_names)}, got {shown}")
     if len(info.shape) != ndim:
         raise ValueError(f"{arg}: expected {ndim} dimensions, got shape {info.shape}")
@@ -379,11 +381,12 @@ def check_array(info: ArrayInfo, arg: str, dtype_names: Tuple[str, ...], ndim: i
                 expected = tuple("*" if s is None else s for s in shape)
                 raise ValueError(f"{arg}: expected shape {expected}, got {info.shape} (axis {axis})")
     if any_strides:
-        itemsize = ITEMSIZE[info.dtype_name]
+        itemsize = ITEMSIZE[dtype_name]
         if any(stride < 0 or stride % itemsize for stride in info.strides):
             raise ValueError(f"{arg}: expected non-negative strides in whole elements, got {info.strides} bytes")
     elif not info.contiguous:
         raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {info.strides}")
+    return dtype_name
 
 
 def check_int(value: Any, arg: str, minimum: int = 1) -> int:

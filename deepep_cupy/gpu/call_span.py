@@ -9,7 +9,7 @@ Every operation of every path (intranode, internode, low latency) runs its GPU w
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 from ..constants import HOST_FAILURES
 from ..errors import DeepEPError
@@ -105,7 +105,7 @@ class CallSpan:
     def __enter__(self) -> "CallSpan":
         return self
 
-    def __exit__(self, exc_type, exc, traceback) -> bool:
+    def __exit__(self, exc_type, exc, traceback) -> Literal[False]:
         if exc_type is None:
             self.launched = self.settled = False
             return False

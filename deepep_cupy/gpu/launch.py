@@ -161,7 +161,7 @@ def bind(kernel: str, shared: Dict[str, int], template_args: Tuple[object, ...] 
 class _Profile:
     """Opt-in per-kernel GPU times (``DEEPEP_CUPY_PROFILE=1``): events around every launch."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.enabled = os.environ.get("DEEPEP_CUPY_PROFILE", "") not in ("", "0")
         self.pending: List[Tuple[str, Any, Any]] = []     # (kernel, start, end): CuPy events
 

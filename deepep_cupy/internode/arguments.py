@@ -109,7 +109,7 @@ def check_combine(x, handle, topk_weights, bias, config, *, device_id: int, owne
     checks.check_config(config)
     handle = check_handle(handle, owner)
     info = describe(x, "x", device_id)
-    check_array(info, "x", COMBINE_DTYPES, 2)
+    dtype_name = check_array(info, "x", COMBINE_DTYPES, 2)
     if info.shape[0] != handle.rows:
         received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
         raise ValueError(f"x: expected {handle.rows} rows ({received}), got {info.shape[0]}")
@@ -123,6 +123,6 @@ def check_combine(x, handle, topk_weights, bias, config, *, device_id: int, owne
         if b is None:
             continue
         b_info = describe(b, f"bias[{i}]", device_id)
-        check_array(b_info, f"bias[{i}]", (info.dtype_name,), 2, (handle.num_tokens, info.shape[1]))
+        check_array(b_info, f"bias[{i}]", (dtype_name,), 2, (handle.num_tokens, info.shape[1]))
         views.append(arrays.device_view(b, b_info, device_id))
     return handle, info, w_info, views

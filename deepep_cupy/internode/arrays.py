@@ -20,13 +20,16 @@ def cupy_module():
 def device_view(array, info: tensors.ArrayInfo, device_id: int):
     """A CuPy array over ``array``'s memory (storage dtype, shape and strides of ``info``)."""
     cupy = cupy_module()
-    dtype = STORAGE[info.dtype_name]
+    dtype_name = info.dtype_name
+    if dtype_name is None:  # its checks refused it (tensors.check_array)
+        raise TypeError(f"expected an array of a dtype the kernels move, got {info.dtype}")
+    dtype = STORAGE[dtype_name]
     if any(extent == 0 for extent in info.shape):
         return cupy.empty(info.shape, dtype)
     if info.lib.name == "cupy":
         return array.view(dtype)
     ptr = tensors.read(array)[1]
-    extent = ITEMSIZE[info.dtype_name] + sum((n - 1) * s for n, s in zip(info.shape, info.strides))
+    extent = ITEMSIZE[dtype_name] + sum((n - 1) * s for n, s in zip(info.shape, info.strides))
     memory = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, extent, array, device_id), 0)
     return cupy.ndarray(info.shape, dtype, memory, strides=info.strides)
 

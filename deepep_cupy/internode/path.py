@@ -32,7 +32,7 @@ topology, the rail transport, the intranode engine, the group's vote) are given 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from .records import PackSources, RecordLayout, UnpackTargets
 
 __all__ = ["InternodeHandle", "InternodePath", "RecordLayout"]
 
+_T = TypeVar("_T")
 
 
 class _Route(NamedTuple):
@@ -60,6 +61,36 @@ class _Route(NamedTuple):
     in_rank: Any        # bool [T, R] (CuPy)
     token_ids: Any      # int64: the tokens of each node, node after node
     slots: Any          # int32 [N, T]: token t's record in node n's block, -1 for none
+
+
+class _CachedDispatchArgs(NamedTuple):
+    """A cached dispatch's checked arguments and rail buffers (:meth:`InternodePath._check_cached`),
+    in the order :meth:`InternodePath._cached_dispatch` takes them."""
+    rows: Any                                   # x's rows and scales, as the caller passed them
+    scales: Any
+    info: tensors.ArrayInfo
+    scales_info: Optional[tensors.ArrayInfo]
+    handle: InternodeHandle
+    x_rows: Any                                 # uint8 [T, row bytes] (CuPy view)
+    x_scales: Any                               # float32 [T, S] (CuPy view), or None
+    layout: RecordLayout
+    send: Any                                   # the rail buffers (CuPy, uint8)
+    recv: Any
+
+
+class _CombineArgs(NamedTuple):
+    """A combine's checked arguments, rail buffers and outputs
+    (:meth:`InternodePath._check_and_allocate_combine`), in the order :meth:`InternodePath._combine`
+    takes them after ``x`` and ``weights``."""
+    handle: InternodeHandle
+    info: tensors.ArrayInfo
+    w_info: Optional[tensors.ArrayInfo]
+    bias_views: List[Any]
+    layout: RecordLayout
+    send: Any
+    recv: Any
+    out: Tuple[Any, Any]                        # (array of the caller's library, CuPy view)
+    out_w: Optional[Tuple[Any, Any]]
 
 
 class InternodePath(Engine):
@@ -125,7 +156,7 @@ class InternodePath(Engine):
                                   f"({table[r][0]}); every rank raises from this call", peer=r)
         return [p for _, p in table]
 
-    def _voting(self, what: str, step: Callable[[], Any]) -> Any:
+    def _voting(self, what: str, step: Callable[[], _T]) -> _T:
         """``step()``'s result once every rank's step went well (:meth:`_vote`)."""
         try:
             result = step()
@@ -230,14 +261,14 @@ class InternodePath(Engine):
                                         expert_alignment, num_worst_tokens, config, expand, recv_x_in_buffer,
                                         caller, run_on, async_finish)
 
-    def _check_cached(self, x, handle, num_worst_tokens, expand, recv_x_in_buffer, config):
+    def _check_cached(self, x, handle, num_worst_tokens, expand, recv_x_in_buffer, config) -> _CachedDispatchArgs:
         """A cached dispatch's checks, then what it allocates (the rail buffers): one vote for both."""
         info, scales_info, handle, x_rows, x_scales = arguments.check_cached(
             x, handle, num_worst_tokens, expand, recv_x_in_buffer, config, device_id=self.device_id, owner=id(self))
         layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
         send, recv = self._rail_buffers(layout, handle.send_counts, handle.recv_counts)
         rows, scales = checks.split_x(x)
-        return rows, scales, info, scales_info, handle, x_rows, x_scales, layout, send, recv
+        return _CachedDispatchArgs(rows, scales, info, scales_info, handle, x_rows, x_scales, layout, send, recv)
 
     def _route(self, args: arguments.FreshArgs) -> _Route:
         """Where this rank's tokens go: its counts per node, rank and expert reach the host in one
@@ -351,15 +382,15 @@ class InternodePath(Engine):
     def _outputs(self, lib, rows: int, info, scales_info, num_topk: int, weights: bool, in_rank: int = 0):
         """``(arrays, views)`` of a dispatch's outputs of ``rows`` rows: rows, scales, top-k, weights
         (and, for the node stage's inputs, is_token_in_rank ``[rows, in_rank]``)."""
-        made = [self._new_output(lib, (rows, *info.shape[1:]), info.dtype_name),
-                None if scales_info is None else self._new_output(lib, (rows, *scales_info.shape[1:]), "float32"),
+        x_out, x_view = self._new_output(lib, (rows, *info.shape[1:]), info.dtype_name)
+        made = [None if scales_info is None else self._new_output(lib, (rows, *scales_info.shape[1:]), "float32"),
                 None if not num_topk else self._new_output(lib, (rows, num_topk), "int64"),
                 None if not weights else self._new_output(lib, (rows, num_topk), "float32"),
                 None if not in_rank else self._new_output(lib, (rows, in_rank), "bool")]
-        arrays = [None if m is None else m[0] for m in made]
-        views = [None if m is None else m[1] for m in made]
         row_bytes = tensors.row_bytes(info.shape[1:], info.dtype_name)
-        views[0] = views[0].view(device.cupy_module().uint8).reshape(rows, row_bytes)
+        arrays = [x_out] + [None if m is None else m[0] for m in made]
+        views = [x_view.view(device.cupy_module().uint8).reshape(rows, row_bytes)] + \
+            [None if m is None else m[1] for m in made]
         if views[1] is not None:
             views[1] = views[1].reshape(rows, (scales_info.shape + (1,))[1])
         return arrays, UnpackTargets(*views)
@@ -457,7 +488,7 @@ class InternodePath(Engine):
                                                                                         config))
             return self._combine(x, topk_weights, *checked, config, caller, run_on, async_finish)
 
-    def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config):
+    def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config) -> _CombineArgs:
         """The combine's checks, then what it allocates (the rail buffers, the outputs): one vote for both."""
         handle, info, w_info, bias_views = arguments.check_combine(x, handle, topk_weights, bias, config,
                                                                    device_id=self.device_id, owner=id(self))
@@ -468,7 +499,7 @@ class InternodePath(Engine):
         send, recv = self._rail_buffers(layout, handle.recv_counts, handle.send_counts)
         out = self._new_output(lib, (T, H), dtype)
         out_w = None if not K else self._new_output(lib, (T, K), "float32")
-        return handle, info, w_info, bias_views, layout, send, recv, out, out_w
+        return _CombineArgs(handle, info, w_info, bias_views, layout, send, recv, out, out_w)
 
     def _combine(self, x, weights, handle: InternodeHandle, info, w_info, bias_views, layout: RecordLayout, send,
                  recv, out_made, out_w, config, caller, run_on, async_finish):

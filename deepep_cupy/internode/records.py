@@ -98,7 +98,7 @@ class RecordKernels:
     is bound once, and every instance is loaded when the object is made (kernels that a path
     sharing a GPU loads lazily could wait for a peer's running kernel)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._calls: Dict[Tuple[str, Tuple[str, ...]], KernelCall] = {}
         kernels.load(kernels.SOURCES["internode.cu"])
 

@@ -39,7 +39,7 @@ class CombinePath:
                 previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool):
         """``Buffer.combine`` once its config is resolved (its docstring is the contract)."""
         ctx = self._ctx
-        lib, x_ptr, n, x_key = read(x)
+        _, x_ptr, n, x_key = read(x)
         _, w_ptr, n_w, w_key = read(topk_weights)
         biases = plans.split_bias(bias)
         _, b0_ptr, n_b0, b0_key = read(biases[0])
@@ -63,6 +63,7 @@ class CombinePath:
             raise ValueError(f"x: {n} rows of {plan.spec.row_bytes} bytes in place overrun the area of this Buffer "
                              "that holds them (rows wider than the dispatch's); pass a copy. No tokens were moved")
         spec, num_tokens, dev = plan.spec, handle.num_tokens, ctx.device_id
+        lib = spec.lib  # x's: its kind, so its library, is in the plan's key
         if n_b0 != ABSENT_ROWS or n_b1 != ABSENT_ROWS:
             for i, rows in enumerate((n_b0, n_b1)):
                 if rows != num_tokens and rows != ABSENT_ROWS:

@@ -53,8 +53,9 @@ class OperationContext:
         self.checks = plans.Context(self.num_ranks, device_id, num_nvl_bytes)
         self.exchange_in_transfer = not group.in_process
         self.nvl: Any = None
-        self.slots: Optional[HostSlots] = None
-        self.order: Optional[StreamOrder] = None
+        # Set by attach, before any operation runs.
+        self.slots: HostSlots
+        self.order: StreamOrder
         self.plans = plans.PlanCache(self.on_device)
         self.rows_in_buffer_used = False
         self.rows_in_buffer_of: Optional[DispatchHandle] = None

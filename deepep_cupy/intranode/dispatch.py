@@ -68,7 +68,6 @@ NOTIFY_PER_CALL = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_
                    "channel_prefix_matrix", "recv_capacity", "topk_idx", "num_tokens")
 
 
-
 def refusal_scratch(lib, device_id: int, num_ranks: int, num_channels: int) -> Tuple[Any, int]:
     """``(array, its address)``: device memory for the prefix matrices a count exchange writes when
     this rank takes part only to refuse the call (its handle may be what it failed to allocate):
@@ -234,7 +233,10 @@ class DispatchPath:
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
                 launch.fill_bytes(pointers[2], 0xFF, rows * spec.num_topk * 8, run_on)
-            self._launch_transfer(run_on, plan.main_with_exchange, call, pointers, handle,  # EXCHANGE_PER_CALL
+            main_with_exchange = plan.main_with_exchange
+            if main_with_exchange is None:
+                raise TypeError(plans.NOT_A_FRESH_PLAN)
+            self._launch_transfer(run_on, main_with_exchange, call, pointers, handle,  # EXCHANGE_PER_CALL
                                   call.per_rank, call.per_expert, rows, handle.recv_count_ptr, handle.verdict_ptr,
                                   handle.recv_expert_counts_ptr)
             ordered.settled = True
@@ -246,8 +248,11 @@ class DispatchPath:
 
     def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int) -> None:
         """notify_dispatch of a fresh dispatch whose host waits for the counts (in the slots)."""
-        call.plan.notify.run(stream, call.per_rank, call.per_expert, call.in_rank, handle.rank_prefix_ptr,
-                             handle.channel_prefix_ptr, recv_capacity, call.topk, call.num_tokens)
+        notify = call.plan.notify
+        if notify is None:
+            raise TypeError(plans.NOT_A_FRESH_PLAN)
+        notify.run(stream, call.per_rank, call.per_expert, call.in_rank, handle.rank_prefix_ptr,
+                   handle.channel_prefix_ptr, recv_capacity, call.topk, call.num_tokens)
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                     config, recv_x_in_buffer) -> DispatchCall:
@@ -360,7 +365,10 @@ class DispatchPath:
             kernel_done = event = None
             ordered.launched = True
             if ctx.exchange_in_transfer:
-                self._launch_transfer(run_on, plan.main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
+                main_for_host = plan.main_for_host
+                if main_for_host is None:
+                    raise TypeError(plans.NOT_A_FRESH_PLAN)
+                self._launch_transfer(run_on, main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
                                       call.per_rank, call.per_expert, rows)
             else:
                 self._launch_notify(run_on, call, handle, rows)
@@ -391,7 +399,7 @@ class DispatchPath:
             per_expert_list = ctx.slots.expert_counts(plan.spec.num_experts // ctx.num_ranks)
             if plan.windows is not None:
                 outputs = dispatch_outputs(self._ctx, lib, plan, num_recv)
-            else:
+            elif outputs is not None:
                 shrink = lib.shrink
                 outputs = [None if a is None else shrink(a, num_recv) for a in outputs]
                 if kept is not None:
@@ -418,6 +426,8 @@ class DispatchPath:
         the exception leaves it."""
         code = host_failure_code(failure)
         plan = call.plan
+        if plan.notify is None or plan.refusal_scratch is None:
+            raise TypeError(plans.NOT_A_FRESH_PLAN)
         scratch = plan.refusal_scratch[1]
         self._ctx.slots.start_dispatch()
         plan.notify.run(run_on, call.per_rank, call.per_expert, call.in_rank, scratch,
@@ -441,13 +451,16 @@ class DispatchPath:
         ``kept_ptr`` on; in place, no outputs (the views are made once, at the count) and null
         addresses: the kernel writes the Buffer's areas."""
         if plan.windows is not None:
-            return None, NO_OUTPUTS
+            return None, [*NO_OUTPUTS]
         kept = plan.kept_outputs
         with self._ctx.allocating(lib, on_comm_stream):
             if kept is None:
                 outputs = dispatch_outputs(self._ctx, lib, plan, rows)
                 return outputs, device_pointers(lib, outputs)
-            x_tail, x_dtype = plan.outputs[0]
+            recv_x_output = plan.outputs[0]
+            if recv_x_output is None:  # plans.received_arrays: a dispatch always returns recv_x
+                raise TypeError(plans.NOT_A_FRESH_PLAN)
+            x_tail, x_dtype = recv_x_output
             recv_x = lib.empty((rows, *x_tail), x_dtype, self._ctx.device_id)
         return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
 
@@ -493,13 +506,14 @@ class DispatchPath:
                 num_local_experts=num_local_experts, expert_alignment=spec.expert_alignment)
         total = sum(per_expert_list)
         expanded_x = lib.empty((total, spec.rows.hidden), spec.rows.dtype_name, self._ctx.device_id)
-        expanded_scales = None if recv_scales is None else lib.empty((total,) + spec.rows.scales_tail, "float32",
+        scales_tail = spec.rows.scales_tail  # None without scales (then recv_scales is None too)
+        expanded_scales = None if scales_tail is None else lib.empty((total,) + scales_tail, "float32",
                                                                      self._ctx.device_id)
         expanded_rows = lib.empty((total,), "int32", self._ctx.device_id)
         if num_local_experts:
             expanded_ptrs = device_pointers(lib, (expanded_x, expanded_scales, expanded_rows, recv_x, recv_scales,
                                                  recv_topk))
-            kernel.run(stream, *expanded_ptrs, handle.num_recv_tokens)
+            kernel.run(stream, *expanded_ptrs, handle.rows)  # its received rows (no num_worst_tokens with expand)
         handle.expanded_rows = expanded_rows
         handle.expert_offsets = [0, *np.cumsum(per_expert_list).tolist()]
         return [expanded_x, expanded_scales, recv_topk, recv_weights], (expanded_x, expanded_scales, expanded_rows)
@@ -523,7 +537,10 @@ class DispatchPath:
         if verdict == -(self._ctx.rank + 1) and call.topk_array is not None:
             topk = call.topk_array
             bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
-        return verdict_error(verdict, self._ctx.rank, spec.num_experts, spec.signature, bad_ids)
+        error = verdict_error(verdict, self._ctx.rank, spec.num_experts, spec.signature, bad_ids)
+        if error is None:  # callers handle 0 (no error) and VERDICT_OVER_CAPACITY (a retry) first
+            raise DeepEPError(f"rank {self._ctx.rank}: verdict {verdict} names no error")
+        return error
 
     def cached(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream, recv_x_in_buffer=False):
         """A dispatch with an earlier dispatch's handle (``Buffer.dispatch(x, handle=...)``)."""

@@ -20,6 +20,7 @@ from ..gpu.slots import HostSlots
 from ..gpu.sm_budget import check_sm_budget
 from ..gpu.streams import StreamOrder
 from ..groups.group import Group
+from ..groups.local import ThreadGroup
 from .combine import CombinePath
 from .context import OperationContext
 from .dispatch import DispatchPath
@@ -93,8 +94,10 @@ class IntranodeEngine(Engine):
         self.ctx.attach(self.nvl, host_slots, order, peer_table_ptr)
 
     def ranks_on_gpu(self) -> int:
-        """The group's ranks on this GPU in this process (their kernels must fit on it together)."""
-        return max(1, self.group.ranks_on_device(self.device_id)) if self.group.in_process else 1
+        """The group's ranks on this GPU in this process (their kernels must fit on it together):
+        those of an in-process group (:class:`deepep_cupy.groups.local.ThreadGroup`) on it, else this one."""
+        group = self.group
+        return max(1, group.ranks_on_device(self.device_id)) if isinstance(group, ThreadGroup) else 1
 
     def check_group(self, cupy, num_rdma_bytes: int = 0) -> None:
         """Every rank on one host, one GPU each (unless in one process), with the same buffer sizes."""

@@ -12,7 +12,7 @@ and trimming each.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 from ..gpu.layout import INT_BYTES
 from ..tensors import row_bytes as output_row_bytes
@@ -152,14 +152,15 @@ class DispatchHandle:
     #: else None: a combine of x written where it put recv_x reads the ranks' rows there.
     rows_in_buffer = None
     _num_local_experts = 0
-    _device_counts = None
+    _device_counts: Optional[Tuple[Any, Any]] = None
     #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for
     #: padding) and where each local expert's group starts (local experts + 1 ints).
-    expanded_rows = expert_offsets = None
+    expanded_rows: Any = None
+    expert_offsets: Optional[List[int]] = None
     _items = None
     _ints = None
 
-    def __init__(self, lib, block, layout: HandleLayout, num_recv_tokens: int, is_token_in_rank: Any,
+    def __init__(self, lib, block, layout: HandleLayout, num_recv_tokens: Optional[int], is_token_in_rank: Any,
                  in_rank_ptr: int, owner: int):
         self.lib = lib
         self.block = block
@@ -197,13 +198,15 @@ class DispatchHandle:
     # host must not pay for arrays its caller may not read.
     @property
     def recv_count(self) -> Any:
-        return None if self._counts_views() is None else self._device_counts[0]
+        counts = self._counts_views()
+        return None if counts is None else counts[0]
 
     @property
     def recv_expert_counts(self) -> Any:
-        return None if self._counts_views() is None else self._device_counts[1]
+        counts = self._counts_views()
+        return None if counts is None else counts[1]
 
-    def _counts_views(self):
+    def _counts_views(self) -> Optional[Tuple[Any, Any]]:
         if self._device_counts is None and self.num_worst_tokens:
             start = self.layout.recv_src_idx + self.num_worst_tokens
             self._device_counts = (self._view(start + 1, (1,)),
@@ -213,7 +216,10 @@ class DispatchHandle:
     @property
     def rows(self) -> int:
         """Rows of the dispatch's outputs (what a cached dispatch returns and a combine takes)."""
-        return self.num_worst_tokens or self.num_recv_tokens
+        rows = self.num_worst_tokens or self.num_recv_tokens
+        if rows is None:  # publish_on_device gives a dispatch that never learns its count its worst-case rows
+            raise ValueError("handle: its dispatch's row count is not known")
+        return rows
 
     @property
     def num_channels(self) -> int:

@@ -23,10 +23,10 @@ class LayoutPath:
                allocate_on_comm_stream: bool):
         """``Buffer.get_dispatch_layout``: ``(per rank, per expert, in rank, event)``."""
         ctx = self._ctx
-        lib, topk_ptr, num_tokens, topk_key = read(topk_idx)
+        _, topk_ptr, num_tokens, topk_key = read(topk_idx)
         key = ("layout", topk_key, num_experts)
         plan = ctx.plans.get(key) or ctx.plans.make(key, self._layout_plan, topk_idx, num_experts)
-        R, dev = ctx.num_ranks, ctx.device_id
+        R, dev, lib = ctx.num_ranks, ctx.device_id, plan.spec.lib  # topk_idx's library: its kind is in the key
         on_comm_stream = async_finish or allocate_on_comm_stream
         with ctx.on_device, ctx.span.begin(lib, previous_event, on_comm_stream) as (caller, run_on):
             with ctx.allocating(lib, allocate_on_comm_stream):

@@ -31,7 +31,7 @@ from ..config import Config
 from ..constants import SIGNATURE_ROWS_IN_BUFFER
 from ..gpu import layout
 from ..gpu.plan_cache import MAX_PLANS, PlanCache  # noqa: F401  (re-exported: plans.PlanCache has users)
-from ..tensors import ITEMSIZE, ArrayInfo, check_array, describe
+from ..tensors import ITEMSIZE, ArrayInfo, ArrayLib, check_array, describe
 
 #: C element type of each dtype combine reduces (the tag types are defined in kernels/common.cuh).
 COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
@@ -57,12 +57,15 @@ class Rows:
     scales: Optional[ArrayInfo]
 
     @property
-    def lib(self):
+    def lib(self) -> ArrayLib:
         return self.info.lib
 
     @property
     def dtype_name(self) -> str:
-        return self.info.dtype_name
+        dtype_name = self.info.dtype_name
+        if dtype_name is None:  # check_x refused it
+            raise TypeError(f"x: expected a dtype the kernels move, got {self.info.dtype}")
+        return dtype_name
 
     @property
     def hidden(self) -> int:
@@ -97,7 +100,7 @@ class Rows:
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    lib: Any
+    lib: ArrayLib  # topk_idx's (its kind, so its library, is in the plan's key)
     num_topk: int
     num_experts: int
 
@@ -126,7 +129,7 @@ class DispatchSpec:
 
 @dataclass(frozen=True)
 class CombineSpec:
-    lib: Any
+    lib: ArrayLib  # x's (its kind, so its library, is in the plan's key)
     dtype_name: str
     hidden: int
     row_bytes: int
@@ -213,12 +216,12 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
     """Check a combine's ``x``, ``topk_weights`` and ``biases`` (from :func:`split_bias`; their
     row counts and the handle are checked per call)."""
     rows = describe(x, "x", ctx.device_id)
-    check_array(rows, "x", tuple(COMBINE_ELEMENTS), 2)
+    dtype_name = check_array(rows, "x", tuple(COMBINE_ELEMENTS), 2)
     row_bytes = check_row_bytes(rows, "x")
     for i, bias in enumerate(biases):
         if bias is not None:
             arg = f"bias[{i}]"
-            check_array(describe(bias, arg, ctx.device_id), arg, (rows.dtype_name,), 2, (None, rows.shape[1]))
+            check_array(describe(bias, arg, ctx.device_id), arg, (dtype_name,), 2, (None, rows.shape[1]))
     num_topk = 0
     if topk_weights is not None:
         weights = describe(topk_weights, "topk_weights", ctx.device_id)
@@ -227,7 +230,7 @@ def check_combine(ctx: Context, x, topk_weights, config: Config, biases: Tuple[A
         check_topk_width(num_topk, "topk_weights")
     plan = fitting_layout(functools.partial(layout.combine_layout, ctx.num_ranks, config.num_channels,
                                             row_bytes=row_bytes, num_topk=num_topk), ctx, "combine", row_bytes)
-    return CombineSpec(rows.lib, rows.dtype_name, rows.shape[1], row_bytes, num_topk, config, plan)
+    return CombineSpec(rows.lib, dtype_name, rows.shape[1], row_bytes, num_topk, config, plan)
 
 
 def call_check_arguments(op: int, row_bytes: int, row_detail: int, config: Config, lay) -> Dict[str, int]:
@@ -247,6 +250,11 @@ def received_arrays(spec: DispatchSpec) -> tuple:
             None if rows.scales is None else (rows.scales_tail, "float32"),
             ((k,), "int64") if k else None,
             ((k,), "float32") if spec.with_weights else None)
+
+
+#: What a fresh dispatch raises when its plan lacks a kernel or an output every plan of a fresh
+#: dispatch has (``DispatchPath._fresh_plan`` binds them; the other operations' plans lack them).
+NOT_A_FRESH_PLAN = "dispatch: the plan is no fresh dispatch's (it lacks a kernel or an output a fresh dispatch's has)"
 
 
 class Plan(NamedTuple):

@@ -4,7 +4,7 @@ rows in place leaves in the buffer's areas."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..config import peer_blocks_in_place, sender_blocks
 from ..gpu.launch import KernelCall
@@ -64,14 +64,15 @@ def bind_transfer(ctx: OperationContext, spec: plans.DispatchSpec, per_call: Tup
     check nor a count exchange of its own unless ``fixed`` binds one (``check_op``: a cached
     dispatch; ``exchange``: a fresh one's counts, whose per-call values each launch then gives)."""
     lay, config = spec.layout, spec.config
-    checks = dict(check_op=0, row_bytes=0, row_detail=0, num_sms=0, recv_chunk=0, zero_off=0, zero_count=0,
-                  dispatch_verdict=None, exchange=0, topk_code=0, expert_alignment=0)
+    # Any: kernel arguments (ints, None for a null pointer), joining bind's keywords (grid, shared_mem).
+    checks: Dict[str, Any] = dict(check_op=0, row_bytes=0, row_detail=0, num_sms=0, recv_chunk=0, zero_off=0,
+                                  zero_count=0, dispatch_verdict=None, exchange=0, topk_code=0, expert_alignment=0)
     if not fixed.get("exchange"):
         checks.update(num_tokens_per_rank=None, num_tokens_per_expert=None, recv_capacity=0, recv_counter=None,
                       mismatch_flag=None, recv_expert_counter=None, report_refusal=0)
     checks.update(fixed)
     checks = {name: value for name, value in checks.items() if name not in per_call}
-    template_args = (ctx.num_ranks, "true") if spec.rows.scales_strided else (ctx.num_ranks,)
+    template_args: Tuple[object, ...] = (ctx.num_ranks, "true") if spec.rows.scales_strided else (ctx.num_ranks,)
     if spec.rows_in_buffer:
         template_args = (ctx.num_ranks, "true" if spec.rows.scales_strided else "false", "true")
     num_senders = (peer_blocks_in_place(config.num_sms, ctx.num_ranks) if spec.rows_in_buffer
