@@ -10,7 +10,6 @@ import numpy as np
 from .engine import Engine
 from .gpu.device_scope import DeviceScope
 from .groups.group import Group
-from .groups.local import ThreadGroup
 from .groups.nodes import discover_topology
 from .internode.factory import create_internode_path
 from .intranode.engine import IntranodeEngine
@@ -72,7 +71,7 @@ def _internode_engine(group: Group, s: Settings) -> Optional[Engine]:
         topology = discover_topology(group, s.ranks_per_node)
         if topology.num_nodes == 1:
             return None
-        shares_gpu = isinstance(group, ThreadGroup) and group.ranks_on_device(s.device_id) > 1
+        shares_gpu = group.ranks_on_device(s.device_id) > 1
         return create_internode_path(
             group, topology, device_id=s.device_id, timeout_s=s.timeout_s, transport_kind=s.internode_transport,
             shares_gpu=shares_gpu,

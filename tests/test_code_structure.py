@@ -7,6 +7,7 @@ leaves import nothing of ours, the references stay NumPy, and no module is over 
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,80 @@ def test_every_optional_import_of_the_tests_follows_the_ci_rule():
     calling = sorted(str(p.relative_to(tests)) for p in tests.rglob("*.py")
                      if p.name != "test_code_structure.py" and "importorskip(" in p.read_text())
     assert calling == []
+
+
+def _package_sources():
+    return {module: source_of(module).read_text() for module in modules()}
+
+
+def _calls_named(module: str, name: str) -> bool:
+    tree = ast.parse(source_of(module).read_text())
+    return any(isinstance(node, ast.Call) and (getattr(node.func, "id", None) == name
+                                               or getattr(node.func, "attr", None) == name)
+               for node in ast.walk(tree))
+
+
+def test_no_buffer_is_made_below_the_entry_points_but_by_buffer_py():
+    # The internode path gets an intranode engine for its node, never a Buffer of its own.
+    makers = sorted(m for m in modules() if layer_of(m) < layer_of("__init__") and m != "buffer"
+                    and _calls_named(m, "Buffer"))
+    assert makers == []
+
+
+def _private_names_defined() -> dict:
+    """Per private name defined in the package (a function, class, or attribute set on ``self``),
+    the folders (top-level names) of the modules that define it."""
+    defined: dict = {}
+    for module in modules():
+        for node in ast.walk(ast.parse(source_of(module).read_text())):
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names = [node.attr]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    defined.setdefault(name, set()).add(module.split(".")[0])
+    return defined
+
+
+@pytest.mark.parametrize("module", [m for m in modules() if layer_of(m) < layer_of("buffer")])
+def test_nothing_below_the_facade_reads_another_layers_private_names(module):
+    defined, folder = _private_names_defined(), module.split(".")[0]
+    read = set()
+    for node in ast.walk(ast.parse(source_of(module).read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            read.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            read.update(alias.name for alias in node.names)
+    foreign = {name for name in read if name in defined and folder not in defined[name]}
+    assert foreign == set()
+
+
+def test_one_call_span_orders_every_call():
+    # StreamOrder.begin (which orders a call after the caller's stream) and abandon are called by
+    # the call span alone; every path opens its calls with CallSpan.begin.
+    callers = sorted(m for m, source in _package_sources().items()
+                     if re.search(r"\border\.(begin|abandon)\(", source) and m != "gpu.call_span")
+    assert callers == []
+    for path in ("intranode.dispatch", "intranode.combine", "intranode.layout_call", "internode.path",
+                 "low_latency.path"):
+        assert "span.begin(" in source_of(path).read_text(), path
+
+
+def test_one_module_holds_the_shared_argument_checks():
+    shared = {node.name for node in ast.parse(source_of("checks").read_text()).body
+              if isinstance(node, ast.FunctionDef)}
+    defined_twice = sorted((m, node.name) for m in modules() if m != "checks"
+                           for node in ast.walk(ast.parse(source_of(m).read_text()))
+                           if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") in shared)
+    assert defined_twice == []
+    assert [m for m in modules() if m.split(".")[-1] == "checks"] == ["checks"]
+
+
+def test_one_handle_check_says_what_a_handle_must_be():
+    raising = sorted(m for m, source in _package_sources().items()
+                     if "handle: expected the handle returned by" in source)
+    assert raising == ["checks"]

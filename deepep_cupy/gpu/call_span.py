@@ -61,6 +61,11 @@ class CallSpan:
         self.run_on = self.order.begin(caller, previous_event, on_comm_stream, self.rank)
         return self
 
+    def abandon(self) -> None:
+        """A round that stops early after queueing work on the call's stream (a dispatch redone with
+        exact sizes): later calls and destroy() come after that work."""
+        self.order.abandon(self.run_on)
+
     def finish(self, lib, async_finish: bool, arrays, outputs=(), allocated_on_comm: bool = False) -> EventOverlap:
         """Hand the caller the call's results, or an event for them (``StreamOrder.finish``)."""
         check = None if self._slots is None else self._slots.raise_if_failed

@@ -59,6 +59,11 @@ class Group(abc.ABC):
         """The name of the node this rank runs on (used to check that all ranks share one node)."""
         return socket.gethostname()
 
+    def ranks_on_device(self, device_id: int) -> int:
+        """How many ranks of this group this process runs on CUDA device ``device_id``: 1 where each
+        rank is a process of its own (an in-process group counts its ranks there)."""
+        return 1
+
     def split(self, partition: Sequence[Sequence[int]]) -> "Group":
         """Split the group into disjoint sub-groups (collective over the whole group).
 

@@ -40,7 +40,8 @@ def check_unavailable(expand: bool, recv_x_in_buffer: bool, config) -> None:
     checks.check_config(config)
 
 
-def check_handle(handle, owner: int) -> InternodeHandle:
+def internode_handle(handle, owner: int) -> InternodeHandle:
+    """``handle`` as an internode dispatch of the Buffer ``owner`` made it."""
     return checks.check_handle(handle, InternodeHandle, "Buffer.dispatch", owner)
 
 
@@ -59,7 +60,7 @@ def check_cached(x, handle, num_worst_tokens, expand, recv_x_in_buffer, config, 
     info, scales_info = checks.check_x(x, device_id)
     if num_worst_tokens:
         raise ValueError("num_worst_tokens: a cached dispatch receives the handle's row count; pass 0")
-    handle = check_handle(handle, owner)
+    handle = internode_handle(handle, owner)
     if info.shape[0] != handle.num_tokens:
         raise ValueError(f"x: expected {handle.num_tokens} rows (the tokens of the handle's dispatch), got "
                          f"{info.shape[0]}")
@@ -107,7 +108,7 @@ def check_fresh(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weigh
 def check_combine(x, handle, topk_weights, bias, config, *, device_id: int, owner: int):
     """A combine's arguments: ``(handle, x's info, weights' info or None, the biases' CuPy views)``."""
     checks.check_config(config)
-    handle = check_handle(handle, owner)
+    handle = internode_handle(handle, owner)
     info = describe(x, "x", device_id)
     dtype_name = check_array(info, "x", COMBINE_DTYPES, 2)
     if info.shape[0] != handle.rows:

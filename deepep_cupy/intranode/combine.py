@@ -55,7 +55,7 @@ class CombinePath:
         plan = ctx.plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
             plan = ctx.plans.make(key, self._combine_plan, x, topk_weights, config, biases, in_place)
-        ctx.check_handle(handle, config)
+        ctx.handle_for(handle, config)
         if n != handle.rows:
             received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
             raise ValueError(f"x: expected {handle.rows} rows ({received}), got {n}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Dict, Optional, Tuple
 
+from ..checks import check_handle
 from ..config import Config
 from ..gpu import launch, slots
 from ..gpu.call_span import CallSpan
@@ -106,13 +107,10 @@ class OperationContext:
                 raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
                                  "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
 
-    def check_handle(self, handle, config: Config) -> DispatchHandle:
+    def handle_for(self, handle, config: Config) -> DispatchHandle:
         """``handle`` as a cached dispatch or a combine with ``config`` may use it."""
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle: expected the handle returned by Buffer.dispatch, got {type(handle).__name__}")
-        if handle.owner != self.owner:
-            raise ValueError("handle: it was made by another Buffer; a handle is only valid on the Buffer "
-                             "whose dispatch returned it")
+        if type(handle) is not DispatchHandle or handle.owner != self.owner:  # no call on the steady path
+            check_handle(handle, DispatchHandle, "Buffer.dispatch", self.owner)
         if handle.num_channels != config.num_channels:
             raise ValueError(f"config: the handle was made with another num_sms ({handle.num_channels} channels; "
                              f"num_sms={config.num_sms} makes {config.num_channels}); dispatch and combine must use "

@@ -392,7 +392,7 @@ class DispatchPath:
             verdict = ctx.slots.verdict()
             ordered.settled = True
             if verdict == VERDICT_OVER_CAPACITY:
-                ctx.order.abandon(run_on)  # the transfer moved nothing
+                ordered.abandon()  # the transfer moved nothing
                 return num_recv
             if verdict:
                 raise self._verdict_error(verdict, call)
@@ -554,7 +554,7 @@ class DispatchPath:
         plan = ctx.plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:
             plan = ctx.plans.make(key, self._cached_plan, x, config, recv_x_in_buffer)
-        ctx.check_handle(handle, config)
+        ctx.handle_for(handle, config)
         if n != handle.num_tokens:
             raise ValueError(f"x: the handle routes {handle.num_tokens} tokens, got {n}")
         num_recv = handle.rows

@@ -16,11 +16,11 @@ from ..errors import RankMismatchError
 from ..events import EventOverlap
 from ..gpu import kernels
 from ..gpu.ipc import NvlBuffer
+from ..gpu.local_buffer import local_buffer_tensor
 from ..gpu.slots import HostSlots
 from ..gpu.sm_budget import check_sm_budget
 from ..gpu.streams import StreamOrder
 from ..groups.group import Group
-from ..groups.local import ThreadGroup
 from .combine import CombinePath
 from .context import OperationContext
 from .dispatch import DispatchPath
@@ -94,10 +94,8 @@ class IntranodeEngine(Engine):
         self.ctx.attach(self.nvl, host_slots, order, peer_table_ptr)
 
     def ranks_on_gpu(self) -> int:
-        """The group's ranks on this GPU in this process (their kernels must fit on it together):
-        those of an in-process group (:class:`deepep_cupy.groups.local.ThreadGroup`) on it, else this one."""
-        group = self.group
-        return max(1, group.ranks_on_device(self.device_id)) if isinstance(group, ThreadGroup) else 1
+        """The group's ranks on this GPU in this process (their kernels must fit on it together)."""
+        return max(1, self.group.ranks_on_device(self.device_id))
 
     def check_group(self, cupy, num_rdma_bytes: int = 0) -> None:
         """Every rank on one host, one GPU each (unless in one process), with the same buffer sizes."""
@@ -191,6 +189,11 @@ class IntranodeEngine(Engine):
             self.ctx.bind("barrier_kernel", grid=1).run(stream)
             order.synchronize()
             slots.raise_if_failed()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
+        if use_rdma_buffer:
+            self.unsupported("get_local_buffer_tensor(use_rdma_buffer=True)", "low-latency")
+        return local_buffer_tensor(self.nvl, dtype, size, offset)
 
     # -----------------------------------------------------------------------------------------
     # Properties

@@ -6,10 +6,10 @@
 and :mod:`.local_buffer` gives a rank's buffer as an array.
 """
 
-from .checks import clean_arguments
+from ..gpu.local_buffer import local_buffer_tensor
+from .arguments import clean_arguments
 from .handle import LowLatencyHandle
 from .layout import LowLatencyLayout, get_low_latency_rdma_size_hint
-from .local_buffer import local_buffer_tensor
 from .path import LowLatencyPath
 
 __all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "clean_arguments",

@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional
 
 from ..engine import Engine
 from ..errors import DeepEPError
-from .path import LowLatencyPath, clean_arguments, local_buffer_tensor
+from ..gpu.local_buffer import local_buffer_tensor
+from .path import LowLatencyPath, clean_arguments
 
 
 class LowLatencyEngine(Engine):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["LowLatencyHandle", "check_handle"]
+from .. import checks
+
+__all__ = ["LowLatencyHandle", "low_latency_handle"]
 
 
 class LowLatencyHandle(NamedTuple):
@@ -22,7 +24,6 @@ class LowLatencyHandle(NamedTuple):
     num_experts: int
 
 
-def check_handle(handle: Any) -> None:
+def low_latency_handle(handle: Any) -> None:
     """Raise unless ``handle`` is a low-latency dispatch's."""
-    if not isinstance(handle, LowLatencyHandle):
-        raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, got {type(handle).__name__}")
+    checks.check_handle(handle, LowLatencyHandle, "low_latency_dispatch")

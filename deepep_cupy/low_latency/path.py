@@ -31,7 +31,7 @@ a second combine can be written while the first one's send still reads its own.
 
 The path's parts: :mod:`.layout` (where the data lie, the size hint), :mod:`.checks` (the sizes'
 checks), :mod:`.handle`, :mod:`.receive_hooks`, :mod:`.rank_mask` (shrink mode) and
-:mod:`.local_buffer` (DeepEP's ``get_local_buffer_tensor``); this module keeps the calls, and names
+:mod:`deepep_cupy.gpu.local_buffer` (DeepEP's ``get_local_buffer_tensor``); this module keeps the calls, and names
 the ones the Buffer imports from it.
 """
 
@@ -49,14 +49,15 @@ from ..constants import (
     UE8M0_PER_INT,
 )
 from ..gpu import launch
+from ..gpu.call_span import CallSpan
 from ..gpu.launch import KernelCall
+from ..gpu.local_buffer import local_buffer_tensor
 from ..gpu.plan_cache import PlanCache
 from ..gpu.slots import ERROR_RECORD
 from ..tensors import ArrayLib, check_array, check_int, describe, read
-from .checks import check_logfmt, checked_layout, clean_arguments
-from .handle import LowLatencyHandle, check_handle
+from .arguments import check_logfmt, checked_layout, clean_arguments
+from .handle import LowLatencyHandle, low_latency_handle
 from .layout import SHRINK_WORDS_END, LowLatencyLayout, get_low_latency_rdma_size_hint, logfmt_unroll
-from .local_buffer import local_buffer_tensor
 from .rank_mask import RankMask
 from .receive_hooks import OwedReceives, receive_hook
 
@@ -112,6 +113,7 @@ class LowLatencyPath:
         self.rank, self.num_ranks, self.device_id = rank, num_ranks, device_id
         self._order = order
         self._slots = slots
+        self._span = CallSpan(order, device_id, rank, slots=slots, mark_gave_up=getattr(owner, "mark_gave_up", None))
         self.num_sms = num_sms
         self.enable_shrink = bool(enable_shrink)
         self._on_device = on_device
@@ -280,15 +282,11 @@ class LowLatencyPath:
         """Launch the call (both phases, or with ``return_recv_hook`` the send), ordered as every call
         of the Buffer (deepep_cupy/gpu/streams.py); its event and its hook (the receive, then owed by the
         op) or None."""
-        caller = lib.current_stream(self.device_id)
-        run_on = self._order.begin(caller, None, async_finish, self.rank)
-        try:
-            (plan.send if return_recv_hook else plan.both).run(run_on, *values)
-        except BaseException:
-            self._order.abandon(run_on)
-            raise
-        event = self._order.finish(caller, run_on, lib, async_finish, arrays, outputs, False,
-                                   self._slots.raise_if_failed)
+        with self._span.begin(lib, None, async_finish) as span:
+            span.launched = True
+            (plan.send if return_recv_hook else plan.both).run(span.run_on, *values)
+            span.settled = True
+            event = span.finish(lib, async_finish, arrays, outputs)
         if not return_recv_hook:
             return event, None
         return event, receive_hook(plan.receive, lib, values, arrays, owed, order=self._order, slots=self._slots,
@@ -303,7 +301,7 @@ class LowLatencyPath:
         """See :meth:`deepep_cupy.Buffer.low_latency_combine`."""
         self._slots.raise_if_failed()
         self._owed_combine.check_call(return_recv_hook)
-        check_handle(handle)
+        low_latency_handle(handle)
         use_logfmt = bool(use_logfmt)
         if use_logfmt:
             check_logfmt(handle.hidden, zero_copy)
@@ -382,7 +380,7 @@ class LowLatencyPath:
         """The zero-copy area the next combine sends from, as ``[L, R * M, hidden]`` BF16 of the handle's
         library: rows written there are what the next ``combine(..., zero_copy=True)`` sends (its ``x``
         is then only checked for shape). The two areas alternate per combine call (DeepEP's halves)."""
-        check_handle(handle)
+        low_latency_handle(handle)
         lib = tensors.lib_of(handle.src_info)
         if lib is None:
             raise TypeError(f"handle.src_info: expected the CuPy array or PyTorch tensor a low-latency dispatch "

@@ -1,4 +1,5 @@
-"""DeepEP's ``Buffer.get_local_buffer_tensor``: a rank's own buffer as an array the caller writes."""
+"""DeepEP's ``Buffer.get_local_buffer_tensor``: a rank's own buffer (the NVLink buffer or the
+low-latency one) as an array the caller writes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ __all__ = ["local_buffer_tensor"]
 
 def local_buffer_tensor(source: Any, dtype: Any, size: Any = None, offset: int = 0):
     """DeepEP's ``Buffer.get_local_buffer_tensor``: this rank's buffer (``source``: the Buffer's
-    NvlBuffer, or its LowLatencyPath for ``use_rdma_buffer=True``) as a 1-D array of ``dtype`` (a
+    NvlBuffer, or its low-latency path's for ``use_rdma_buffer=True``: anything with ``local_ptr``,
+    ``num_bytes`` and ``device_id``) as a 1-D array of ``dtype`` (a
     ``torch.dtype`` gives a tensor, any other dtype a CuPy array) from byte ``offset`` (DeepEP's C++
     offsets the pointer in bytes) to the end of the buffer, or its first ``size`` elements shaped as
     ``size``. A view: writes land in the buffer."""
