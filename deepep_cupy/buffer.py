@@ -97,7 +97,7 @@ class Buffer:
             where a host's GPUs cannot map each other's memory (:mod:`deepep_cupy.groups.nodes`).
         internode_transport: (internode) ``"nccl"``, ``"mpi"`` or ``"local"`` (in-process ranks);
             default: ``DEEPEP_CUPY_TRANSPORT``, else chosen from the group
-            (:func:`deepep_cupy.transports.rail.make_transport`).
+            (:func:`deepep_cupy.transports.make_transport`).
 
     Attributes:
         group: the group as it was given (the ProcessGroup, communicator or Group).

@@ -361,7 +361,8 @@ class _Router:
     def __call__(self, call, stream_ptr):
         for buf, launches in self.routes:
             planned = (c for p in buf._engine.ctx.plans.values()
-                       for c in (p.main, p.notify, p.main_with_exchange, p.main_for_host, p.refuse))
+                       for c in (getattr(p, name, None) for name in ("main", "notify", "main_with_exchange",
+                                                                      "main_for_host", "refuse")))
             expand_calls = buf._engine.dispatch_path._expand_calls.values()
             if any(call is c for c in planned) or any(call is c for c in expand_calls):
                 return launches(call, stream_ptr)

@@ -223,7 +223,7 @@ def test_one_call_span_orders_every_call():
     # StreamOrder.begin (which orders a call after the caller's stream) and abandon are called by
     # the call span alone; every path opens its calls with CallSpan.begin.
     callers = sorted(m for m, source in _package_sources().items()
-                     if re.search(r"\border\.(begin|abandon)\(", source) and m != "gpu.call_span")
+                     if re.search(r"order\.(begin|abandon)\(", source) and m != "gpu.call_span")
     assert callers == []
     for path in ("intranode.dispatch", "intranode.combine", "intranode.layout_call", "internode.path",
                  "low_latency.path"):

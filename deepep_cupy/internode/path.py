@@ -98,7 +98,7 @@ class InternodePath(Engine):
 
     Args:
         topology: this rank's :class:`deepep_cupy.groups.nodes.NodeTopology` (more than one node).
-        transport: the rail's :class:`deepep_cupy.transports.rail.RailTransport` (one rank per node,
+        transport: the rail's :class:`deepep_cupy.transports.RailTransport` (one rank per node,
             ``transport.rank`` = this rank's node).
         device_id: the GPU.
         intranode: the engine of the node's sub-group (an

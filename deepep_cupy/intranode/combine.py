@@ -131,4 +131,4 @@ class CombinePath:
         fixed.pop("check_op")
         refuse = self._ctx.bind("combine_kernel", template_args, grid=config.num_sms, per_call=REFUSE_PER_CALL,
                                 **fixed)
-        return plans.Plan(spec, None, main, 1 + (spec.num_topk > 0), refuse=refuse)
+        return plans.CombinePlan(spec, main, 1 + (spec.num_topk > 0), refuse)

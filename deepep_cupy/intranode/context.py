@@ -1,11 +1,12 @@
-"""What every operation of an intranode Buffer shares: its rank group and GPU, its NVLink buffer,
+"""What the operations of an intranode engine share: its rank group and GPU, its NVLink buffer,
 host-mapped slots and stream order, the kernel arguments every launch carries, the plans made so
-far, and the span of one call (:class:`deepep_cupy.gpu.call_span.CallSpan`).
+far, the span of one call (:class:`deepep_cupy.gpu.call_span.CallSpan`), and the state dispatch
+and combine hand each other (which dispatch's rows lie in the buffer's areas, where a count
+exchange publishes the counts).
 
-The Buffer makes one :class:`OperationContext` and hands it to each operation path it owns (the
-dispatch path, the combine path); the paths take everything they share from it, explicitly, and
-never from the Buffer. It knows no operation: binding, planning, ordering and finishing a call are
-the same for all of them.
+The engine (:class:`deepep_cupy.intranode.engine.IntranodeEngine`) makes one
+:class:`OperationContext` and hands it to each operation path it owns (layout, dispatch,
+combine); the paths take everything they share from it, explicitly, and never from the engine.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from .capacity import ReceiveCapacityGuess
 from .context import OperationContext
 from .handle import DispatchHandle, KeptOutputs, handle_layout, kept_outputs
 from .next_outputs import NextOutputs, ReadyOutputs, prepared_rows
-from .plans import Plan
+from .plans import CachedDispatchPlan, FreshDispatchPlan
 from .transfer import (
     bind_transfer,
     check_recv_rows_fit,
@@ -99,7 +99,7 @@ def checked_in_buffer(recv_x_in_buffer) -> bool:
 
 class DispatchCall(NamedTuple):
     """One fresh dispatch's arguments as the kernels take them."""
-    plan: Plan
+    plan: FreshDispatchPlan
     lib: Any
     num_tokens: int
     x: int
@@ -233,10 +233,7 @@ class DispatchPath:
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
                 launch.fill_bytes(pointers[2], 0xFF, rows * spec.num_topk * 8, run_on)
-            main_with_exchange = plan.main_with_exchange
-            if main_with_exchange is None:
-                raise TypeError(plans.NOT_A_FRESH_PLAN)
-            self._launch_transfer(run_on, main_with_exchange, call, pointers, handle,  # EXCHANGE_PER_CALL
+            self._launch_transfer(run_on, plan.main_with_exchange, call, pointers, handle,  # EXCHANGE_PER_CALL
                                   call.per_rank, call.per_expert, rows, handle.recv_count_ptr, handle.verdict_ptr,
                                   handle.recv_expert_counts_ptr)
             ordered.settled = True
@@ -248,10 +245,7 @@ class DispatchPath:
 
     def _launch_notify(self, stream: int, call: DispatchCall, handle: DispatchHandle, recv_capacity: int) -> None:
         """notify_dispatch of a fresh dispatch whose host waits for the counts (in the slots)."""
-        notify = call.plan.notify
-        if notify is None:
-            raise TypeError(plans.NOT_A_FRESH_PLAN)
-        notify.run(stream, call.per_rank, call.per_expert, call.in_rank, handle.rank_prefix_ptr,
+        call.plan.notify.run(stream, call.per_rank, call.per_expert, call.in_rank, handle.rank_prefix_ptr,
                    handle.channel_prefix_ptr, recv_capacity, call.topk, call.num_tokens)
 
     def _read_fresh(self, x, per_rank, in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
@@ -304,11 +298,11 @@ class DispatchPath:
         outputs = plans.received_arrays(spec)
         lib = spec.rows.lib
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
-        return Plan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
-                    output_windows(self._ctx, lib, spec, outputs), main_for_host,
-                    ahead_row_bytes(outputs, kept, spec.rows_in_buffer), None,
-                    refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels),
-                    ctx.num_ranks * lay.region_tokens)
+        return FreshDispatchPlan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
+                                 output_windows(self._ctx, lib, spec, outputs), main_for_host,
+                                 ahead_row_bytes(outputs, kept, spec.rows_in_buffer),
+                                 refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels),
+                                 ctx.num_ranks * lay.region_tokens)
 
     def _exchange_and_transfer(self, call: DispatchCall, rows: int, rows_guessed: Optional[int], previous_event,
                                async_finish: bool, allocate_on_comm_stream: bool, expand: bool = False):
@@ -365,10 +359,7 @@ class DispatchPath:
             kernel_done = event = None
             ordered.launched = True
             if ctx.exchange_in_transfer:
-                main_for_host = plan.main_for_host
-                if main_for_host is None:
-                    raise TypeError(plans.NOT_A_FRESH_PLAN)
-                self._launch_transfer(run_on, main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
+                self._launch_transfer(run_on, plan.main_for_host, call, pointers, handle,  # HOST_EXCHANGE_PER_CALL
                                       call.per_rank, call.per_expert, rows)
             else:
                 self._launch_notify(run_on, call, handle, rows)
@@ -426,8 +417,6 @@ class DispatchPath:
         the exception leaves it."""
         code = host_failure_code(failure)
         plan = call.plan
-        if plan.notify is None or plan.refusal_scratch is None:
-            raise TypeError(plans.NOT_A_FRESH_PLAN)
         scratch = plan.refusal_scratch[1]
         self._ctx.slots.start_dispatch()
         plan.notify.run(run_on, call.per_rank, call.per_expert, call.in_rank, scratch,
@@ -444,7 +433,7 @@ class DispatchPath:
                                   "every other rank raises PeerFailedError at its next call" if peers_raise_later
                                   else "every other rank raises PeerFailedError from it")
 
-    def _outputs_ahead(self, lib, plan: Plan, kept_ptr: int, rows: int,
+    def _outputs_ahead(self, lib, plan: FreshDispatchPlan, kept_ptr: int, rows: int,
                        on_comm_stream: bool) -> Tuple[Optional[list], list]:
         """``(outputs, their addresses)`` of a dispatch allocating ``rows`` rows ahead of its count
         (see :meth:`_exchange_and_transfer`), whose handle's allocation keeps its other outputs from
@@ -459,12 +448,13 @@ class DispatchPath:
                 return outputs, device_pointers(lib, outputs)
             recv_x_output = plan.outputs[0]
             if recv_x_output is None:  # plans.received_arrays: a dispatch always returns recv_x
-                raise TypeError(plans.NOT_A_FRESH_PLAN)
+                raise TypeError("dispatch: a plan without recv_x")
             x_tail, x_dtype = recv_x_output
             recv_x = lib.empty((rows, *x_tail), x_dtype, self._ctx.device_id)
         return [recv_x], [lib.pointer(recv_x), *kept.pointers(kept_ptr, rows)]
 
-    def _allocate_handle(self, lib, plan: Plan, layout, rows: int, on_comm_stream: bool) -> Tuple[DispatchHandle, int]:
+    def _allocate_handle(self, lib, plan: FreshDispatchPlan, layout, rows: int,
+                         on_comm_stream: bool) -> Tuple[DispatchHandle, int]:
         """``(handle, byte offset of the outputs it keeps)`` of a fresh dispatch, on a new allocation
         with room for ``rows`` received rows (0 for a round sized by its count exchange) and the
         outputs ``plan.kept_outputs`` names;
@@ -475,7 +465,8 @@ class DispatchPath:
             block = lib.empty((words,), "int64", self._ctx.device_id)
         return DispatchHandle(lib, block, layout, 0, None, 0, self._ctx.owner), kept_offset
 
-    def _prepare_next(self, lib, plan: Plan, layout, rows_guessed: int, caller: int, on_comm_stream: bool) -> None:
+    def _prepare_next(self, lib, plan: FreshDispatchPlan, layout, rows_guessed: int, caller: int,
+                      on_comm_stream: bool) -> None:
         """Allocate the next call's handle and outputs (``next_outputs.py``) for a call like this
         one, whose receive count was guessed at ``rows_guessed`` rows, unless they would take more
         than ``next_outputs.MAX_BYTES``. Allocations that fail are not made: the next call makes
@@ -596,5 +587,5 @@ class DispatchPath:
         checks.pop("check_op")
         refuse = bind_transfer(self._ctx, spec, CACHED_REFUSE_PER_CALL, **checks, **unused)
         outputs = plans.received_arrays(spec)
-        return Plan(spec, None, main, 1 + (spec.rows.scales is not None), outputs,
-                    windows=output_windows(self._ctx, spec.rows.lib, spec, outputs), refuse=refuse)
+        return CachedDispatchPlan(spec, main, 1 + (spec.rows.scales is not None), outputs,
+                                  output_windows(self._ctx, spec.rows.lib, spec, outputs), refuse)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any, List, NamedTuple, Optional, Tuple
 
-from ..gpu.layout import INT_BYTES
+from ..gpu.layout import INT_BYTES, DispatchLayout
 from ..tensors import row_bytes as output_row_bytes
 
 #: Bytes of an element of a handle's allocation: int64 words, so that the outputs a dispatch keeps
@@ -97,7 +97,7 @@ class KeptOutputs(NamedTuple):
 
 
 def kept_outputs(outputs) -> KeptOutputs:
-    """:class:`KeptOutputs` of a dispatch returning ``outputs`` (:attr:`deepep_cupy.intranode.plans.Plan.outputs`)."""
+    """:class:`KeptOutputs` of a dispatch returning ``outputs`` (a dispatch plan's ``outputs``)."""
     _, scales, topk, weights = outputs
     regions = {}
     row_bytes = 0
@@ -150,7 +150,7 @@ class DispatchHandle:
     verdict_ptr = recv_count_ptr = recv_expert_counts_ptr = 0
     #: The buffer layout of the dispatch when it wrote its rows in place (``recv_x_in_buffer``),
     #: else None: a combine of x written where it put recv_x reads the ranks' rows there.
-    rows_in_buffer = None
+    rows_in_buffer: Optional[DispatchLayout] = None
     _num_local_experts = 0
     _device_counts: Optional[Tuple[Any, Any]] = None
     #: Set by a dispatch with ``expand=True``: the received row each expanded row copies (-1 for

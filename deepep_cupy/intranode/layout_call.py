@@ -40,10 +40,10 @@ class LayoutPath:
                                allocate_on_comm_stream)
         return per_rank, per_expert, in_rank, event
 
-    def _layout_plan(self, topk_idx, num_experts) -> plans.Plan:
+    def _layout_plan(self, topk_idx, num_experts) -> plans.LayoutPlan:
         spec = plans.check_layout(self._ctx.checks, topk_idx, num_experts)
         main = self._ctx.bind("dispatch_layout_kernel", grid=1, shared_mem=4 * (spec.num_experts + self._ctx.num_ranks),
                               per_call=("topk_idx", "num_tokens_per_rank", "num_tokens_per_expert",
                                         "is_token_in_rank", "num_tokens"),
                               num_topk=spec.num_topk, num_experts=spec.num_experts)
-        return plans.Plan(spec, None, main)
+        return plans.LayoutPlan(spec, main)

@@ -1,9 +1,12 @@
-"""Argument checks, and the specs they produce for the operations to cache.
+"""The intranode operations' specs and plans: what their argument checks produce for the engine to cache.
 
-Every check here is complete: it reads the arguments with :func:`deepep_cupy.tensors.describe`
-and raises ``TypeError``/``ValueError`` naming the argument before anything runs. What it returns
-is a frozen *spec*: everything an operation needs to know about arguments of those kinds (element
-type, row size, top-k width, buffer layout, the settings ranks compare). A Buffer keeps the spec,
+Every check here is complete: built on the shared ones (:mod:`deepep_cupy.checks`), it reads the
+arguments with :func:`deepep_cupy.tensors.describe` and raises ``TypeError``/``ValueError`` naming
+the argument before anything runs. What it returns is a frozen *spec*: everything an operation
+needs to know about arguments of those kinds (element type, row size, top-k width, buffer layout,
+the settings ranks compare). A plan is a spec with its kernels bound, one record per operation
+(:class:`LayoutPlan`, :class:`FreshDispatchPlan`, :class:`CachedDispatchPlan`,
+:class:`CombinePlan`). The intranode engine keeps the plan,
 with its kernel calls bound, under the key :func:`deepep_cupy.tensors.read` gives the arguments,
 so later calls with arguments of the same kinds skip the checks: a key holds everything the
 checks look at except the row counts, which the fast path compares itself.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 from ..checks import (
     check_expert_alignment,
@@ -30,8 +33,10 @@ from ..checks import (
 from ..config import Config
 from ..constants import SIGNATURE_ROWS_IN_BUFFER
 from ..gpu import layout
+from ..gpu.launch import KernelCall
 from ..gpu.plan_cache import MAX_PLANS, PlanCache  # noqa: F401  (re-exported: plans.PlanCache has users)
 from ..tensors import ITEMSIZE, ArrayInfo, ArrayLib, check_array, describe
+from .handle import KeptOutputs
 
 #: C element type of each dtype combine reduces (the tag types are defined in kernels/common.cuh).
 COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
@@ -252,40 +257,66 @@ def received_arrays(spec: DispatchSpec) -> tuple:
             ((k,), "float32") if spec.with_weights else None)
 
 
-#: What a fresh dispatch raises when its plan lacks a kernel or an output every plan of a fresh
-#: dispatch has (``DispatchPath._fresh_plan`` binds them; the other operations' plans lack them).
-NOT_A_FRESH_PLAN = "dispatch: the plan is no fresh dispatch's (it lacks a kernel or an output a fresh dispatch's has)"
+#: Per output of a dispatch: ``(extents after the rows, dtype name)``, None for one it does not return.
+Output = Optional[Tuple[Tuple[int, ...], str]]
 
 
-class Plan(NamedTuple):
-    """A checked spec with its kernels bound: ``notify`` (a fresh dispatch's count exchange; None
-    for the other operations) and ``main``; ``row_args``: how many of the call's arrays must have
-    the first one's rows; ``outputs``: ``(extents after the rows, dtype name)`` of each array the
-    call returns per received row (None for one it does not return); ``main_with_exchange``: a
-    fresh dispatch's ``main`` making the count exchange itself (one launch instead of two, for a
-    dispatch whose host does not wait for the counts); ``kept_outputs``: where a fresh dispatch
-    allocating ahead keeps its outputs other than ``recv_x`` in the handle's allocation (None when
-    its array library does not carve them: ``ArrayLib.carves_outputs``); ``windows``: per output,
-    an array of its type over every row of its area in this rank's NVLink buffer, of which a
-    dispatch writing its rows in place returns the first rows (None for a dispatch that allocates
-    its outputs); ``main_for_host``: a fresh dispatch's ``main`` making the count exchange itself for
-    a host that waits for the counts in its slots (one launch, where ``notify`` and ``main`` are
-    two); ``ahead_row_bytes``: bytes per received row a fresh dispatch allocating ahead
-    allocates (``dispatch_path.ahead_row_bytes``); ``refuse``: a fresh dispatch's count exchange
-    for a host that takes part only to refuse the call, writing its prefix matrices into
-    ``refusal_scratch`` (``dispatch_path.DispatchPath._refuse``); ``most_recv_rows``: the most rows a
-    rank can receive in a fresh dispatch (every rank sends it at most a transfer region's tokens:
-    ranks x region tokens), the cap of what it allocates ahead (``capacity.py``)."""
-    spec: Any
-    notify: Optional[Any]  # a launch.KernelCall
-    main: Any  # a launch.KernelCall
-    row_args: int = 1
-    outputs: Tuple[Optional[Tuple[Tuple[int, ...], str]], ...] = ()
-    main_with_exchange: Optional[Any] = None  # a launch.KernelCall
-    kept_outputs: Optional[Any] = None  # a handle.KeptOutputs
-    windows: Optional[tuple] = None
-    main_for_host: Optional[Any] = None  # a launch.KernelCall
-    ahead_row_bytes: int = 0
-    refuse: Optional[Any] = None  # a launch.KernelCall
-    refusal_scratch: Optional[Tuple[Any, int]] = None  # a device array and its address
-    most_recv_rows: int = 0
+class LayoutPlan(NamedTuple):
+    """``get_dispatch_layout``'s checked spec and its kernel."""
+    spec: LayoutSpec
+    main: KernelCall
+
+
+class FreshDispatchPlan(NamedTuple):
+    """A fresh dispatch's checked spec with its kernels bound.
+
+    ``notify``: the count exchange (also a refusing host's, writing its prefix matrices into
+    ``refusal_scratch``, a device array and its address: ``DispatchPath._refuse``); ``main``: the
+    transfer; ``main_with_exchange``: the transfer making the count exchange itself (one launch, for
+    a dispatch whose host does not wait for the counts); ``main_for_host``: the same for a host
+    that waits for the counts in its slots. ``row_args``: how many of the call's arrays must have
+    the first one's rows; ``outputs``: each output's :data:`Output`; ``kept_outputs``: where a
+    dispatch allocating ahead keeps its outputs other than ``recv_x`` in the handle's allocation
+    (None when its array library does not carve them: ``ArrayLib.carves_outputs``); ``windows``:
+    per output, an array of its type over every row of its area in this rank's NVLink buffer, of
+    which a dispatch writing its rows in place returns the first rows (None for one that allocates
+    its outputs); ``ahead_row_bytes``: bytes per received row a dispatch allocating ahead
+    allocates; ``most_recv_rows``: the most rows a rank can receive (every rank sends it at most a
+    transfer region's tokens: ranks x region tokens), the cap of what it allocates ahead
+    (``capacity.py``)."""
+    spec: DispatchSpec
+    notify: KernelCall
+    main: KernelCall
+    row_args: int
+    outputs: Tuple[Output, ...]
+    main_with_exchange: KernelCall
+    kept_outputs: Optional[KeptOutputs]
+    windows: Optional[tuple]
+    main_for_host: KernelCall
+    ahead_row_bytes: int
+    refusal_scratch: Tuple[Any, int]
+    most_recv_rows: int
+
+
+class CachedDispatchPlan(NamedTuple):
+    """A cached dispatch's: ``main`` (its transfer, checking the call's settings across ranks),
+    ``refuse`` (the same for a host that takes part only to refuse the call), ``row_args``,
+    ``outputs`` and ``windows`` as a fresh dispatch's."""
+    spec: DispatchSpec
+    main: KernelCall
+    row_args: int
+    outputs: Tuple[Output, ...]
+    windows: Optional[tuple]
+    refuse: KernelCall
+
+
+class CombinePlan(NamedTuple):
+    """A combine's: ``main``, ``refuse`` and ``row_args`` as a cached dispatch's."""
+    spec: CombineSpec
+    main: KernelCall
+    row_args: int
+    refuse: KernelCall
+
+
+#: What the transfer kernel's helpers (``transfer.py``) take.
+DispatchPlan = Union[FreshDispatchPlan, CachedDispatchPlan]

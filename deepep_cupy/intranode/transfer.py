@@ -12,10 +12,10 @@ from ..tensors import row_bytes
 from . import plans
 from .context import OperationContext
 from .handle import DispatchHandle
-from .plans import Plan
+from .plans import DispatchPlan
 
 
-def note_rows_in_buffer(ctx: OperationContext, plan: Plan, handle: DispatchHandle) -> None:
+def note_rows_in_buffer(ctx: OperationContext, plan: DispatchPlan, handle: DispatchHandle) -> None:
     """A dispatch with ``handle`` writes the buffer's areas (its kernels are queued, or about to
     be): with rows in place they then hold its rows (the handle keeps their layout, a combine
     in place reads them there); otherwise what they held is gone."""
@@ -50,7 +50,7 @@ def output_windows(ctx: OperationContext, lib, spec: plans.DispatchSpec, outputs
                  for offset, out in zip(offsets, outputs))
 
 
-def check_recv_rows_fit(plan: Plan, rows: int, what: str) -> None:
+def check_recv_rows_fit(plan: DispatchPlan, rows: int, what: str) -> None:
     """With rows in place, the outputs have at most the rows of the Buffer's areas."""
     if plan.windows is not None and rows > plan.spec.layout.rows:
         raise ValueError(f"recv_x_in_buffer: {what} asks for {rows} received rows, more than the "
@@ -86,7 +86,7 @@ def bind_transfer(ctx: OperationContext, spec: plans.DispatchSpec, per_call: Tup
                           num_senders=num_senders, send_chunk=config.num_max_nvl_chunked_send_tokens, **checks)
 
 
-def dispatch_outputs(ctx: OperationContext, lib, plan: Plan, rows: int) -> list:
+def dispatch_outputs(ctx: OperationContext, lib, plan: DispatchPlan, rows: int) -> list:
     """``[recv_x, recv_scales, recv_topk_idx, recv_topk_weights]`` with ``rows`` rows (None for
     what the call does not return)."""
     if plan.windows is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..gpu import launch
+from ..gpu.call_span import CallSpan
 from ..tensors import check_array, check_int, describe
 
 __all__ = ["RankMask"]
@@ -27,6 +28,7 @@ class RankMask:
         self.rank, self.num_ranks, self.device_id = rank, num_ranks, device_id
         self._order = order
         self._slots = slots
+        self._span = CallSpan(order, device_id, rank, slots=slots)
         self._on_device = on_device
 
     def update(self, rank_to_mask: Any, mask: bool = False) -> None:
@@ -50,12 +52,10 @@ class RankMask:
         info = describe(mask_status, "mask_status", self.device_id)
         check_array(info, "mask_status", ("int32",), 1, (self.num_ranks,))
         lib = info.lib
-        with self._on_device:
-            caller = lib.current_stream(self.device_id)
-            run_on = self._order.begin(caller, None, False, self.rank)
+        with self._on_device, self._span.begin(lib, None, False) as span:
             runtime.memcpyAsync(lib.pointer(mask_status), self.ptr, 4 * self.num_ranks,
-                                runtime.memcpyDeviceToDevice, run_on)
-            self._order.finish(caller, run_on, lib, False, (mask_status,), (), False, self._slots.raise_if_failed)
+                                runtime.memcpyDeviceToDevice, span.run_on)
+            span.finish(lib, False, (mask_status,))
 
     def clear(self) -> None:
         """Unmask every rank. The host waits for this Buffer's calls first."""
