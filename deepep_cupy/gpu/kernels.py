@@ -29,7 +29,7 @@ from ..errors import KernelBuildError
 RANK_COUNTS = tuple(range(2, MAX_RANKS + 1))
 
 #: C element type of each combine dtype name (the tag types are defined in kernels/common.cuh).
-COMBINE_DTYPES = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
+COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
 
 #: Template instances compiled from each source file.
 SOURCES: Dict[str, Tuple[str, ...]] = {
@@ -40,13 +40,13 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     + tuple(f"dispatch_kernel<{r}, true>" for r in RANK_COUNTS)
     + tuple(f"dispatch_kernel<{r}, {s}, true>" for s in ("false", "true") for r in RANK_COUNTS),
     # <element, ranks, x in place where a dispatch with rows in place put recv_x>
-    "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS)
-    + tuple(f"combine_kernel<{t}, {r}, true>" for t in COMBINE_DTYPES.values() for r in RANK_COUNTS),
+    "combine.cu": tuple(f"combine_kernel<{t}, {r}>" for t in COMBINE_ELEMENTS.values() for r in RANK_COUNTS)
+    + tuple(f"combine_kernel<{t}, {r}, true>" for t in COMBINE_ELEMENTS.values() for r in RANK_COUNTS),
     "expand.cu": ("expand_kernel",),
     # Across nodes: the records of the rail (<element> of the sums).
     "internode.cu": ("deepep_cupy::internode::notify", "deepep_cupy::internode::dispatch",
                      "deepep_cupy::internode::forward")
-    + tuple(f"deepep_cupy::internode::{k}<{t}>" for k in ("combine", "sum_nodes") for t in COMBINE_DTYPES.values()),
+    + tuple(f"deepep_cupy::internode::{k}<{t}>" for k in ("combine", "sum_nodes") for t in COMBINE_ELEMENTS.values()),
     # Decode (DeepEP's low-latency API): the settings are run-time arguments, so one instance each.
     # Namespaced as DeepEP's are: its bench_kineto finds them by "::dispatch" / "::combine".
     "low_latency.cu": ("deepep_cupy::low_latency::dispatch", "deepep_cupy::low_latency::combine",
@@ -211,12 +211,12 @@ def warm_up_instances(num_ranks: int, every_instance: bool = False) -> Tuple[str
     scales, rows in place, the other combine dtypes, combine in place) and the optional kernels.
     """
     dispatch = [name_expression("dispatch_kernel", (num_ranks,))]
-    combine = [name_expression("combine_kernel", (COMBINE_DTYPES["bfloat16"], num_ranks))]
+    combine = [name_expression("combine_kernel", (COMBINE_ELEMENTS["bfloat16"], num_ranks))]
     if every_instance:
         dispatch += [name_expression("dispatch_kernel", args)
                      for args in ((num_ranks, "true"), (num_ranks, "false", "true"), (num_ranks, "true", "true"))]
         combine = [name_expression("combine_kernel", (element, num_ranks) + in_place)
-                   for in_place in ((), ("true",)) for element in COMBINE_DTYPES.values()]
+                   for in_place in ((), ("true",)) for element in COMBINE_ELEMENTS.values()]
     untemplated = [expression for file_name, expressions in SOURCES.items() if file_name not in OWN_WARM_UP
                    for expression in expressions
                    if "<" not in expression and (every_instance or expression not in OPTIONAL_KERNELS)]

@@ -10,9 +10,6 @@ from ..tensors import check_array, check_int, describe
 from . import arrays
 from .handle import InternodeHandle
 
-#: Element types of x that combine sums (FP8 is dispatched only).
-COMBINE_DTYPES = checks.ROW_DTYPES
-
 
 class FreshArgs(NamedTuple):
     """A fresh dispatch's checked arguments (CuPy views of the caller's arrays)."""
@@ -110,7 +107,7 @@ def check_combine(x, handle, topk_weights, bias, config, *, device_id: int, owne
     checks.check_config(config)
     handle = internode_handle(handle, owner)
     info = describe(x, "x", device_id)
-    dtype_name = check_array(info, "x", COMBINE_DTYPES, 2)
+    dtype_name = check_array(info, "x", checks.ROW_DTYPES, 2)
     if info.shape[0] != handle.rows:
         received = "its num_worst_tokens" if handle.num_worst_tokens else "the tokens its dispatch received"
         raise ValueError(f"x: expected {handle.rows} rows ({received}), got {info.shape[0]}")

@@ -24,9 +24,6 @@ RECORD_ALIGN = 16
 #: Blocks per launch: the kernels loop over records (or tokens) in steps of the grid.
 GRID_BLOCKS = 264
 
-#: C element type of each element type the sums take.
-SUM_ELEMENTS = dict(kernels.COMBINE_DTYPES)
-
 
 class RecordLayout(NamedTuple):
     """Where each part of a token's record lies, in bytes."""
@@ -149,6 +146,6 @@ class RecordKernels:
         no node combine ran before (DeepEP's ``combine`` stage)."""
         kernel = "deepep_cupy::internode::combine" if writes_outputs else "deepep_cupy::internode::sum_nodes"
         num_nodes, num_tokens = slots.shape
-        self._call(kernel, (SUM_ELEMENTS[dtype_name],)).run(
+        self._call(kernel, (kernels.COMBINE_ELEMENTS[dtype_name],)).run(
             stream, _ptr(out), _ptr(out_weights), _ptr(records), layout.bytes, _ptr(slots), num_tokens, num_nodes,
             layout.row_bytes, layout.num_weights, layout.weights_off, _ptr(biases[0]), _ptr(biases[1]))

@@ -33,13 +33,12 @@ from ..checks import (
 from ..config import Config
 from ..constants import SIGNATURE_ROWS_IN_BUFFER
 from ..gpu import layout
+from ..gpu.kernels import COMBINE_ELEMENTS
 from ..gpu.launch import KernelCall
 from ..gpu.plan_cache import MAX_PLANS, PlanCache  # noqa: F401  (re-exported: plans.PlanCache has users)
 from ..tensors import ITEMSIZE, ArrayInfo, ArrayLib, check_array, describe
 from .handle import KeptOutputs
 
-#: C element type of each dtype combine reduces (the tag types are defined in kernels/common.cuh).
-COMBINE_ELEMENTS = {"bfloat16": "bf16_t", "float16": "fp16_t", "float32": "float"}
 #: Which operation a cached dispatch / combine announces in the settings ranks compare (its transfer
 #: kernel's ``check_op``; 0: no check there, a fresh dispatch's notify kernel made it). A combine
 #: whose x lies where a dispatch with rows in place put recv_x is an operation of its own: every

@@ -168,7 +168,7 @@ def warm_combine_kernels(num_ranks):
     kernels its peers already wait in (Buffer creation compiles the rest)."""
     from deepep_cupy.gpu import kernels
 
-    for element in kernels.COMBINE_DTYPES.values():
+    for element in kernels.COMBINE_ELEMENTS.values():
         kernels.get_kernel(kernels.name_expression("combine_kernel", (element, num_ranks)))
 
 

@@ -16,7 +16,7 @@ def instances(num_ranks):
     names = [e for expressions in kernels.SOURCES.values() for e in expressions if "<" not in e]
     for args in ((num_ranks,), (num_ranks, "true"), (num_ranks, "false", "true"), (num_ranks, "true", "true")):
         names.append(kernels.name_expression("dispatch_kernel", args))
-    for element in kernels.COMBINE_DTYPES.values():
+    for element in kernels.COMBINE_ELEMENTS.values():
         names.append(kernels.name_expression("combine_kernel", (element, num_ranks)))
         names.append(kernels.name_expression("combine_kernel", (element, num_ranks, "true")))
     return names
