@@ -158,7 +158,8 @@ class IntranodeEngine(Engine):
                  async_finish: bool = False, allocate_on_comm_stream: bool = False, *, expand: bool = False,
                  recv_x_in_buffer: bool = False):
         self.slots.raise_if_failed()
-        config = self.config(config, "dispatch")
+        if type(config) is not Config or config.num_sms not in self._checked_sms:  # else checked already
+            config = self.config(config, "dispatch")
         if num_tokens_per_rdma_rank is not None:
             raise ValueError("num_tokens_per_rdma_rank: expected None (intranode dispatch has no RDMA ranks)")
         if handle is not None:
@@ -177,7 +178,8 @@ class IntranodeEngine(Engine):
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         self.slots.raise_if_failed()
-        config = self.config(config, "combine")
+        if type(config) is not Config or config.num_sms not in self._checked_sms:  # else checked already
+            config = self.config(config, "combine")
         return self.combine_path.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                          allocate_on_comm_stream)
 
