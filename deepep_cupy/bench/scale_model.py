@@ -7,6 +7,7 @@ a parameter. ``docs/SCALE_MODEL.md`` explains the model and its assumptions; thi
 
     python -m deepep_cupy.bench.scale_model                  # 50 GB/s NIC, 8 and 4 GPUs a node
     python -m deepep_cupy.bench.scale_model --nic-gbps 25 50 100 --gpus-per-node 8
+    python -m deepep_cupy.bench.scale_model --decode         # the decode step (decode_scale.py)
 
 The design modelled (issue 38): dispatch = (1) pack, per destination node, the rows of the tokens
 with an expert there (a token crosses the network at most once per node), (2) a fresh dispatch
@@ -539,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, nargs="+", default=[8, 4])
     p.add_argument("--nic-gbps", type=float, nargs="+", default=[50.0],
                    help="NIC rate per GPU, GB/s each way (400 Gb/s = 50)")
-    p.add_argument("--nic-efficiency", type=float, default=Rates.nic_efficiency)
+    p.add_argument("--nic-efficiency", type=float, default=None, help="default: 0.9, with --decode 0.84")
     p.add_argument("--nvlink-gbps", type=float, default=None,
                    help="override the measured NVLink kernel rate (H800 as DeepEP measured it: ~134)")
     p.add_argument("--routing", choices=["node-limited", "uniform"], default="node-limited",
@@ -547,6 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=4, help="pipeline pieces of the chunked column")
     p.add_argument("--samples", type=int, default=16384, help="Monte Carlo tokens per EP (node-limited)")
     p.add_argument("--seed", type=int, default=0)
+    from .decode_scale import add_arguments  # decode_scale imports this module: here, not at the top
+    add_arguments(p)
     return p
 
 
@@ -559,9 +562,10 @@ def render(args: argparse.Namespace) -> str:
            "Pairs per token and bytes per rank:", "",
            bytes_table(workload, clusters, ["uniform", "node-limited"], samples=args.samples, seed=args.seed)]
     for nic in args.nic_gbps:
-        rates = Rates(nic_gbps=nic, nic_efficiency=args.nic_efficiency, nvlink_gbps=args.nvlink_gbps)
+        rates = Rates(nic_gbps=nic, nic_efficiency=args.nic_efficiency or Rates.nic_efficiency,
+                      nvlink_gbps=args.nvlink_gbps)
         nvl = "measured H200 kernels" if args.nvlink_gbps is None else f"NVLink {args.nvlink_gbps:g} GB/s"
-        out += ["", f"Times in us, NIC {nic:g} GB/s x {args.nic_efficiency:g}, {nvl}, {args.routing} routing:", "",
+        out += ["", f"Times in us, NIC {nic:g} GB/s x {rates.nic_efficiency:g}, {nvl}, {args.routing} routing:", "",
                 time_table(workload, clusters, rates, args.routing, samples=args.samples, seed=args.seed,
                            chunks=args.chunks)]
     out += ["", "DeepEP V1's published figures against the same bandwidth bound (H800, 50 GB/s NIC):", "",
@@ -583,7 +587,9 @@ def _print_to_a_reader_that_may_stop(text: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print the tables; 0 also when the reader stopped early: it has the lines it asked for."""
-    _print_to_a_reader_that_may_stop(render(build_parser().parse_args(argv)))
+    args = build_parser().parse_args(argv)
+    from .decode_scale import render_decode  # decode_scale imports this module: here, not at the top
+    _print_to_a_reader_that_may_stop(render_decode(args) if args.decode else render(args))
     return 0
 
 
