@@ -460,3 +460,25 @@ def test_a_fresh_dispatch_reads_the_device_once(monkeypatch):
 
     assert all(run_ranks(make_paths(2, 1), body))
     assert syncs == ["asnumpy", "asnumpy"]
+
+
+@pytest.mark.parametrize("op", ["fresh dispatch", "cached dispatch", "combine"])
+def test_a_call_inside_a_graph_capture_is_refused_on_every_rank_before_anything_moves(monkeypatch, op):
+    use_host_arrays(monkeypatch)
+    paths = make_paths(2, 2)
+    inputs = make_inputs(8, 4, 8, 2, "float32", counts=[3, 3, 3, 3])
+
+    def body(rank, path):
+        x, topk, per_expert = on_device(inputs[rank]["x"]), on_device(inputs[rank]["topk"]), on_device(
+            np.zeros(8, np.int32))
+        recv_x, _, _, _, handle, _ = path.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=topk)
+        calls = {"fresh dispatch": lambda: path.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=topk),
+                 "cached dispatch": lambda: path.dispatch(x, handle=handle),
+                 "combine": lambda: path.combine(recv_x, handle)}
+        path.order.capturing = rank == 1  # one rank capturing is enough: every rank raises
+        with pytest.raises((ValueError, PeerFailedError), match="cannot be captured in a CUDA graph"):
+            calls[op]()
+        path.order.capturing = False
+        return path.combine(recv_x, handle)[0].shape  # the next call works
+
+    assert [shape[0] for shape in run_ranks(paths, body)] == [3, 3, 3, 3]

@@ -3,12 +3,13 @@ on every rank before the call's vote, and read as CuPy views of the caller's arr
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 from .. import checks, tensors
 from ..tensors import check_array, check_int, describe
 from . import arrays
 from .handle import InternodeHandle
+from .records import RecordLayout
 
 
 class FreshArgs(NamedTuple):
@@ -124,3 +125,42 @@ def check_combine(x, handle, topk_weights, bias, config, *, device_id: int, owne
         check_array(b_info, f"bias[{i}]", (dtype_name,), 2, (handle.num_tokens, info.shape[1]))
         views.append(arrays.device_view(b, b_info, device_id))
     return handle, info, w_info, views
+
+
+def refuse_capture(capturing: bool, what: str) -> None:
+    """An internode call inside a CUDA graph capture: refused as a bad argument is (every rank raises
+    from the call's vote, before anything moves). Its host learns the per-node counts before the
+    rail transfer, and the transports' host calls are not captured."""
+    if capturing:
+        raise ValueError(f"{what}: an internode call cannot be captured in a CUDA graph (its host learns the "
+                         "per-node counts before the rail transfer); run it outside the capture")
+
+
+class CachedDispatchArgs(NamedTuple):
+    """A cached dispatch's checked arguments and rail buffers (``InternodePath._check_cached``), in
+    the order ``InternodePath._cached_dispatch`` takes them."""
+    rows: Any                                   # x's rows and scales, as the caller passed them
+    scales: Any
+    info: tensors.ArrayInfo
+    scales_info: Optional[tensors.ArrayInfo]
+    handle: InternodeHandle
+    x_rows: Any                                 # uint8 [T, row bytes] (CuPy view)
+    x_scales: Any                               # float32 [T, S] (CuPy view), or None
+    layout: RecordLayout
+    send: Any                                   # the rail buffers (CuPy, uint8)
+    recv: Any
+
+
+class CombineArgs(NamedTuple):
+    """A combine's checked arguments, rail buffers and outputs
+    (``InternodePath._check_and_allocate_combine``), in the order ``InternodePath._combine`` takes
+    them after ``x`` and ``weights``."""
+    handle: InternodeHandle
+    info: tensors.ArrayInfo
+    w_info: Optional[tensors.ArrayInfo]
+    bias_views: List[Any]
+    layout: RecordLayout
+    send: Any
+    recv: Any
+    out: Tuple[Any, Any]                        # (array of the caller's library, CuPy view)
+    out_w: Optional[Tuple[Any, Any]]

@@ -63,36 +63,6 @@ class _Route(NamedTuple):
     slots: Any          # int32 [N, T]: token t's record in node n's block, -1 for none
 
 
-class _CachedDispatchArgs(NamedTuple):
-    """A cached dispatch's checked arguments and rail buffers (:meth:`InternodePath._check_cached`),
-    in the order :meth:`InternodePath._cached_dispatch` takes them."""
-    rows: Any                                   # x's rows and scales, as the caller passed them
-    scales: Any
-    info: tensors.ArrayInfo
-    scales_info: Optional[tensors.ArrayInfo]
-    handle: InternodeHandle
-    x_rows: Any                                 # uint8 [T, row bytes] (CuPy view)
-    x_scales: Any                               # float32 [T, S] (CuPy view), or None
-    layout: RecordLayout
-    send: Any                                   # the rail buffers (CuPy, uint8)
-    recv: Any
-
-
-class _CombineArgs(NamedTuple):
-    """A combine's checked arguments, rail buffers and outputs
-    (:meth:`InternodePath._check_and_allocate_combine`), in the order :meth:`InternodePath._combine`
-    takes them after ``x`` and ``weights``."""
-    handle: InternodeHandle
-    info: tensors.ArrayInfo
-    w_info: Optional[tensors.ArrayInfo]
-    bias_views: List[Any]
-    layout: RecordLayout
-    send: Any
-    recv: Any
-    out: Tuple[Any, Any]                        # (array of the caller's library, CuPy view)
-    out_w: Optional[Tuple[Any, Any]]
-
-
 class InternodePath(Engine):
     """Layout, dispatch and combine across nodes (see the module docstring).
 
@@ -261,14 +231,17 @@ class InternodePath(Engine):
                                         expert_alignment, num_worst_tokens, config, expand, recv_x_in_buffer,
                                         caller, run_on, async_finish)
 
-    def _check_cached(self, x, handle, num_worst_tokens, expand, recv_x_in_buffer, config) -> _CachedDispatchArgs:
+    def _check_cached(self, x, handle, num_worst_tokens, expand, recv_x_in_buffer,
+                      config) -> arguments.CachedDispatchArgs:
         """A cached dispatch's checks, then what it allocates (the rail buffers): one vote for both."""
+        arguments.refuse_capture(self.order.capturing, "dispatch")
         info, scales_info, handle, x_rows, x_scales = arguments.check_cached(
             x, handle, num_worst_tokens, expand, recv_x_in_buffer, config, device_id=self.device_id, owner=id(self))
         layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
         send, recv = self._rail_buffers(layout, handle.send_counts, handle.recv_counts)
         rows, scales = checks.split_x(x)
-        return _CachedDispatchArgs(rows, scales, info, scales_info, handle, x_rows, x_scales, layout, send, recv)
+        return arguments.CachedDispatchArgs(rows, scales, info, scales_info, handle, x_rows, x_scales, layout, send,
+                                            recv)
 
     def _route(self, args: arguments.FreshArgs) -> _Route:
         """Where this rank's tokens go: its counts per node, rank and expert reach the host in one
@@ -307,6 +280,7 @@ class InternodePath(Engine):
         R, N, L, me = topo.num_ranks, topo.num_nodes, topo.ranks_per_node, topo.rank
         failure = args = route = None
         try:
+            arguments.refuse_capture(self.order.capturing, "dispatch")
             args = arguments.check_fresh(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                          expert_alignment, num_worst_tokens, expand, recv_x_in_buffer, config,
                                          device_id=self.device_id, num_ranks=R)
@@ -488,8 +462,9 @@ class InternodePath(Engine):
                                                                                         config))
             return self._combine(x, topk_weights, *checked, config, caller, run_on, async_finish)
 
-    def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config) -> _CombineArgs:
+    def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config) -> arguments.CombineArgs:
         """The combine's checks, then what it allocates (the rail buffers, the outputs): one vote for both."""
+        arguments.refuse_capture(self.order.capturing, "combine")
         handle, info, w_info, bias_views = arguments.check_combine(x, handle, topk_weights, bias, config,
                                                                    device_id=self.device_id, owner=id(self))
         lib, dtype = info.lib, info.dtype_name
@@ -499,7 +474,7 @@ class InternodePath(Engine):
         send, recv = self._rail_buffers(layout, handle.recv_counts, handle.send_counts)
         out = self._new_output(lib, (T, H), dtype)
         out_w = None if not K else self._new_output(lib, (T, K), "float32")
-        return _CombineArgs(handle, info, w_info, bias_views, layout, send, recv, out, out_w)
+        return arguments.CombineArgs(handle, info, w_info, bias_views, layout, send, recv, out, out_w)
 
     def _combine(self, x, weights, handle: InternodeHandle, info, w_info, bias_views, layout: RecordLayout, send,
                  recv, out_made, out_w, config, caller, run_on, async_finish):
