@@ -47,6 +47,7 @@ def low_latency_buffer(monkeypatch):
     path = LowLatencyPath(peer_table_ptr=0xB0F, local_ptr=nvl.local_ptr, num_bytes=num_bytes, rank=0, num_ranks=2,
                           device_id=DEVICE, order=node.order, slots=node.slots, timeout_s=5.0, num_sms=4,
                           on_device=contextlib.nullcontext(), owner=nvl)
+    node.mapped_beside.append(path)  # as LowLatencyEngine.create does
     return buffer_over(monkeypatch, LowLatencyEngine(node, path, lambda: None), group=node.group,
                        num_rdma_bytes=num_bytes, low_latency_mode=True)
 
@@ -118,3 +119,16 @@ def test_the_buffer_chooses_its_engine_once_with_one_return_path_in_init():
     init = inspect.getsource(ep.Buffer.__init__)
     assert "return" not in init and init.count("make_engine(") == 1
     assert "self._internode" not in inspect.getsource(ep.Buffer)
+
+
+def test_destroying_a_low_latency_buffer_frees_its_low_latency_buffer_and_refuses_later_decode_calls(monkeypatch):
+    buf = low_latency_buffer(monkeypatch)
+    path = buf._engine.path
+    closed = []
+    monkeypatch.setattr(path, "close", lambda: closed.append("low-latency buffer"))
+    buf.destroy()
+    assert closed == ["low-latency buffer"]
+    with pytest.raises(ep.DeepEPError, match="destroyed"):
+        buf.low_latency_dispatch(None, None, 16, 8)
+    buf.destroy()  # again: nothing more to free
+    assert closed == ["low-latency buffer"]

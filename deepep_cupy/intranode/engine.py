@@ -7,7 +7,7 @@ path for the node's ranks; a low-latency Buffer has one for its normal operation
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from ..config import CHOSEN_NUM_SMS, Config, default_config
 from ..constants import MAX_RANKS
@@ -60,6 +60,9 @@ class IntranodeEngine(Engine):
         self.combine_path = CombinePath(self.ctx)
         self._default_configs: Dict[tuple, Config] = {}
         self._checked_sms: set = set()
+        #: Buffers of other paths mapped beside this engine's, on the same ranks (a low-latency
+        #: buffer): destroy meets the ranks before freeing them too, and release closes them first.
+        self.mapped_beside: List[Any] = []
 
     @classmethod
     def create(cls, group: Group, num_nvl_bytes: int, *, timeout_s: float, device_id: int, allocate_ahead: bool,
@@ -128,7 +131,7 @@ class IntranodeEngine(Engine):
             raise ValueError(f"{kind}: this Buffer has no NVLink buffer (num_nvl_bytes=0, a low-latency Buffer); "
                              "create it with num_nvl_bytes > 0 for dispatch and combine")
         if config is None:
-            key = (kind, tuple(CHOSEN_NUM_SMS))
+            key = (kind, CHOSEN_NUM_SMS[0] if CHOSEN_NUM_SMS else None)
             config = self._default_configs.get(key)
             if config is None:
                 with self.on_device:  # the recommended SM count is that of the Buffer's GPU
@@ -243,8 +246,8 @@ class IntranodeEngine(Engine):
                     order.synchronize()
             except Exception:
                 pass
-            if self.nvl is not None and slots is not None:
-                # No peer may still write into our buffer when it is freed.
+            if (self.nvl is not None or self.mapped_beside) and slots is not None:
+                # No peer may still write into our buffers when they are freed.
                 try:
                     self.group.barrier()
                 except Exception:
@@ -254,6 +257,8 @@ class IntranodeEngine(Engine):
     def release(self) -> None:
         """Free what the engine holds, without waiting (``destroy`` waits first)."""
         try:
+            while self.mapped_beside:
+                self.mapped_beside.pop().close()
             if self.nvl is not None:
                 nvl, self.nvl = self.nvl, None
                 nvl.close()

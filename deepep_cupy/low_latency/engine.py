@@ -35,6 +35,7 @@ class LowLatencyEngine(Engine):
                                      timeout_s=intranode.timeout_s, device_id=intranode.device_id,
                                      on_device=intranode.on_device, ranks_on_gpu=intranode.ranks_on_gpu(),
                                      enable_shrink=enable_shrink)
+        intranode.mapped_beside.append(path)
         return cls(intranode, path, group.barrier)
 
     # The normal operations are the node's.
@@ -111,31 +112,12 @@ class LowLatencyEngine(Engine):
         return self.intranode.last_count_wait_s
 
     def release(self) -> None:
-        try:
-            if self.path is not None:
-                path, self.path = self.path, None
-                path.close()
-        finally:
-            self.intranode.release()
+        self.path = None
+        self.intranode.release()  # closes the low-latency buffer first (mapped beside it)
 
     def destroy(self) -> None:
         """Wait for the Buffer's calls, meet the other ranks (no peer may still write into a buffer
-        being freed), then free the low-latency buffer and the node engine's resources."""
-        intranode = self.intranode
-        if self.path is None:
-            return
-        with intranode.on_device:
-            try:
-                if intranode.order is not None:
-                    intranode.order.synchronize()
-            except Exception:
-                pass
-            try:
-                intranode.group.barrier()
-            except Exception:
-                pass
-            try:
-                path, self.path = self.path, None
-                path.close()
-            finally:
-                intranode.release()
+        being freed), then free the low-latency buffer and the node engine's resources: the node
+        engine's destroy, which holds the low-latency buffer as one mapped beside its own."""
+        self.path = None
+        self.intranode.destroy()
