@@ -37,6 +37,13 @@
 namespace deepep_cupy {
 namespace low_latency {
 
+// Timeline stamps: nothing here; scripts/decode_timeline.py defines LL_STAMP(op, call, slot) to
+// record when each block of a call reaches 0 its entry, 1 its send, 2 its send's end, 3 the peers'
+// signals, 4 its end.
+#ifndef LL_STAMP
+#define LL_STAMP(op, call, slot) ((void)0)
+#endif
+
 #define LL_THREADS LOW_LATENCY_DISPATCH_THREADS
 static_assert(LOW_LATENCY_DISPATCH_THREADS == LOW_LATENCY_COMBINE_THREADS, "one block size for both kernels");
 constexpr int kLLWarps = LL_THREADS / 32;
@@ -232,6 +239,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
     int send_call, recv_call;
     if (enter(buffer_ptrs, rank, 0, KERNEL_LOW_LATENCY_DISPATCH_SEND, error_record, send_call, recv_call))
         return;
+    LL_STAMP(0, (phases & 1) ? send_call : recv_call, 0);
 
     if (phases & 1) {
         const int half = send_call & 1;
@@ -247,6 +255,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         if (!wait_released(buffer_ptrs, num_ranks, rank, 0, send_call, timeout_ns, error_record,
                            KERNEL_LOW_LATENCY_DISPATCH_SEND, mask))
             return;
+        LL_STAMP(0, send_call, 1);
         snapshot_mask(mask, num_ranks, masked);
         const int4* x_rows = reinterpret_cast<const int4*>(x);
         for (int expert = blockIdx.x; expert < num_experts; expert += gridDim.x) {
@@ -285,6 +294,8 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         }
     }
 
+    if (phases & 1)
+        LL_STAMP(0, send_call, 2);
     if (phases & 2) {
         const int half = recv_call & 1;
         const int64_t_ epoch = recv_call + 1;
@@ -323,6 +334,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             }
             if (__syncthreads_and(ok) == 0)
                 return;
+            LL_STAMP(0, recv_call, 3);
             if (threadIdx.x == 0) {
                 int row = 0;
                 for (int s = 0; s < num_ranks; ++s) {
@@ -373,6 +385,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             __syncthreads();
         }
     }
+    LL_STAMP(0, (phases & 1) ? send_call : recv_call, 4);
     leave(buffer_ptrs, num_ranks, rank, 0, phases, send_call, recv_call, mask);
 }
 
@@ -638,12 +651,14 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
     int send_call, recv_call;
     if (enter(buffer_ptrs, rank, 1, KERNEL_LOW_LATENCY_COMBINE_SEND, error_record, send_call, recv_call))
         return;
+    LL_STAMP(1, (phases & 1) ? send_call : recv_call, 0);
 
     if (phases & 1) {
         const int half = send_call & 1;
         if (!wait_released(buffer_ptrs, num_ranks, rank, 1, send_call, timeout_ns, error_record,
                            KERNEL_LOW_LATENCY_COMBINE_SEND, mask))
             return;
+        LL_STAMP(1, send_call, 1);
         snapshot_mask(mask, num_ranks, masked);
         const int rows_per_expert = num_ranks * num_max;
         for (int local = blockIdx.x; local < num_local; local += gridDim.x) {
@@ -677,6 +692,8 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         }
     }
 
+    if (phases & 1)
+        LL_STAMP(1, send_call, 2);
     if (phases & 2) {
         const int half = recv_call & 1;
         const int epoch = recv_call + 1;
@@ -705,6 +722,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         }
         if (__syncthreads_and(ok) == 0)
             return;
+        LL_STAMP(1, recv_call, 3);
         snapshot_mask(mask, num_ranks, masked);  // the owners whose rows are summed: those unmasked now
         const char* area = reinterpret_cast<const char*>(buffer_ptrs[rank]) + combine_off + half * half_bytes;
         for (int t = blockIdx.x * kLLWarps + warp; t < num_tokens; t += gridDim.x * kLLWarps) {
@@ -736,6 +754,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
             }
         }
     }
+    LL_STAMP(1, (phases & 1) ? send_call : recv_call, 4);
     leave(buffer_ptrs, num_ranks, rank, 1, phases, send_call, recv_call, mask);
 }
 

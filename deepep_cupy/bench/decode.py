@@ -15,7 +15,7 @@ The ranks run in this process (one per visible GPU, or ``--num-ranks`` sharing t
 from __future__ import annotations
 
 import statistics
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -57,13 +57,14 @@ def _graph_library() -> str:
     return "torch"
 
 
-def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]:
-    """One row of the table on this rank: ``n`` tokens, calls sized for ``largest``."""
+def decode_graphs(group, buf, args, n: int, largest: int, lib: str) -> Tuple[Dict[str, Any], int]:
+    """The captured calls of one row (``dispatch``, ``combine``, ``step``: :class:`.graphs.Replay`)
+    on ``n`` tokens, sized for ``largest``, and the rows this rank receives."""
     import cupy
 
     from deepep_cupy.reference import intranode as ref
 
-    from .calls import device_arrays, time_loop
+    from .calls import device_arrays
     from .graphs import Replay
 
     R, rank, hidden, E, K = group.size, group.rank, args.hidden, args.num_experts, args.num_topk
@@ -99,7 +100,19 @@ def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]
             graphs[name]()
             stream.synchronize()
     recv_rows = int(cupy.asnumpy(cupy.asarray(graphs["dispatch"].outputs[1])).sum())
-    figures: Dict[str, float] = {"tokens": n, **{f"{k}_bytes": v for k, v in decode_bytes(recv_rows, hidden).items()}}
+    return graphs, recv_rows
+
+
+def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]:
+    """One row of the table on this rank: ``n`` tokens, calls sized for ``largest``."""
+    import cupy
+
+    from .calls import time_loop
+
+    stream = cupy.cuda.get_current_stream()
+    graphs, recv_rows = decode_graphs(group, buf, args, n, largest, lib)
+    figures: Dict[str, float] = {"tokens": n}
+    figures.update({f"{k}_bytes": v for k, v in decode_bytes(recv_rows, args.hidden).items()})
     for name in ("dispatch", "combine"):
         figures[f"{name}_us"] = time_loop(graphs[name], stream.ptr, args.warmup, args.iters, group.barrier)["loop_us"]
     figures["step_host_us"] = time_loop(graphs["step"], stream.ptr, args.warmup, args.iters, group.barrier)["host_us"]

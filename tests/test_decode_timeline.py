@@ -1,0 +1,50 @@
+"""scripts/decode_timeline.py: the stamped low-latency kernels compile, and its phases read the stamps.
+
+The script profiles the decode kernels on the GPU with ``LL_STAMP`` defined; these checks keep it
+usable as the kernels change (NVRTC and NumPy only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+from test_kernels_compile import _compile, _nvrtc
+
+from deepep_cupy.gpu import kernels
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "decode_timeline.py"
+
+
+def _timeline():
+    spec = importlib.util.spec_from_file_location("decode_timeline", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stamped_low_latency_kernels_compile():
+    timeline = _timeline()
+    source = timeline.patch_source("low_latency.cu", kernels.read_source("low_latency.cu"))
+    instances = kernels.SOURCES["low_latency.cu"]
+    lowered, _ = _compile(_nvrtc(), "low_latency.cu", source, instances)
+    assert set(lowered) == set(instances)
+
+
+def test_other_kernels_are_not_stamped():
+    timeline = _timeline()
+    assert timeline.patch_source("dispatch.cu", "text") == "text"
+
+
+def test_phases_are_measured_from_the_first_entry_and_against_the_peer():
+    timeline = _timeline()
+    shape = (timeline.MAX_RANKS_STAMPED, 2, timeline.CALLS_KEPT, timeline.SLOTS)
+    first, last = np.zeros(shape, np.uint64), np.zeros(shape, np.uint64)
+    for call, base in ((0, 10_000), (1, 50_000)):
+        for rank, late in ((0, 0), (1, 2_000)):
+            first[rank, 0, call] = [base + late] * 5
+            last[rank, 0, call] = [base + late + d for d in (0, 1_000, 3_000, 6_000, 9_000)]
+    out = timeline.phases(first.ravel(), last.ravel(), num_ranks=2, op=0)
+    assert out[0] == {"entry": -2.0, "released": 1.0, "sent": 3.0, "seen": 6.0, "done": 9.0, "gap": 31.0}
+    assert out[1]["entry"] == 2.0
