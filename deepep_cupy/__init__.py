@@ -5,8 +5,8 @@ Public surface (DeepEP-compatible names; ``import deepep_cupy as deep_ep`` runs 
 scripts): :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, ``topk_idx_t``,
 :func:`get_dispatch_config`, :func:`get_combine_config`, :func:`get_nvl_buffer_size_hint`, the
 node shape of a group (:class:`NodeTopology`, :func:`discover_topology`), and the exceptions.
-``deepep_cupy.reference.intranode`` (with ``internode_reference`` and ``low_latency_reference``) is the NumPy
-model every GPU result is checked against.
+:mod:`deepep_cupy.reference` (``intranode``, ``internode``, ``low_latency``) is the NumPy model every GPU
+result is checked against.
 """
 
 from .buffer import Buffer

@@ -115,7 +115,11 @@ LL_MASK_INT = 192
 LL_SYNC_INT = 200
 LL_DISPATCH_COUNTS_OFFSET = 1024
 LL_COMBINE_FLAGS_OFFSET = LL_DISPATCH_COUNTS_OFFSET + 2 * 8 * MAX_EXPERTS
-LL_SIGNALS_END = LL_COMBINE_FLAGS_OFFSET + 2 * 4 * MAX_EXPERTS
+#: The rank's own piece counts of a dispatch send (int, per global expert: the warps that have
+#: written their part of a token's row for that expert; the warp that signals the expert's count
+#: waits for all of them, then zeroes its word for the next call).
+LL_SENT_PIECES_OFFSET = LL_COMBINE_FLAGS_OFFSET + 2 * 4 * MAX_EXPERTS
+LL_SIGNALS_END = LL_SENT_PIECES_OFFSET + 4 * MAX_EXPERTS
 LL_DATA_OFFSET = -(-LL_SIGNALS_END // 4096) * 4096
 
 #: Stage names as error records and exceptions name them, by the id the kernels report.
@@ -200,6 +204,7 @@ def cuda_defines() -> Dict[str, Union[int, str]]:
         "LL_SYNC_INT": LL_SYNC_INT,
         "LL_DISPATCH_COUNTS_OFFSET": LL_DISPATCH_COUNTS_OFFSET,
         "LL_COMBINE_FLAGS_OFFSET": LL_COMBINE_FLAGS_OFFSET,
+        "LL_SENT_PIECES_OFFSET": LL_SENT_PIECES_OFFSET,
     }
     defines.update({f"KERNEL_{_macro(stage)}": kernel_id for kernel_id, stage in KERNEL_STAGES.items()})
     defines.update({_threads_macro(kernel): n for kernel, n in BLOCK_THREADS.items()})

@@ -1,6 +1,6 @@
 // Low-latency (decode) dispatch and combine: DeepEP's low-latency API over NVLink.
 //
-// Every rank's low-latency buffer (deepep_cupy/low_latency.py, LowLatencyLayout, carves it):
+// Every rank's low-latency buffer (deepep_cupy/low_latency/layout.py carves it):
 //   int header[]                       at 0: the shared words of common.cuh (abort mark at
 //                                      ABORT_INT), then this rank's call counters
 //                                      (LL_CALLS_INT + op * 2 + {0 send, 1 receive}), the exit
@@ -12,6 +12,8 @@
 //                                      (epoch << 32) | rows rank s sent local expert le
 //   int flags[2][MAX_EXPERTS]          at LL_COMBINE_FLAGS_OFFSET: per half, per global expert e:
 //                                      the epoch of the combine whose rows e's owner has all sent
+//   int sent_pieces[MAX_EXPERTS]       at LL_SENT_PIECES_OFFSET: this rank's own, per global expert:
+//                                      the pieces of its rows the current dispatch send has written
 //   then five equal data areas at places the buffer's size alone sets (a call of other sizes
 //   indexes them differently but never crosses into another):
 //   dispatch halves, [L][R][M] records at dispatch_off + half * half_bytes: record = the row
@@ -27,9 +29,10 @@
 // between calls. Before the n-th send writes into a peer's half, it waits until that peer has
 // released the same half of call n - 2 (its receive of it is over): two calls may be in flight.
 //
-// Grids: send phase, block b takes the global experts b, b + G, ... (dispatch) or its local
-// experts (combine); receive phase, block b takes local experts (dispatch) or tokens (combine).
-// The last block to leave advances the call counters and, after a receive, releases the half.
+// Grids: the work goes to warps (see each kernel): dispatch sends (token, part of its row) pieces
+// and receives per local expert; combine sends per local expert and receives (token, 256 channels)
+// pieces. The last block to leave advances the call counters and, after a receive, releases the
+// half.
 #include "common.cuh"
 
 // The kernels are deepep_cupy::low_latency::dispatch and ::combine: DeepEP's benchmark
@@ -65,7 +68,7 @@ __device__ __forceinline__ int* released_word(void* const* buffer_ptrs, int owne
 
 // The scale of a group whose largest magnitude is `amax`, and the factor its values are multiplied
 // by, as DeepEP's calculate_fp8_scales computes them (bit for bit: the scale is amax times the
-// float 1 / 448, not amax / 448); deepep_cupy/low_latency_reference.py states the same rules.
+// float 1 / 448, not amax / 448); deepep_cupy/reference/low_latency.py states the same rules.
 constexpr float kFP8MaxInv = 1.0f / FP8_E4M3_MAX;
 __device__ __forceinline__ void fp8_scale(float amax, bool round_scale, float& scale, float& inv) {
     amax = fmaxf(amax, FP8_AMAX_FLOOR);
@@ -177,69 +180,139 @@ __device__ __forceinline__ void leave(void* const* buffer_ptrs, int num_ranks, i
 }
 
 // ---------------------------------------------------------------------------------------------
+// Work of the grid's warps
+//
+// Both kernels hand out work per warp, not per block: at decode sizes there are fewer tokens and
+// rows than warps, and a block-wide step (a barrier, a fence) in each piece of work would put the
+// pieces one after another instead of side by side.
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ int grid_warp() { return blockIdx.x * kLLWarps + threadIdx.x / 32; }
+__device__ __forceinline__ int grid_warps() { return gridDim.x * kLLWarps; }
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Whether token `t` has `expert` among its top-k.
+__device__ __forceinline__ bool routes_to(const int64_t_* topk_idx, int t, int num_topk, int expert) {
+    bool hit = false;
+    for (int k = 0; k < num_topk; ++k)
+        hit |= __ldg(topk_idx + (int64_t_)t * num_topk + k) == expert;
+    return hit;
+}
+
+// Tokens of [0, end) that have `expert` among their top-k (lanes split the tokens; every lane
+// returns the count).
+__device__ __forceinline__ int tokens_routed_to(const int64_t_* topk_idx, int end, int num_topk, int expert,
+                                                int lane) {
+    int count = 0;
+    for (int base = 0; base < end; base += 32) {
+        const int t = base + lane;
+        count += __popc(__ballot_sync(kFullMask, t < end && routes_to(topk_idx, t, num_topk, expert)));
+    }
+    return count;
+}
+
+// Lane k's expert of token t's top-k, or -1 where the id is outside [0, E) (sent nowhere) or
+// repeats an earlier k (sent once).
+__device__ __forceinline__ int token_expert(const int64_t_* topk_idx, int t, int num_topk, int num_experts,
+                                           int lane) {
+    int expert = -1;
+    if (lane < num_topk) {
+        const int64_t_ e = topk_idx[(int64_t_)t * num_topk + lane];
+        expert = e >= 0 && e < num_experts ? (int)e : -1;
+    }
+    for (int k = 0; k + 1 < num_topk; ++k) {
+        const int earlier = __shfl_sync(kFullMask, expert, k);
+        if (lane > k && expert == earlier)
+            expert = -1;
+    }
+    return expert;
+}
+
+// Lane `s < R` holds `count` (rows from source s); returns the rows before source s and sets
+// `total`.
+__device__ __forceinline__ int rows_before(int count, int num_ranks, int lane, int& total) {
+    int inclusive = count;
+    #pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, inclusive, offset);
+        if (lane >= offset)
+            inclusive += v;
+    }
+    total = __shfl_sync(kFullMask, inclusive, num_ranks - 1);
+    return inclusive - count;
+}
+
+// The source (lane s < R, rows before it `before`) of row `row`: the last one starting at or
+// before it (a source of no rows starts where the next does).
+__device__ __forceinline__ int source_of_row(int before, int row, int num_ranks, int lane) {
+    return 31 - __clz(__ballot_sync(kFullMask, lane < num_ranks && before <= row));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dispatch
 
-// One warp writes token `t` (BF16 row `x_row`) into `record`: as it is, or cast to FP8 with
-// one scale per 128 channels (16 lanes per group, 8 channels per lane).
+// One step of a token's row (lane's 16 bytes at int4 index `i`, 8 channels) as it travels: the
+// BF16 bytes, or their FP8 cast with the scale of its 128-channel group (16 lanes).
 static_assert(FP8_SCALE_BLOCK == 16 * 8, "a scale group is 16 lanes of 8 channels");
-__device__ __forceinline__ void write_record(char* record, const int4* x_row, int hidden, int fp8_mode,
-                                             int64_t_ record_bytes, int token, int lane) {
-    const int row_int4 = hidden / 8;
-    if (fp8_mode == 0) {
-        warp_copy<4>(reinterpret_cast<int4*>(record), x_row, row_int4, lane);
-    } else {
-        const bool round_scale = fp8_mode >= 2;
-        float* scales = reinterpret_cast<float*>(record + hidden);
-        for (int base = 0; base < row_int4; base += 32) {
-            const int i = base + lane;
-            const bool active = i < row_int4;
-            float v[8];
-            Elem<bf16_t>::unpack(active ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0), v);
-            float amax = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                amax = fmaxf(amax, fabsf(v[j]));
-            #pragma unroll
-            for (int offset = 8; offset > 0; offset >>= 1)
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-            float scale, inv;
-            fp8_scale(amax, round_scale, scale, inv);
-            if (active) {
-                uint2 packed;
-                packed.x = e4m3x2(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv))
-                         | (e4m3x2(__fmul_rn(v[2], inv), __fmul_rn(v[3], inv)) << 16);
-                packed.y = e4m3x2(__fmul_rn(v[4], inv), __fmul_rn(v[5], inv))
-                         | (e4m3x2(__fmul_rn(v[6], inv), __fmul_rn(v[7], inv)) << 16);
-                st_stream(reinterpret_cast<uint2*>(record) + i, packed);
-                if (lane % 16 == 0)
-                    scales[i / 16] = scale;
-            }
-        }
-    }
-    if (lane == 0)
-        *reinterpret_cast<int*>(record + record_bytes - 16) = token;
+__device__ __forceinline__ void cast_step(const int4& raw, bool round_scale, uint2& packed, float& scale) {
+    float v[8];
+    Elem<bf16_t>::unpack(raw, v);
+    float amax = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)
+        amax = fmaxf(amax, fabsf(v[j]));
+    #pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    float inv;
+    fp8_scale(amax, round_scale, scale, inv);
+    packed.x = e4m3x2(__fmul_rn(v[0], inv), __fmul_rn(v[1], inv)) | (e4m3x2(__fmul_rn(v[2], inv), __fmul_rn(v[3], inv)) << 16);
+    packed.y = e4m3x2(__fmul_rn(v[4], inv), __fmul_rn(v[5], inv)) | (e4m3x2(__fmul_rn(v[6], inv), __fmul_rn(v[7], inv)) << 16);
+}
+
+// Steps (32 lanes x 16 bytes) whose loads a warp issues before it writes them out.
+constexpr int kSendBatch = 4;
+
+// Parts of a token's row the send hands to warps of their own: the grid's warps spread over the
+// tokens, so that one token alone still keeps up to `steps` warps busy.
+__device__ __forceinline__ int send_parts(int num_tokens, int steps) {
+    return num_tokens > 0 ? max(1, min(grid_warps() / num_tokens, steps)) : 1;
 }
 
 // fp8_mode: 0 BF16, 1 FP8, 2 FP8 with power-of-two scales, 3 FP8 with UE8M0-packed scales.
 // phases: 1 send, 2 receive, 3 both. recv_scales: float [L][hidden / 128][R * M] (column-major
 // per expert), or with UE8M0 int [L][hidden / 512][R * M].
+//
+// Send: warps take (token, part of its row): the part is loaded once, cast, and written into the
+// token's record at each of its experts' owners; its place there is the number of earlier tokens
+// routed to that expert (so records keep source token order). Each warp then counts its piece in
+// this rank's LL_SENT_PIECES word of each expert; the warp that owns expert e (e = warp, warp + W,
+// ...) waits until every piece of e's rows is counted and signals the count to e's owner.
+// Receive: per local expert a group of warps; each waits for the R counts itself and copies its
+// share of the rows.
 __global__ void __launch_bounds__(LL_THREADS) dispatch(
         void* recv_x, void* recv_scales, int* recv_count, int* src_info, int64_t_* layout_range,
         int* cumulative_recv_stats, int64_t_* wait_recv_cost_stats, const void* x, const int64_t_* topk_idx,
         int num_tokens, int num_topk, int hidden, int num_max, int num_experts, int fp8_mode, int phases,
         int shrink, int64_t_ record_bytes, int64_t_ dispatch_off, int64_t_ half_bytes,
         void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
-    __shared__ int tokens[LL_THREADS];
-    __shared__ int warp_totals[kLLWarps];
-    __shared__ int counts[DEEPEP_MAX_RANKS + 1];
     __shared__ int masked[DEEPEP_MAX_RANKS];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int warp_id = grid_warp(), num_warps = grid_warps();
     const int num_local = num_experts / num_ranks;
+    const int row_int4 = hidden / 8;
     int* mask = mask_words(buffer_ptrs, rank, shrink);
     int send_call, recv_call;
     if (enter(buffer_ptrs, rank, 0, KERNEL_LOW_LATENCY_DISPATCH_SEND, error_record, send_call, recv_call))
         return;
     LL_STAMP(0, (phases & 1) ? send_call : recv_call, 0);
+    bool failed = false;
 
     if (phases & 1) {
         const int half = send_call & 1;
@@ -257,46 +330,96 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             return;
         LL_STAMP(0, send_call, 1);
         snapshot_mask(mask, num_ranks, masked);
-        const int4* x_rows = reinterpret_cast<const int4*>(x);
-        for (int expert = blockIdx.x; expert < num_experts; expert += gridDim.x) {
-            const int dst = expert / num_local, local = expert % num_local;
-            if (masked[dst])
-                continue;  // nothing for a masked rank (the block agrees: one snapshot)
-            char* region = reinterpret_cast<char*>(buffer_ptrs[dst]) + dispatch_off + half * half_bytes
-                           + (int64_t_)(local * num_ranks + rank) * num_max * record_bytes;
-            int sent = 0;
-            for (int base = 0; base < num_tokens; base += LL_THREADS) {
-                const int t = base + threadIdx.x;
-                bool routed = false;
-                if (t < num_tokens)
-                    for (int k = 0; k < num_topk; ++k)
-                        routed |= topk_idx[(int64_t_)t * num_topk + k] == expert;
-                int total;
-                const int place = block_hit_place<kLLWarps>(routed, warp_totals, total);
-                if (routed)
-                    tokens[place] = t;
-                __syncthreads();
-                for (int i = warp; i < total; i += kLLWarps)
-                    write_record(region + (int64_t_)(sent + i) * record_bytes,
-                                 x_rows + (int64_t_)tokens[i] * (hidden / 8), hidden, fp8_mode, record_bytes,
-                                 tokens[i], lane);
-                sent += total;
-                __syncthreads();
+        int* sent_pieces = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + LL_SENT_PIECES_OFFSET);
+        const int steps = (row_int4 + 31) / 32;
+        const int parts = send_parts(num_tokens, steps);
+        const int steps_per_part = (steps + parts - 1) / parts;
+        const bool fp8 = fp8_mode != 0, round_scale = fp8_mode >= 2;
+        for (int item = warp_id; item < num_tokens * parts; item += num_warps) {
+            const int t = item / parts, part = item % parts;
+            const int expert = token_expert(topk_idx, t, num_topk, num_experts, lane);
+            // The token's place among those this rank sends to each expert (lane k: its expert).
+            int place = 0;
+            for (int k = 0; k < num_topk; ++k) {
+                const int e = __shfl_sync(kFullMask, expert, k);
+                if (e < 0)
+                    continue;
+                const int before = tokens_routed_to(topk_idx, t, num_topk, e, lane);
+                if (lane == k)
+                    place = before;
             }
+            const bool writes = expert >= 0 && !masked[expert / num_local];
+            char* record = nullptr;
+            if (writes)
+                record = reinterpret_cast<char*>(buffer_ptrs[expert / num_local]) + dispatch_off + half * half_bytes
+                         + ((int64_t_)((expert % num_local) * num_ranks + rank) * num_max + place) * record_bytes;
+            const unsigned writers = __ballot_sync(kFullMask, writes);
+            const int4* x_row = reinterpret_cast<const int4*>(x) + (int64_t_)t * row_int4;
+            const int step_end = min(steps, (part + 1) * steps_per_part);
+            for (int s0 = part * steps_per_part; s0 < step_end && writers != 0; s0 += kSendBatch) {
+                int4 raw[kSendBatch];
+                #pragma unroll
+                for (int j = 0; j < kSendBatch; ++j) {
+                    const int i = (s0 + j) * 32 + lane;
+                    raw[j] = s0 + j < step_end && i < row_int4 ? ld_stream(x_row + i) : make_int4(0, 0, 0, 0);
+                }
+                #pragma unroll
+                for (int j = 0; j < kSendBatch; ++j) {
+                    if (s0 + j >= step_end)
+                        break;
+                    const int i = (s0 + j) * 32 + lane;
+                    uint2 packed = make_uint2(0, 0);
+                    float scale = 0.0f;
+                    if (fp8)
+                        cast_step(raw[j], round_scale, packed, scale);
+                    for (unsigned left = writers; left != 0; left &= left - 1) {
+                        const int k = __ffs(left) - 1;
+                        char* to = reinterpret_cast<char*>(
+                            __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(record), k));
+                        if (i >= row_int4)
+                            continue;
+                        if (!fp8) {
+                            st_stream(reinterpret_cast<int4*>(to) + i, raw[j]);
+                        } else {
+                            st_stream(reinterpret_cast<uint2*>(to) + i, packed);
+                            if (lane % 16 == 0)
+                                reinterpret_cast<float*>(to + hidden)[i / 16] = scale;
+                        }
+                    }
+                }
+            }
+            if (part == 0 && writes)
+                *reinterpret_cast<int*>(record + record_bytes - 16) = t;
             __threadfence_system();
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int64_t_* count_word = reinterpret_cast<int64_t_*>(reinterpret_cast<char*>(buffer_ptrs[dst])
-                                                                  + LL_DISPATCH_COUNTS_OFFSET)
-                                       + half * MAX_EXPERTS + local * num_ranks + rank;
-                st_release_sys(count_word, (epoch << 32) | (int64_t_)sent);
-            }
+            __syncwarp();
+            if (expert >= 0)
+                atomicAdd(sent_pieces + expert, 1);  // a masked owner's pieces count too (none written)
         }
+        // Signals: the count of expert e's rows, once every piece of them is written.
+        for (int e = warp_id; e < num_experts && !failed; e += num_warps) {
+            const int rows = tokens_routed_to(topk_idx, num_tokens, num_topk, e, lane);
+            if (lane == 0) {
+                PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_DISPATCH_SEND, e);
+                while (ld_acquire_gpu(sent_pieces + e) != rows * parts)
+                    if (wait.failed(rank, e)) {
+                        failed = true;
+                        break;
+                    }
+                sent_pieces[e] = 0;
+                const int dst = e / num_local;
+                if (!failed && !masked[dst]) {
+                    int64_t_* count_word = reinterpret_cast<int64_t_*>(reinterpret_cast<char*>(buffer_ptrs[dst])
+                                                                      + LL_DISPATCH_COUNTS_OFFSET)
+                                           + half * MAX_EXPERTS + (e % num_local) * num_ranks + rank;
+                    st_release_sys(count_word, (epoch << 32) | (int64_t_)rows);
+                }
+            }
+            failed = __shfl_sync(kFullMask, failed, 0);
+        }
+        LL_STAMP(0, send_call, 2);
     }
 
-    if (phases & 1)
-        LL_STAMP(0, send_call, 2);
-    if (phases & 2) {
+    if ((phases & 2) && !failed) {
         const int half = recv_call & 1;
         const int64_t_ epoch = recv_call + 1;
         const int rows_per_expert = num_ranks * num_max;
@@ -304,60 +427,55 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         const int64_t_ row_bytes = fp8_mode == 0 ? (int64_t_)hidden * 2 : hidden;
         const int64_t_* my_counts = reinterpret_cast<const int64_t_*>(reinterpret_cast<const char*>(buffer_ptrs[rank])
                                                                       + LL_DISPATCH_COUNTS_OFFSET) + half * MAX_EXPERTS;
-        for (int local = blockIdx.x; local < num_local; local += gridDim.x) {
+        const int per_expert = max(1, num_warps / num_local);
+        const int num_teams = num_warps / per_expert, team = warp_id / per_expert, member = warp_id % per_expert;
+        for (int local = team; local < num_local && team < num_teams && !failed; local += num_teams) {
             bool ok = true;
-            const int source = threadIdx.x;
-            if (source < num_ranks) {
-                // DeepEP's wait_recv_cost: the clock64 cycles this wait polled without the count (0
-                // for a masked source, not waited for).
+            int count = 0;
+            long long cost = 0;  // DeepEP's wait_recv_cost: the clock64 cycles polled without the count
+            if (lane < num_ranks && !is_masked(mask, lane)) {
                 const long long start = clock64();
-                long long cost = 0;
-                int64_t_ value = 0;
-                if (!is_masked(mask, source)) {
-                    LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
-                                KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local, mask);
-                    const int64_t_* word = my_counts + local * num_ranks + source;
-                    while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
-                        cost = clock64() - start;
-                        const int state = wait.poll(source, (int)epoch);
-                        if (state != kKeepWaiting) {
-                            ok = state != kStop;
-                            value = 0;  // a masked source sent nothing
-                            break;
-                        }
+                LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
+                            KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local, mask);
+                const int64_t_* word = my_counts + local * num_ranks + lane;
+                int64_t_ value;
+                while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
+                    cost = clock64() - start;
+                    const int state = wait.poll(lane, (int)epoch);
+                    if (state != kKeepWaiting) {
+                        ok = state != kStop;
+                        value = 0;  // a masked source sent nothing
+                        break;
                     }
                 }
-                counts[source] = (int)(value & 0xffffffff);
-                if (wait_recv_cost_stats != nullptr)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
-                              (unsigned long long)cost);
+                count = (int)(value & 0xffffffff);
             }
-            if (__syncthreads_and(ok) == 0)
-                return;
+            if (!__all_sync(kFullMask, ok)) {
+                failed = true;
+                break;
+            }
             LL_STAMP(0, recv_call, 3);
-            if (threadIdx.x == 0) {
-                int row = 0;
-                for (int s = 0; s < num_ranks; ++s) {
-                    layout_range[local * num_ranks + s] = ((int64_t_)row << 32) | (int64_t_)counts[s];
-                    const int c = counts[s];
-                    counts[s] = row;
-                    row += c;
+            int total;
+            const int before = rows_before(count, num_ranks, lane, total);
+            if (member == 0) {
+                if (lane < num_ranks) {
+                    layout_range[local * num_ranks + lane] = ((int64_t_)before << 32) | (int64_t_)count;
+                    if (wait_recv_cost_stats != nullptr)
+                        atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + lane),
+                                  (unsigned long long)cost);
                 }
-                counts[num_ranks] = row;
-                recv_count[local] = row;
-                if (cumulative_recv_stats != nullptr)
-                    cumulative_recv_stats[local] += row;
+                if (lane == 0) {
+                    recv_count[local] = total;
+                    if (cumulative_recv_stats != nullptr)
+                        cumulative_recv_stats[local] += total;
+                }
             }
-            __syncthreads();
-            const int total = counts[num_ranks];
-            for (int row = warp; row < total; row += kLLWarps) {
-                int source = 0;
-                while (source + 1 < num_ranks && counts[source + 1] <= row)
-                    ++source;
+            for (int row = member; row < total; row += per_expert) {
+                const int source = source_of_row(before, row, num_ranks, lane);
+                const int first = __shfl_sync(kFullMask, before, source);
                 const char* record = reinterpret_cast<const char*>(buffer_ptrs[rank]) + dispatch_off
                                      + half * half_bytes
-                                     + ((int64_t_)(local * num_ranks + source) * num_max + (row - counts[source]))
-                                       * record_bytes;
+                                     + ((int64_t_)(local * num_ranks + source) * num_max + (row - first)) * record_bytes;
                 const int64_t_ out_row = (int64_t_)local * rows_per_expert + row;
                 warp_copy<4>(reinterpret_cast<int4*>(reinterpret_cast<char*>(recv_x) + out_row * row_bytes),
                              reinterpret_cast<const int4*>(record), (int)(row_bytes / 16), lane);
@@ -382,9 +500,10 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                 if (lane == 0)
                     src_info[out_row] = ld_stream(reinterpret_cast<const int*>(record + record_bytes - 16));
             }
-            __syncthreads();
         }
     }
+    if (__syncthreads_or(failed))
+        return;
     LL_STAMP(0, (phases & 1) ? send_call : recv_call, 4);
     leave(buffer_ptrs, num_ranks, rank, 0, phases, send_call, recv_call, mask);
 }
@@ -405,7 +524,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
 // bytes of codes (per 16 values 5 words: 16 9-bit codes, then the 16 signs in the upper half).
 //
 // Unlike DeepEP's (lg2.approx / ex2.approx), log2 and exp2 are computed with IEEE round-to-nearest
-// float operations only, so that deepep_cupy/low_latency_reference.py states every bit.
+// float operations only, so that deepep_cupy/reference/low_latency.py states every bit.
 
 __device__ __forceinline__ float repro_log2(float x) {  // x >= 0 (0 -> -inf)
     if (x == 0.0f)
@@ -550,8 +669,7 @@ __device__ __forceinline__ void logfmt_write_row(char* slot, const int4* x_row, 
 template <int kUnroll>
 __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* area, const int64_t_* topk_idx,
                                                  const float* topk_weights, int t, int num_topk, int hidden,
-                                                 int num_max, int num_experts, int64_t_ slot_bytes, int lane,
-                                                 const int* masked, int num_local) {
+                                                 int num_max, int64_t_ slot_bytes, int lane, unsigned used) {
     constexpr int kChunkInt4 = 32 * kUnroll;
     constexpr int kGroupsPerChunk = kChunkInt4 * 8 / 128;
     constexpr int kCastBytes = 32 * kUnroll * 10, kRawBytes = 32 * kUnroll * 16;
@@ -562,7 +680,7 @@ __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* a
     for (int k = 0; k < num_topk; ++k) {
         const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
         bool cast = false;
-        if (expert >= 0 && expert < num_experts && !masked[expert / num_local] && lane < num_chunks) {
+        if (((used >> k) & 1u) && lane < num_chunks) {
             const unsigned* meta = reinterpret_cast<const unsigned*>(area + (expert * num_max + t) * slot_bytes);
             cast = true;
             for (int g = lane * kGroupsPerChunk; g < (lane + 1) * kGroupsPerChunk; ++g) {
@@ -580,7 +698,7 @@ __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* a
         const int group = (c * kChunkInt4 + lane * kUnroll) * 8 / 128;
         for (int k = 0; k < num_topk; ++k) {
             const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
-            if (expert < 0 || expert >= num_experts || masked[expert / num_local])
+            if (!((used >> k) & 1u))
                 continue;
             const float weight = topk_weights[(int64_t_)t * num_topk + k];
             const char* slot = area + (expert * num_max + t) * slot_bytes;
@@ -631,27 +749,91 @@ __device__ __forceinline__ void logfmt_sum_token(void* combined_x, const char* a
 // ---------------------------------------------------------------------------------------------
 // Combine
 
+// Warps that send one local expert's rows together: a power of two that divides the block's
+// warps (a team lies in one block and meets at a named barrier before its flags), as many as the
+// grid has per local expert.
+__device__ __forceinline__ int combine_team_warps(int num_local) {
+    int team = 1;
+    while (team * 2 <= kLLWarps && team * 2 * num_local <= grid_warps())
+        team *= 2;
+    return team;
+}
+
+__device__ __forceinline__ void team_sync(int team_warps) {
+    if (team_warps == 1) {
+        __syncwarp();
+        return;
+    }
+    const int id = 1 + (threadIdx.x / 32) / team_warps;  // barrier 0 is __syncthreads'
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(team_warps * 32) : "memory");
+}
+
+// Rows whose loads one lane of the BF16 receive issues before it adds them (in top-k order).
+constexpr int kSumBatch = 8;
+
+// One warp sums the rows `used` (bit k: top-k entry k) of token t, 256 channels (chunk `chunk`),
+// with their weights into its BF16 row of combined_x: products and sums rounded, in top-k order.
+__device__ __forceinline__ void sum_chunk(void* combined_x, const char* area, const int64_t_* topk_idx,
+                                          const float* topk_weights, int t, int chunk, int num_topk, int row_int4,
+                                          int num_max, int64_t_ slot_bytes, int lane, unsigned used) {
+    const int i = chunk * 32 + lane;
+    float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k0 = 0; k0 < num_topk; k0 += kSumBatch) {
+        int4 v[kSumBatch];
+        float weight[kSumBatch];
+        #pragma unroll
+        for (int b = 0; b < kSumBatch; ++b) {
+            const int k = k0 + b;
+            v[b] = make_int4(0, 0, 0, 0);
+            weight[b] = 0.0f;
+            if (k < num_topk && ((used >> k) & 1u) && i < row_int4) {
+                const int64_t_ expert = __ldg(topk_idx + (int64_t_)t * num_topk + k);
+                weight[b] = __ldg(topk_weights + (int64_t_)t * num_topk + k);
+                v[b] = ld_stream(reinterpret_cast<const int4*>(area + (expert * num_max + t) * slot_bytes) + i);
+            }
+        }
+        #pragma unroll
+        for (int b = 0; b < kSumBatch; ++b) {
+            if (k0 + b >= num_topk || !((used >> (k0 + b)) & 1u))
+                continue;
+            float f[8];
+            Elem<bf16_t>::unpack(v[b], f);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j)
+                sum[j] = __fadd_rn(sum[j], __fmul_rn(weight[b], f[j]));
+        }
+    }
+    if (i < row_int4)
+        st_stream(reinterpret_cast<int4*>(combined_x) + (int64_t_)t * row_int4 + i, Elem<bf16_t>::pack(sum));
+}
+
 // x: BF16 [L][R * M][hidden], the rows of the dispatch whose handle gives src_info and
 // layout_range (the zero-copy area when the caller wrote its rows there). combined_x: BF16
 // [num_tokens][hidden]. phases as for dispatch. logfmt_unroll: 0 for BF16 rows, else the rows
 // travel in LogFMT with that unroll (2 or 4, see above). slot_bytes: a row's slot in the combine
 // area (hidden * 2, or with LogFMT hidden * 2 + hidden / 32 for its meta).
+//
+// Send: per local expert a team of warps writes its rows (BF16 rows cut in one piece per warp,
+// LogFMT rows whole) into their tokens' slots at the tokens' ranks, then flags the expert at every
+// rank. Receive: each warp takes a run of (token, 256 channels) pieces, waits for the flags of the
+// token's experts and sums their rows (LogFMT: whole tokens).
 __global__ void __launch_bounds__(LL_THREADS) combine(
         void* combined_x, const void* x, const int64_t_* topk_idx, const float* topk_weights, const int* src_info,
         const int64_t_* layout_range, int64_t_* wait_recv_cost_stats, int num_tokens, int num_topk, int hidden,
         int num_max, int num_experts, int phases, int shrink, int logfmt_unroll, int64_t_ slot_bytes,
         int64_t_ combine_off, int64_t_ half_bytes,
         void* const* buffer_ptrs, int num_ranks, int rank, int64_t_ timeout_ns, int* error_record) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int warp_id = grid_warp(), num_warps = grid_warps();
     const int num_local = num_experts / num_ranks;
     const int row_int4 = hidden / 8;
-    const int64_t_ row_bytes = slot_bytes;
     __shared__ int masked[DEEPEP_MAX_RANKS];
     int* mask = mask_words(buffer_ptrs, rank, shrink);
     int send_call, recv_call;
     if (enter(buffer_ptrs, rank, 1, KERNEL_LOW_LATENCY_COMBINE_SEND, error_record, send_call, recv_call))
         return;
     LL_STAMP(1, (phases & 1) ? send_call : recv_call, 0);
+    bool failed = false;
 
     if (phases & 1) {
         const int half = send_call & 1;
@@ -661,99 +843,110 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         LL_STAMP(1, send_call, 1);
         snapshot_mask(mask, num_ranks, masked);
         const int rows_per_expert = num_ranks * num_max;
-        for (int local = blockIdx.x; local < num_local; local += gridDim.x) {
+        const int team_warps = combine_team_warps(num_local);
+        const int num_teams = num_warps / team_warps, team = warp_id / team_warps, member = warp_id % team_warps;
+        // LogFMT rows are written whole: where a chunk lands depends on every chunk before it.
+        const int pieces = logfmt_unroll != 0 ? 1 : team_warps;
+        const int piece_int4 = (row_int4 + pieces - 1) / pieces;
+        for (int local = team; local < num_local; local += num_teams) {
             const int expert = rank * num_local + local;
-            for (int dst = 0; dst < num_ranks; ++dst) {
+            // The rows for rank s are [before_s, before_s + count_s) (the dispatch's layout).
+            const int64_t_ range = lane < num_ranks ? layout_range[local * num_ranks + lane] : 0;
+            const int before = (int)(range >> 32);
+            const int total = __shfl_sync(kFullMask, before + (int)(range & 0xffffffff), num_ranks - 1);
+            for (int item = member; item < total * pieces; item += team_warps) {
+                const int row = item / pieces, piece = item % pieces;
+                const int dst = source_of_row(before, row, num_ranks, lane);
                 if (masked[dst])
                     continue;  // nothing for a masked rank
-                const int64_t_ range = layout_range[local * num_ranks + dst];
-                const int begin = (int)(range >> 32), count = (int)(range & 0xffffffff);
-                char* area = reinterpret_cast<char*>(buffer_ptrs[dst]) + combine_off + half * half_bytes
-                             + (int64_t_)expert * num_max * row_bytes;
-                for (int i = warp; i < count; i += kLLWarps) {
-                    const int64_t_ row = (int64_t_)local * rows_per_expert + begin + i;
-                    const int token = src_info[row];
-                    const int4* x_row = reinterpret_cast<const int4*>(x) + row * row_int4;
-                    if (logfmt_unroll == 4)
-                        logfmt_write_row<4>(area + token * row_bytes, x_row, hidden, lane);
-                    else if (logfmt_unroll == 2)
-                        logfmt_write_row<2>(area + token * row_bytes, x_row, hidden, lane);
-                    else
-                        warp_copy<4>(reinterpret_cast<int4*>(area + token * row_bytes), x_row, row_int4, lane);
+                const int64_t_ x_row = (int64_t_)local * rows_per_expert + row;
+                const int token = src_info[x_row];
+                char* slot = reinterpret_cast<char*>(buffer_ptrs[dst]) + combine_off + half * half_bytes
+                             + ((int64_t_)expert * num_max + token) * slot_bytes;
+                const int4* x_int4 = reinterpret_cast<const int4*>(x) + x_row * row_int4;
+                if (logfmt_unroll == 4) {
+                    logfmt_write_row<4>(slot, x_int4, hidden, lane);
+                } else if (logfmt_unroll == 2) {
+                    logfmt_write_row<2>(slot, x_int4, hidden, lane);
+                } else {
+                    const int begin = piece * piece_int4, n = min(row_int4 - begin, piece_int4);
+                    if (n > 0)
+                        warp_copy<4>(reinterpret_cast<int4*>(slot) + begin, x_int4 + begin, n, lane);
                 }
             }
             __threadfence_system();
-            __syncthreads();
-            if (threadIdx.x < num_ranks && !masked[threadIdx.x]) {
-                int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[threadIdx.x])
-                                                   + LL_COMBINE_FLAGS_OFFSET) + half * MAX_EXPERTS + expert;
+            team_sync(team_warps);
+            if (member == 0 && lane < num_ranks && !masked[lane]) {
+                int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[lane]) + LL_COMBINE_FLAGS_OFFSET)
+                            + half * MAX_EXPERTS + expert;
                 st_release_sys(flag, send_call + 1);
             }
         }
+        LL_STAMP(1, send_call, 2);
     }
 
-    if (phases & 1)
-        LL_STAMP(1, send_call, 2);
     if (phases & 2) {
         const int half = recv_call & 1;
         const int epoch = recv_call + 1;
         const int* flags = reinterpret_cast<const int*>(reinterpret_cast<const char*>(buffer_ptrs[rank])
                                                         + LL_COMBINE_FLAGS_OFFSET) + half * MAX_EXPERTS;
-        bool ok = true;
-        for (int expert = threadIdx.x; expert < num_experts && ok; expert += blockDim.x) {
-            const int owner = expert / num_local;
-            if (is_masked(mask, owner))
-                continue;
-            // DeepEP's combine wait_recv_cost (block 0's waits: one per expert, summed per owner).
-            const long long start = clock64();
-            long long cost = 0;
-            LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_COMBINE_RECEIVE,
-                        expert, mask);
-            while (ld_acquire_sys(flags + expert) != epoch) {
-                cost = clock64() - start;
-                const int state = wait.poll(owner, epoch);
-                if (state != kKeepWaiting) {
-                    ok = state != kStop;
+        const char* area = reinterpret_cast<const char*>(buffer_ptrs[rank]) + combine_off + half * half_bytes;
+        const int chunks = logfmt_unroll != 0 ? 1 : (row_int4 + 31) / 32;
+        // A run of consecutive pieces per warp: mostly one token's, whose flags it waits for once.
+        const int num_items = num_tokens * chunks;
+        const int run = (num_items + num_warps - 1) / num_warps;
+        int waited_token = -1;
+        unsigned used = 0;
+        for (int item = warp_id * run; item < min(num_items, (warp_id + 1) * run); ++item) {
+            const int t = item / chunks, chunk = item % chunks;
+            if (t != waited_token) {
+                int expert = -1;
+                if (lane < num_topk) {
+                    const int64_t_ e = topk_idx[(int64_t_)t * num_topk + lane];
+                    expert = e >= 0 && e < num_experts ? (int)e : -1;
+                }
+                bool ok = true;
+                if (expert >= 0 && !is_masked(mask, expert / num_local)) {
+                    // DeepEP's wait_recv_cost: the clock64 cycles polled without the flag, per owner.
+                    const int owner = expert / num_local;
+                    const long long start = clock64();
+                    long long cost = 0;
+                    LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
+                                KERNEL_LOW_LATENCY_COMBINE_RECEIVE, expert, mask);
+                    while (ld_acquire_sys(flags + expert) != epoch) {
+                        cost = clock64() - start;
+                        const int state = wait.poll(owner, epoch);
+                        if (state != kKeepWaiting) {
+                            ok = state != kStop;
+                            break;
+                        }
+                    }
+                    if (wait_recv_cost_stats != nullptr)
+                        atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
+                                  (unsigned long long)cost);
+                }
+                if (!__all_sync(kFullMask, ok)) {
+                    failed = true;
                     break;
                 }
+                LL_STAMP(1, recv_call, 3);
+                // The rows summed: those whose owner is unmasked now.
+                used = __ballot_sync(kFullMask, expert >= 0 && !is_masked(mask, expert / num_local));
+                waited_token = t;
             }
-            if (wait_recv_cost_stats != nullptr && blockIdx.x == 0)
-                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner), (unsigned long long)cost);
-        }
-        if (__syncthreads_and(ok) == 0)
-            return;
-        LL_STAMP(1, recv_call, 3);
-        snapshot_mask(mask, num_ranks, masked);  // the owners whose rows are summed: those unmasked now
-        const char* area = reinterpret_cast<const char*>(buffer_ptrs[rank]) + combine_off + half * half_bytes;
-        for (int t = blockIdx.x * kLLWarps + warp; t < num_tokens; t += gridDim.x * kLLWarps) {
-            if (logfmt_unroll == 4) {
+            if (logfmt_unroll == 4)
                 logfmt_sum_token<4>(combined_x, area, topk_idx, topk_weights, t, num_topk, hidden, num_max,
-                                    num_experts, row_bytes, lane, masked, num_local);
-                continue;
-            }
-            if (logfmt_unroll == 2) {
+                                    slot_bytes, lane, used);
+            else if (logfmt_unroll == 2)
                 logfmt_sum_token<2>(combined_x, area, topk_idx, topk_weights, t, num_topk, hidden, num_max,
-                                    num_experts, row_bytes, lane, masked, num_local);
-                continue;
-            }
-            for (int i = lane; i < row_int4; i += 32) {
-                float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int k = 0; k < num_topk; ++k) {
-                    const int64_t_ expert = topk_idx[(int64_t_)t * num_topk + k];
-                    if (expert < 0 || expert >= num_experts || masked[expert / num_local])
-                        continue;
-                    const float weight = topk_weights[(int64_t_)t * num_topk + k];
-                    float v[8];
-                    Elem<bf16_t>::unpack(ld_stream(reinterpret_cast<const int4*>(
-                                             area + (expert * num_max + t) * row_bytes) + i), v);
-                    #pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        sum[j] = __fadd_rn(sum[j], __fmul_rn(weight, v[j]));
-                }
-                st_stream(reinterpret_cast<int4*>(combined_x) + (int64_t_)t * row_int4 + i, Elem<bf16_t>::pack(sum));
-            }
+                                    slot_bytes, lane, used);
+            else
+                sum_chunk(combined_x, area, topk_idx, topk_weights, t, chunk, num_topk, row_int4, num_max,
+                          slot_bytes, lane, used);
         }
     }
+    if (__syncthreads_or(failed))
+        return;
     LL_STAMP(1, (phases & 1) ? send_call : recv_call, 4);
     leave(buffer_ptrs, num_ranks, rank, 1, phases, send_call, recv_call, mask);
 }
