@@ -165,7 +165,7 @@ __device__ __forceinline__ void leave(void* const* buffer_ptrs, int num_ranks, i
         return;
     int* words = ll_words(buffer_ptrs, rank);
     int* exits = words + LL_EXITS_INT + op * 4 + phases;
-    __threadfence_system();
+    __threadfence();  // the block's reads before the last block's releases (system scope)
     if (atomicAdd(exits, 1) != (int)gridDim.x - 1)
         return;
     *exits = 0;
@@ -195,6 +195,10 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+__device__ __forceinline__ void add_release_gpu(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
 // Whether token `t` has `expert` among its top-k.
@@ -390,10 +394,11 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             }
             if (part == 0 && writes)
                 *reinterpret_cast<int*>(record + record_bytes - 16) = t;
-            __threadfence_system();
+            // The warp's writes are ordered before its count (release), the count before the
+            // expert's signal (acquire, then a system-scope release, which carries them along).
             __syncwarp();
             if (expert >= 0)
-                atomicAdd(sent_pieces + expert, 1);  // a masked owner's pieces count too (none written)
+                add_release_gpu(sent_pieces + expert, 1);  // a masked owner's pieces count too (none written)
         }
         // Signals: the count of expert e's rows, once every piece of them is written.
         for (int e = warp_id; e < num_experts && !failed; e += num_warps) {
@@ -470,15 +475,25 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                         cumulative_recv_stats[local] += total;
                 }
             }
-            for (int row = member; row < total; row += per_expert) {
+            // Fewer rows than warps: each row in pieces, one per warp (more rows: whole rows, each
+            // warp's copies one after another cost less than a piece's fixed cost per row).
+            const int pieces = total < per_expert ? per_expert : 1;
+            const int copy_int4 = (int)(row_bytes / 16);  // a received row (FP8 or BF16) in int4
+            const int piece_int4 = (copy_int4 + pieces - 1) / pieces;
+            for (int item = member; item < total * pieces; item += per_expert) {
+                const int row = item / pieces, piece = item % pieces;
                 const int source = source_of_row(before, row, num_ranks, lane);
                 const int first = __shfl_sync(kFullMask, before, source);
                 const char* record = reinterpret_cast<const char*>(buffer_ptrs[rank]) + dispatch_off
                                      + half * half_bytes
                                      + ((int64_t_)(local * num_ranks + source) * num_max + (row - first)) * record_bytes;
                 const int64_t_ out_row = (int64_t_)local * rows_per_expert + row;
-                warp_copy<4>(reinterpret_cast<int4*>(reinterpret_cast<char*>(recv_x) + out_row * row_bytes),
-                             reinterpret_cast<const int4*>(record), (int)(row_bytes / 16), lane);
+                const int begin = piece * piece_int4, n = min(copy_int4 - begin, piece_int4);
+                if (n > 0)
+                    warp_copy<4>(reinterpret_cast<int4*>(reinterpret_cast<char*>(recv_x) + out_row * row_bytes) + begin,
+                                 reinterpret_cast<const int4*>(record) + begin, n, lane);
+                if (piece != 0)
+                    continue;  // the scales and the source index: piece 0's
                 if (fp8_mode == 1 || fp8_mode == 2) {
                     const float* scales = reinterpret_cast<const float*>(record + hidden);
                     float* out = reinterpret_cast<float*>(recv_scales);
@@ -874,8 +889,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                         warp_copy<4>(reinterpret_cast<int4*>(slot) + begin, x_int4 + begin, n, lane);
                 }
             }
-            __threadfence_system();
-            team_sync(team_warps);
+            team_sync(team_warps);  // the team's rows before its flags (each a system-scope release)
             if (member == 0 && lane < num_ranks && !masked[lane]) {
                 int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[lane]) + LL_COMBINE_FLAGS_OFFSET)
                             + half * MAX_EXPERTS + expert;
