@@ -41,8 +41,8 @@ namespace deepep_cupy {
 namespace low_latency {
 
 // Timeline stamps: nothing here; scripts/decode_timeline.py defines LL_STAMP(op, call, slot) to
-// record when each block of a call reaches 0 its entry, 1 its send, 2 its send's end, 3 the peers'
-// signals, 4 its end.
+// record when the warps of a call reach 0 their entry, 1 their send, 2 their send's end, 3 the
+// peers' signals, 4 their end, 5 a dispatch piece's places, 6 a piece's or a team's rows written.
 #ifndef LL_STAMP
 #define LL_STAMP(op, call, slot) ((void)0)
 #endif
@@ -352,6 +352,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                 if (lane == k)
                     place = before;
             }
+            LL_STAMP(0, send_call, 5);
             const bool writes = expert >= 0 && !masked[expert / num_local];
             char* record = nullptr;
             if (writes)
@@ -394,6 +395,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             }
             if (part == 0 && writes)
                 *reinterpret_cast<int*>(record + record_bytes - 16) = t;
+            LL_STAMP(0, send_call, 6);
             // The warp's writes are ordered before its count (release), the count before the
             // expert's signal (acquire, then a system-scope release, which carries them along).
             __syncwarp();
@@ -889,6 +891,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                         warp_copy<4>(reinterpret_cast<int4*>(slot) + begin, x_int4 + begin, n, lane);
                 }
             }
+            LL_STAMP(1, send_call, 6);
             team_sync(team_warps);  // the team's rows before its flags (each a system-scope release)
             if (member == 0 && lane < num_ranks && !masked[lane]) {
                 int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[lane]) + LL_COMBINE_FLAGS_OFFSET)

@@ -5,7 +5,7 @@
 The ranks are threads of this process on one GPU (``run_local_group``), so every stamp is read
 from the same clock and ranks compare with each other. The kernels are compiled from their source
 with ``LL_STAMP`` defined (kernels/low_latency.cu leaves it empty): per rank, op and call, the
-earliest and the latest block to reach each point (atomicMin / atomicMax of thread 0). Each op is
+earliest and the latest warp to reach each point (atomicMin / atomicMax of its lane 0). Each op is
 captured as the decode benchmark captures it (:func:`deepep_cupy.bench.decode.decode_graphs`) and
 replayed ``--calls`` times back to back. Per token count, ``num_sms`` (blocks per launch; the
 variants alternate over ``--rounds``), op and rank, medians over the calls, in us:
@@ -13,11 +13,13 @@ variants alternate over ``--rounds``), op and rank, medians over the calls, in u
     loop      GPU time per call (events around the replays), as the decode table gives it
     host      wall time of one replay's launch
     entry     the first block's entry minus the peer's first entry of the same call (+: this rank late)
-    released  first entry -> the last block past the wait for the peers' release of its half
-    sent      first entry -> the last block's send done
-    seen      first entry -> the last block to see the peers' signals (counts or flags)
-    done      first entry -> the last block done (before the exit count)
-    gap       the last block done -> the next call's first entry (launch and host)
+    released  first entry -> the last warp past the wait for the peers' release of its half
+    placed    first entry -> the last dispatch piece whose places (earlier tokens per expert) are known
+    written   first entry -> the last piece (dispatch) or team (combine) whose rows are written
+    sent      first entry -> the last warp's send done (dispatch: its count signals too)
+    seen      first entry -> the last warp to see the peers' signals (counts or flags)
+    done      first entry -> the last warp done (before the exit count)
+    gap       the last warp done -> the next call's first entry (launch and host)
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import numpy as np
 
 from deepep_cupy.gpu.check import exit_unless_gpu
 
-MAX_RANKS_STAMPED, CALLS_KEPT, SLOTS = 8, 64, 5
+MAX_RANKS_STAMPED, CALLS_KEPT, SLOTS = 8, 64, 7
 OPS = ("dispatch", "combine")
 STAMPS = f"""
 extern "C" __device__ unsigned long long ll_first[{MAX_RANKS_STAMPED * 2 * CALLS_KEPT * SLOTS}];
@@ -40,7 +42,9 @@ extern "C" __device__ unsigned long long ll_last[{MAX_RANKS_STAMPED * 2 * CALLS_
     const int i_ = ((rank * 2 + (op)) * {CALLS_KEPT} + ((call) & {CALLS_KEPT - 1})) * {SLOTS} + (slot); \\
     atomicMin(ll_first + i_, t_); atomicMax(ll_last + i_, t_); }} }} while (0)
 """
-COLUMNS = ("loop", "host", "entry", "released", "sent", "seen", "done", "gap")
+COLUMNS = ("loop", "host", "entry", "released", "placed", "written", "sent", "seen", "done", "gap")
+#: The stamp slot of each column measured from the first entry (kernels/low_latency.cu, LL_STAMP).
+SLOT_OF = {"released": 1, "placed": 5, "written": 6, "sent": 2, "seen": 3, "done": 4}
 
 
 def patch_source(name: str, text: str) -> str:
@@ -61,7 +65,7 @@ def phases(first: np.ndarray, last: np.ndarray, num_ranks: int, op: int) -> Dict
             peers = [first[p, op, c, 0] for p in range(num_ranks) if p != r and last[p, op, c, 4] > 0]
             if peers:
                 cols["entry"].append(f[0] - min(peers))
-            for name, slot in (("released", 1), ("sent", 2), ("seen", 3), ("done", 4)):
+            for name, slot in SLOT_OF.items():
                 if end[slot] > 0:
                     cols[name].append(end[slot] - f[0])
             if i + 1 < len(calls):
