@@ -47,6 +47,13 @@ namespace low_latency {
 #define LL_STAMP(op, call, slot) ((void)0)
 #endif
 
+// Nanoseconds a receive sleeps between two polls of a signal not there yet (0: none): every warp
+// of a receive polls, and the polls share cache lines with the signals they wait for. A knob for
+// scripts/decode_timeline.py (--define), which measures it.
+#ifndef LL_POLL_SLEEP_NS
+#define LL_POLL_SLEEP_NS 0
+#endif
+
 #define LL_THREADS LOW_LATENCY_DISPATCH_THREADS
 static_assert(LOW_LATENCY_DISPATCH_THREADS == LOW_LATENCY_COMBINE_THREADS, "one block size for both kernels");
 constexpr int kLLWarps = LL_THREADS / 32;
@@ -447,6 +454,8 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                 const int64_t_* word = my_counts + local * num_ranks + lane;
                 int64_t_ value;
                 while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
+                    if (LL_POLL_SLEEP_NS > 0)
+                        __nanosleep(LL_POLL_SLEEP_NS);
                     cost = clock64() - start;
                     const int state = wait.poll(lane, (int)epoch);
                     if (state != kKeepWaiting) {
@@ -931,6 +940,8 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                     LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
                                 KERNEL_LOW_LATENCY_COMBINE_RECEIVE, expert, mask);
                     while (ld_acquire_sys(flags + expert) != epoch) {
+                        if (LL_POLL_SLEEP_NS > 0)
+                            __nanosleep(LL_POLL_SLEEP_NS);
                         cost = clock64() - start;
                         const int state = wait.poll(owner, epoch);
                         if (state != kKeepWaiting) {

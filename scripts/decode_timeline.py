@@ -1,10 +1,12 @@
 """Where a decode call's time goes: globaltimer stamps in the low-latency kernels, ranks sharing a GPU.
 
     python3 scripts/decode_timeline.py [--tokens 1,128] [--num-sms 32,66] [--rounds 2] [--calls 50]
+                                       [--define LL_POLL_SLEEP_NS=100 ...]
 
 The ranks are threads of this process on one GPU (``run_local_group``), so every stamp is read
 from the same clock and ranks compare with each other. The kernels are compiled from their source
-with ``LL_STAMP`` defined (kernels/low_latency.cu leaves it empty): per rank, op and call, the
+with ``LL_STAMP`` defined (kernels/low_latency.cu leaves it empty), and the ``--define`` macros
+(the kernels' tuning knobs, e.g. ``LL_POLL_SLEEP_NS``): per rank, op and call, the
 earliest and the latest warp to reach each point (atomicMin / atomicMax of its lane 0). Each op is
 captured as the decode benchmark captures it (:func:`deepep_cupy.bench.decode.decode_graphs`) and
 replayed ``--calls`` times back to back. Per token count, ``num_sms`` (blocks per launch; the
@@ -26,7 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import numpy as np
 
@@ -47,9 +49,13 @@ COLUMNS = ("loop", "host", "entry", "released", "placed", "written", "sent", "se
 SLOT_OF = {"released": 1, "placed": 5, "written": 6, "sent": 2, "seen": 3, "done": 4}
 
 
-def patch_source(name: str, text: str) -> str:
-    """The kernel source ``name`` with the stamps defined (only the low-latency kernels have them)."""
-    return STAMPS + text if name == "low_latency.cu" else text
+def patch_source(name: str, text: str, defines: Sequence[str] = ()) -> str:
+    """The kernel source ``name`` with the stamps and ``defines`` (``NAME=VALUE``) defined (only the
+    low-latency kernels have them)."""
+    if name != "low_latency.cu":
+        return text
+    macros = "".join(f"#define {d.partition('=')[0]} {d.partition('=')[2]}\n" for d in defines)
+    return macros + STAMPS + text
 
 
 def phases(first: np.ndarray, last: np.ndarray, num_ranks: int, op: int) -> Dict[int, Dict[str, float]]:
@@ -93,13 +99,15 @@ def main() -> None:  # pragma: no cover - needs a GPU
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=256)
     parser.add_argument("--num-topk", type=int, default=8)
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="a macro of kernels/low_latency.cu to set (repeatable)")
     args = parser.parse_args()
     args.seed, args.timeout = 0, 10.0
     exit_unless_gpu("scripts/decode_timeline.py")
     tokens = [int(n) for n in args.tokens.split(",")]
 
     plain_source = kernels.read_source
-    kernels.read_source = lambda name: patch_source(name, plain_source(name))
+    kernels.read_source = lambda name: patch_source(name, plain_source(name), args.define)
     modules = {}
     plain_module = cupy.RawModule
 
@@ -180,7 +188,7 @@ def main() -> None:  # pragma: no cover - needs a GPU
                     results.setdefault((row["tokens"], row["op"], num_sms, row["rank"]), []).append(figures)
     print(f"decode timeline: {args.num_ranks} in-process ranks on one GPU, hidden {args.hidden}, "
           f"top-{args.num_topk} of {args.num_experts}, FP8 dispatch, BF16 combine, {args.calls} replays x "
-          f"{args.rounds} rounds (medians over rounds), us")
+          f"{args.rounds} rounds (medians over rounds), us" + (f", {' '.join(args.define)}" if args.define else ""))
     print(f"{'tokens':>6s} {'op':9s} {'num_sms':>7s} {'rank':>4s} " + " ".join(f"{c:>8s}" for c in COLUMNS))
     for (n, op, num_sms, rank), runs in sorted(results.items()):
         med = {c: statistics.median(r[c] for r in runs) for c in COLUMNS}

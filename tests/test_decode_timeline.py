@@ -32,6 +32,14 @@ def test_stamped_low_latency_kernels_compile():
     assert set(lowered) == set(instances)
 
 
+def test_a_knob_set_with_define_reaches_the_kernels_and_compiles():
+    timeline = _timeline()
+    source = timeline.patch_source("low_latency.cu", kernels.read_source("low_latency.cu"), ["LL_POLL_SLEEP_NS=100"])
+    assert source.startswith("#define LL_POLL_SLEEP_NS 100\n")
+    lowered, _ = _compile(_nvrtc(), "low_latency.cu", source, kernels.SOURCES["low_latency.cu"])
+    assert set(lowered) == set(kernels.SOURCES["low_latency.cu"])
+
+
 def test_other_kernels_are_not_stamped():
     timeline = _timeline()
     assert timeline.patch_source("dispatch.cu", "text") == "text"
