@@ -85,6 +85,18 @@ __device__ __forceinline__ int64_t_ ld_acquire_sys(const int64_t_* p) {
     return v;
 }
 
+// A count that warps of one GPU add to and one of them waits for (the signal that follows it to
+// the peers is a system-scope release, which carries what the count ordered before it).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void add_release_gpu(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ int ld_volatile(const int* p) {
     int v;
     asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

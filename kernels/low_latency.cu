@@ -198,16 +198,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 __device__ __forceinline__ int grid_warp() { return blockIdx.x * kLLWarps + threadIdx.x / 32; }
 __device__ __forceinline__ int grid_warps() { return gridDim.x * kLLWarps; }
 
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void add_release_gpu(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
-
 // Whether token `t` has `expert` among its top-k.
 __device__ __forceinline__ bool routes_to(const int64_t_* topk_idx, int t, int num_topk, int expert) {
     bool hit = false;

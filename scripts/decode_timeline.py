@@ -82,12 +82,12 @@ def phases(first: np.ndarray, last: np.ndarray, num_ranks: int, op: int) -> Dict
 
 def main() -> None:  # pragma: no cover - needs a GPU
     import cupy
+    from _stamped_kernels import compile_patched
 
     import deepep_cupy as ep
     from deepep_cupy import run_local_group
     from deepep_cupy.bench.calls import _lib_stream
     from deepep_cupy.bench.decode import _graph_library, decode_graphs
-    from deepep_cupy.gpu import kernels
     from deepep_cupy.low_latency import path as ll_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,18 +106,7 @@ def main() -> None:  # pragma: no cover - needs a GPU
     exit_unless_gpu("scripts/decode_timeline.py")
     tokens = [int(n) for n in args.tokens.split(",")]
 
-    plain_source = kernels.read_source
-    kernels.read_source = lambda name: patch_source(name, plain_source(name), args.define)
-    modules = {}
-    plain_module = cupy.RawModule
-
-    class RecordedModule(plain_module):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            for expression in k.get("name_expressions", ()):
-                modules[expression] = self
-
-    cupy.RawModule = RecordedModule
+    modules = compile_patched(lambda name, text: patch_source(name, text, args.define))
     size = MAX_RANKS_STAMPED * 2 * CALLS_KEPT * SLOTS
 
     def tables(op: str):

@@ -89,10 +89,10 @@ def phases(first, last) -> List[Dict[str, float]]:
 def main() -> None:  # pragma: no cover - needs GPUs and mpirun
     import cupy
     import numpy as np
+    from _stamped_kernels import compile_patched
     from mpi4py import MPI
 
     import deepep_cupy as ep
-    from deepep_cupy.gpu import kernels
     from deepep_cupy.reference import intranode as ref
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,18 +102,7 @@ def main() -> None:  # pragma: no cover - needs GPUs and mpirun
     args = parser.parse_args()
     exit_unless_gpu("scripts/kernel_timeline.py")
 
-    plain_source = kernels.read_source
-    kernels.read_source = lambda name: patch_source(name, plain_source(name))
-    modules = {}
-    plain_module = cupy.RawModule
-
-    class RecordedModule(plain_module):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            for expression in k.get("name_expressions", ()):
-                modules[expression] = self
-
-    cupy.RawModule = RecordedModule
+    modules = compile_patched(patch_source)
 
     comm = MPI.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()

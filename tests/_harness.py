@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -235,6 +236,14 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module of that name (its main does not run)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def script_constant(path: Path, name: str):

@@ -6,22 +6,15 @@ usable as the kernels change (NVRTC and NumPy only).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
+from _harness import load_script
 from test_kernels_compile import _compile, _nvrtc
 
 from deepep_cupy.gpu import kernels
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "decode_timeline.py"
-
 
 def _timeline():
-    spec = importlib.util.spec_from_file_location("decode_timeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_timeline")
 
 
 def test_stamped_low_latency_kernels_compile():

@@ -6,23 +6,16 @@ checks keep it usable as the kernels change (on any machine: NVRTC only).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
+from _harness import load_script
 from test_kernels_compile import _compile, _nvrtc
 
 from deepep_cupy.gpu import kernels
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "kernel_timeline.py"
-
 
 def _timeline():
-    spec = importlib.util.spec_from_file_location("kernel_timeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kernel_timeline")
 
 
 @pytest.mark.parametrize("file_name", ["dispatch.cu", "combine.cu"])
