@@ -17,6 +17,7 @@ from ..tensors import ABSENT, read
 from . import plans
 from .context import OperationContext
 from .handle import DispatchHandle
+from .rows_in_buffer import RowsInBuffer
 
 ABSENT_ROWS = ABSENT[2]
 #: combine_kernel's parameters that change per call, in the order ``run`` takes them.
@@ -30,10 +31,12 @@ COMBINE_INPUTS = ("x", "topk_weights", "bias[0]", "bias[1]")
 
 class CombinePath:
     """A Buffer's combine (see the module docstring); ``context``: the Buffer's
-    :class:`deepep_cupy.intranode.context.OperationContext`."""
+    :class:`deepep_cupy.intranode.context.OperationContext`; ``rows_in_buffer``: which dispatch's
+    rows lie in the buffer (:mod:`.rows_in_buffer`), shared with the dispatch path."""
 
-    def __init__(self, context: OperationContext):
+    def __init__(self, context: OperationContext, rows_in_buffer: RowsInBuffer):
         self._ctx = context
+        self._rows_in_buffer = rows_in_buffer
 
     def combine(self, x, handle: DispatchHandle, topk_weights, bias, config: Config,
                 previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool):
@@ -45,12 +48,13 @@ class CombinePath:
         _, b0_ptr, n_b0, b0_key = read(biases[0])
         _, b1_ptr, n_b1, b1_key = read(biases[1])
         in_place = None
-        if ctx.rows_in_buffer_used:
+        rows_in_buffer = self._rows_in_buffer
+        if rows_in_buffer.used:
             in_place = self._rows_in_place(handle, x_ptr, w_ptr)
             if in_place is None:
-                ctx.refuse_buffer_rows(COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
+                rows_in_buffer.refuse_inputs(ctx.nvl, COMBINE_INPUTS, x_ptr, w_ptr, b0_ptr, b1_ptr)
             else:
-                ctx.refuse_buffer_rows(COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
+                rows_in_buffer.refuse_inputs(ctx.nvl, COMBINE_INPUTS[2:], b0_ptr, b1_ptr)
         key = ("combine", x_key, w_key, b0_key, b1_key, config, in_place)
         plan = ctx.plans.get(key)
         if plan is None or (n, n_w).count(n) != plan.row_args:
@@ -84,7 +88,7 @@ class CombinePath:
                 refused_before_launch(failure, ctx.rank)
                 raise
             if in_place is None:
-                ctx.rows_in_buffer_of = None  # its regions overlap the areas of rows in place
+                self._rows_in_buffer.of = None  # its regions overlap the areas of rows in place
             weights_ptr = 0 if combined_weights is None else lib.pointer(combined_weights)
             ordered.launched = True
             plan.main.run(run_on, lib.pointer(combined), weights_ptr, x_ptr, w_ptr, b0_ptr, b1_ptr,
@@ -104,7 +108,7 @@ class CombinePath:
         base = self._ctx.nvl.local_ptr
         if lay is None or x_ptr != base + lay.x_off:
             return None
-        if handle is not self._ctx.rows_in_buffer_of:
+        if handle is not self._rows_in_buffer.of:
             raise ValueError("x: lies where this handle's dispatch put recv_x, but a later dispatch or combine of "
                              "this Buffer has overwritten those rows since; dispatch in place again, or combine a "
                              "copy made before that call. No tokens were moved")

@@ -1,8 +1,9 @@
 """What the operations of an intranode engine share: its rank group and GPU, its NVLink buffer,
 host-mapped slots and stream order, the kernel arguments every launch carries, the plans made so
-far, the span of one call (:class:`deepep_cupy.gpu.call_span.CallSpan`), and the state dispatch
-and combine hand each other (which dispatch's rows lie in the buffer's areas, where a count
-exchange publishes the counts).
+far, the span of one call (:class:`deepep_cupy.gpu.call_span.CallSpan`), and where a count
+exchange publishes the counts for the host. Which dispatch's rows lie in the buffer's areas is
+not here: :class:`deepep_cupy.intranode.rows_in_buffer.RowsInBuffer`, which the engine hands to
+its dispatch and combine paths.
 
 The engine (:class:`deepep_cupy.intranode.engine.IntranodeEngine`) makes one
 :class:`OperationContext` and hands it to each operation path it owns (layout, dispatch,
@@ -12,7 +13,7 @@ combine); the paths take everything they share from it, explicitly, and never fr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from ..checks import check_handle
 from ..config import Config
@@ -41,9 +42,7 @@ class OperationContext:
     by kind of arguments; ``checks``: the :class:`deepep_cupy.intranode.plans.Context` argument checks read;
     ``exchange_in_transfer``: whether a fresh dispatch may make its count exchange in its transfer
     kernel (ranks with processes of their own; in-process ranks wait on an event behind a count
-    exchange of its own); ``rows_in_buffer_used``: a plan made views of the NVLink buffer (from
-    then on every call's inputs are checked against it); ``rows_in_buffer_of``: the handle of the
-    dispatch whose rows in place the buffer's areas hold, or None.
+    exchange of its own).
     """
 
     def __init__(self, group: Group, device_id: int, timeout_s: float, num_nvl_bytes: int):
@@ -59,8 +58,6 @@ class OperationContext:
         self.slots: HostSlots
         self.order: StreamOrder
         self.plans = plans.PlanCache(self.on_device)
-        self.rows_in_buffer_used = False
-        self.rows_in_buffer_of: Optional[DispatchHandle] = None
         self.shared_args: Dict[str, Any] = {}
         self.host_counts: Dict[str, Any] = {}
         #: The span of each call (gpu/call_span.py), made by :meth:`attach`.
@@ -94,19 +91,6 @@ class OperationContext:
     def finish(self, caller: int, run_on: int, lib, async_finish: bool, arrays, outputs, allocated_on_comm: bool):
         return self.order.finish(caller, run_on, lib, async_finish, arrays, outputs, allocated_on_comm,
                                  self.slots.raise_if_failed)
-
-    def refuse_buffer_rows(self, args: Tuple[str, ...], *pointers: int) -> None:
-        """Refuse an input (``args``: the arguments' names, ``pointers``: their device addresses, 0
-        for none) that lies in this rank's NVLink buffer (an output of a ``recv_x_in_buffer``
-        dispatch): the call would overwrite it while it reads it. Nothing can lie there before a
-        plan of such a dispatch was made: callers check :attr:`rows_in_buffer_used` first."""
-        begin = self.nvl.local_ptr
-        end = begin + self.nvl.num_bytes
-        for ptr in pointers:
-            if begin <= ptr < end:
-                arg = args[pointers.index(ptr)]
-                raise ValueError(f"{arg}: lies in this Buffer's NVLink buffer (an output of a dispatch with "
-                                 "recv_x_in_buffer), which this call overwrites while it reads it; pass a copy")
 
     def handle_for(self, handle, config: Config) -> DispatchHandle:
         """``handle`` as a cached dispatch or a combine with ``config`` may use it."""

@@ -30,12 +30,12 @@ from .context import OperationContext
 from .handle import DispatchHandle, KeptOutputs, handle_layout, kept_outputs
 from .next_outputs import NextOutputs, ReadyOutputs, prepared_rows
 from .plans import CachedDispatchPlan, FreshDispatchPlan
+from .rows_in_buffer import RowsInBuffer
 from .transfer import (
     bind_transfer,
     check_recv_rows_fit,
     device_pointers,
     dispatch_outputs,
-    note_rows_in_buffer,
     output_windows,
     scale_strides_of,
 )
@@ -135,14 +135,17 @@ class DispatchPath:
 
     Args:
         context: the Buffer's :class:`deepep_cupy.intranode.context.OperationContext`.
+        rows_in_buffer: which dispatch's rows lie in the buffer (:mod:`.rows_in_buffer`), shared
+            with the combine path.
         allocate_ahead: size a fresh dispatch's outputs from a guess (``capacity.py``).
 
     Attributes:
         allocate_ahead, last_dispatch_allocation, last_dispatch_rows_allocated: as the Buffer's.
     """
 
-    def __init__(self, context: OperationContext, allocate_ahead: bool):
+    def __init__(self, context: OperationContext, rows_in_buffer: RowsInBuffer, allocate_ahead: bool):
         self._ctx = context
+        self._rows_in_buffer = rows_in_buffer
         self.allocate_ahead = bool(allocate_ahead)
         self.last_dispatch_allocation: Optional[str] = None
         self.last_dispatch_rows_allocated: Optional[int] = None
@@ -228,7 +231,7 @@ class DispatchPath:
             ordered.launched = True
             handle = DispatchHandle(lib, block, layout, None, call.in_rank_array, call.in_rank, self._ctx.owner)
             handle.publish_on_device(rows, num_local_experts)
-            note_rows_in_buffer(self._ctx, plan, handle)
+            self._rows_in_buffer.note_dispatch(plan, handle)
             pointers = device_pointers(lib, outputs)
             if outputs[2] is not None:
                 # All bytes 0xFF: every id -1; the transfer then writes the rows it receives.
@@ -260,8 +263,8 @@ class DispatchPath:
         _, t_ptr, n_t, t_key = read(topk_idx)
         _, w_ptr, n_w, w_key = read(topk_weights)
         ctx = self._ctx
-        if ctx.rows_in_buffer_used:
-            ctx.refuse_buffer_rows(FRESH_INPUTS, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr)
+        if self._rows_in_buffer.used:
+            self._rows_in_buffer.refuse_inputs(ctx.nvl, FRESH_INPUTS, x_ptr, s_ptr, r_ptr, i_ptr, e_ptr, t_ptr, w_ptr)
         key = ("dispatch", type(x) is tuple, x_key, s_key, r_key, n_r, i_key, e_key, n_e, t_key, w_key,
                expert_alignment, config, recv_x_in_buffer)
         plan = ctx.plans.get(key)
@@ -299,7 +302,7 @@ class DispatchPath:
         lib = spec.rows.lib
         kept = kept_outputs(outputs) if lib.carves_outputs and not spec.rows_in_buffer else None
         return FreshDispatchPlan(spec, notify, main, row_args, outputs, main_with_exchange, kept,
-                                 output_windows(self._ctx, lib, spec, outputs), main_for_host,
+                                 output_windows(self._ctx, self._rows_in_buffer, lib, spec, outputs), main_for_host,
                                  ahead_row_bytes(outputs, kept, spec.rows_in_buffer),
                                  refusal_scratch(lib, ctx.device_id, ctx.num_ranks, config.num_channels),
                                  ctx.num_ranks * lay.region_tokens)
@@ -367,7 +370,7 @@ class DispatchPath:
                 kernel_done = ctx.order.notify_done
                 self._launch_transfer(run_on, plan.main, call, pointers, handle)
             handle.route(call.in_rank_array, call.in_rank)
-            note_rows_in_buffer(self._ctx, plan, handle)
+            self._rows_in_buffer.note_dispatch(plan, handle)
             block = handle.block
             # What is returned lies in these allocations (views of them, or they themselves cut to
             # the count): handing them to the stream order and the allocators covers it.
@@ -539,8 +542,8 @@ class DispatchPath:
         rows, scales = plans.split_x(x)
         lib, x_ptr, n, x_key = read(rows)
         _, s_ptr, n_s, s_key = read(scales)
-        if ctx.rows_in_buffer_used:
-            ctx.refuse_buffer_rows(CACHED_INPUTS, x_ptr, s_ptr)
+        if self._rows_in_buffer.used:
+            self._rows_in_buffer.refuse_inputs(ctx.nvl, CACHED_INPUTS, x_ptr, s_ptr)
         key = ("cached dispatch", type(x) is tuple, x_key, s_key, config, recv_x_in_buffer)
         plan = ctx.plans.get(key)
         if plan is None or (n, n_s).count(n) != plan.row_args:
@@ -564,7 +567,7 @@ class DispatchPath:
                 refused_before_launch(failure, ctx.rank)
                 raise
             recv_x_ptr, recv_scales_ptr = device_pointers(lib, (recv_x, recv_scales))
-            note_rows_in_buffer(self._ctx, plan, handle)
+            self._rows_in_buffer.note_dispatch(plan, handle)
             ordered.launched = True
             plan.main.run(run_on, recv_x_ptr, recv_scales_ptr, x_ptr, s_ptr, handle.in_rank_ptr,
                           handle.channel_prefix_ptr, handle.rank_prefix_ptr, n, *scale_strides, handle.verdict_ptr)
@@ -588,4 +591,4 @@ class DispatchPath:
         refuse = bind_transfer(self._ctx, spec, CACHED_REFUSE_PER_CALL, **checks, **unused)
         outputs = plans.received_arrays(spec)
         return CachedDispatchPlan(spec, main, 1 + (spec.rows.scales is not None), outputs,
-                                  output_windows(self._ctx, spec.rows.lib, spec, outputs), refuse)
+                                  output_windows(self._ctx, self._rows_in_buffer, spec.rows.lib, spec, outputs), refuse)

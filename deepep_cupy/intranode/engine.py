@@ -26,6 +26,7 @@ from .context import OperationContext
 from .dispatch import DispatchPath
 from .handle import DispatchHandle
 from .layout_call import LayoutPath
+from .rows_in_buffer import RowsInBuffer
 
 
 class IntranodeEngine(Engine):
@@ -56,8 +57,9 @@ class IntranodeEngine(Engine):
         self.ctx = OperationContext(group, device_id, self.timeout_s, self.num_nvl_bytes)
         self.on_device: Any = self.ctx.on_device
         self.layout_path = LayoutPath(self.ctx)
-        self.dispatch_path = DispatchPath(self.ctx, allocate_ahead)
-        self.combine_path = CombinePath(self.ctx)
+        rows_in_buffer = RowsInBuffer()
+        self.dispatch_path = DispatchPath(self.ctx, rows_in_buffer, allocate_ahead)
+        self.combine_path = CombinePath(self.ctx, rows_in_buffer)
         self._default_configs: Dict[tuple, Config] = {}
         self._checked_sms: set = set()
         #: Buffers of other paths mapped beside this engine's, on the same ranks (a low-latency

@@ -1,6 +1,5 @@
 """The transfer kernel of a dispatch, fresh or cached: its binding for a checked spec, the outputs
-it writes (allocated, or views of the NVLink buffer for rows in place) and what a dispatch with
-rows in place leaves in the buffer's areas."""
+it writes (allocated, or views of the NVLink buffer for rows in place)."""
 
 from __future__ import annotations
 
@@ -11,19 +10,8 @@ from ..gpu.launch import KernelCall
 from ..tensors import row_bytes
 from . import plans
 from .context import OperationContext
-from .handle import DispatchHandle
 from .plans import DispatchPlan
-
-
-def note_rows_in_buffer(ctx: OperationContext, plan: DispatchPlan, handle: DispatchHandle) -> None:
-    """A dispatch with ``handle`` writes the buffer's areas (its kernels are queued, or about to
-    be): with rows in place they then hold its rows (the handle keeps their layout, a combine
-    in place reads them there); otherwise what they held is gone."""
-    if plan.windows is not None:
-        handle.rows_in_buffer = plan.spec.layout
-        ctx.rows_in_buffer_of = handle
-    else:
-        ctx.rows_in_buffer_of = None
+from .rows_in_buffer import RowsInBuffer
 
 
 def scale_strides_of(rows: plans.Rows, lib, scales) -> Tuple[int, int]:
@@ -33,17 +21,17 @@ def scale_strides_of(rows: plans.Rows, lib, scales) -> Tuple[int, int]:
     return (strides[0], strides[1] if len(strides) > 1 else 1)
 
 
-def output_windows(ctx: OperationContext, lib, spec: plans.DispatchSpec, outputs) -> Optional[tuple]:
+def output_windows(ctx: OperationContext, rows_in_buffer: RowsInBuffer, lib, spec: plans.DispatchSpec,
+                   outputs) -> Optional[tuple]:
     """For a dispatch with rows in place: per output (``outputs``: plans.received_arrays), an
     array of ``lib`` with the output's type and every row of the area of this rank's NVLink
     buffer that holds it (None for one the call does not return); a call returns its first
     rows. None for a dispatch that allocates its outputs."""
     if not spec.rows_in_buffer:
         return None
-    ctx.rows_in_buffer_used = True  # views of the buffer may reach the caller from now on
+    rows_in_buffer.used = True  # views of the buffer may reach the caller from now on
     lay, base = spec.layout, ctx.nvl.local_ptr
     offsets = (lay.x_off, lay.scales_off, lay.topk_idx_off, lay.topk_weights_off)
-    ctx = ctx
     return tuple(None if out is None else
                  lib.rows_in(lib.window(base + offset, lay.rows * row_bytes(*out), ctx.device_id, ctx.nvl),
                              lay.rows, *out)
