@@ -54,6 +54,40 @@ namespace low_latency {
 #define LL_POLL_SLEEP_NS 0
 #endif
 
+// 1: a receive polls its signals with relaxed reads and makes one acquire fence once the value
+// has come, instead of an acquire read per poll (which may drop the SM's L1, where the warps
+// beside it read the routing). Another knob for scripts/decode_timeline.py.
+#ifndef LL_POLL_RELAXED
+#define LL_POLL_RELAXED 0
+#endif
+
+__device__ __forceinline__ int poll_read(const int* p) {
+#if LL_POLL_RELAXED
+    int v;
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return ld_acquire_sys(p);
+#endif
+}
+
+__device__ __forceinline__ int64_t_ poll_read(const int64_t_* p) {
+#if LL_POLL_RELAXED
+    int64_t_ v;
+    asm volatile("ld.relaxed.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return ld_acquire_sys(p);
+#endif
+}
+
+// After poll_read has seen the value waited for.
+__device__ __forceinline__ void poll_seen() {
+#if LL_POLL_RELAXED
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+}
+
 #define LL_THREADS LOW_LATENCY_DISPATCH_THREADS
 static_assert(LOW_LATENCY_DISPATCH_THREADS == LOW_LATENCY_COMBINE_THREADS, "one block size for both kernels");
 constexpr int kLLWarps = LL_THREADS / 32;
@@ -443,7 +477,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                             KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local, mask);
                 const int64_t_* word = my_counts + local * num_ranks + lane;
                 int64_t_ value;
-                while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
+                while (((value = poll_read(word)) >> 32) != epoch) {
                     if (LL_POLL_SLEEP_NS > 0)
                         __nanosleep(LL_POLL_SLEEP_NS);
                     cost = clock64() - start;
@@ -454,6 +488,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                         break;
                     }
                 }
+                poll_seen();
                 count = (int)(value & 0xffffffff);
             }
             if (!__all_sync(kFullMask, ok)) {
@@ -929,7 +964,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                     long long cost = 0;
                     LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
                                 KERNEL_LOW_LATENCY_COMBINE_RECEIVE, expert, mask);
-                    while (ld_acquire_sys(flags + expert) != epoch) {
+                    while (poll_read(flags + expert) != epoch) {
                         if (LL_POLL_SLEEP_NS > 0)
                             __nanosleep(LL_POLL_SLEEP_NS);
                         cost = clock64() - start;
@@ -939,6 +974,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                             break;
                         }
                     }
+                    poll_seen();
                     if (wait_recv_cost_stats != nullptr)
                         atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
                                   (unsigned long long)cost);

@@ -7,6 +7,7 @@ usable as the kernels change (NVRTC and NumPy only).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from _harness import load_script
 from test_kernels_compile import _compile, _nvrtc
 
@@ -25,10 +26,11 @@ def test_stamped_low_latency_kernels_compile():
     assert set(lowered) == set(instances)
 
 
-def test_a_knob_set_with_define_reaches_the_kernels_and_compiles():
+@pytest.mark.parametrize("knob", ["LL_POLL_SLEEP_NS=100", "LL_POLL_RELAXED=1"])
+def test_a_knob_set_with_define_reaches_the_kernels_and_compiles(knob):
     timeline = _timeline()
-    source = timeline.patch_source("low_latency.cu", kernels.read_source("low_latency.cu"), ["LL_POLL_SLEEP_NS=100"])
-    assert source.startswith("#define LL_POLL_SLEEP_NS 100\n")
+    source = timeline.patch_source("low_latency.cu", kernels.read_source("low_latency.cu"), [knob])
+    assert source.startswith(f"#define {knob.replace('=', ' ')}\n")
     lowered, _ = _compile(_nvrtc(), "low_latency.cu", source, kernels.SOURCES["low_latency.cu"])
     assert set(lowered) == set(kernels.SOURCES["low_latency.cu"])
 
