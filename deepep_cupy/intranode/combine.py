@@ -74,7 +74,7 @@ class CombinePath:
                     raise ValueError(f"bias[{i}]: expected {num_tokens} rows (the tokens of the handle's dispatch), "
                                      f"got {rows}")
         with ctx.on_device, ctx.span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as ordered:
-            caller, run_on = ordered.caller, ordered.run_on
+            run_on = ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):
                     combined = lib.empty((num_tokens, spec.hidden), spec.dtype_name, dev)
@@ -96,7 +96,7 @@ class CombinePath:
                           handle.verdict_ptr)
             ordered.settled = True
             outputs = (combined, combined_weights)
-            event = ctx.finish(caller, run_on, lib, async_finish,
+            event = ordered.finish(lib, async_finish,
                                (x, topk_weights, *biases, handle.block, *outputs), outputs,
                                allocate_on_comm_stream)
         return combined, combined_weights, event

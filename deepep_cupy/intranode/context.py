@@ -88,10 +88,6 @@ class OperationContext:
     def allocating(self, lib, on_comm_stream: bool):
         return lib.allocating_on(self.order.stream, self.device_id) if on_comm_stream else _NO_CONTEXT
 
-    def finish(self, caller: int, run_on: int, lib, async_finish: bool, arrays, outputs, allocated_on_comm: bool):
-        return self.order.finish(caller, run_on, lib, async_finish, arrays, outputs, allocated_on_comm,
-                                 self.slots.raise_if_failed)
-
     def handle_for(self, handle, config: Config) -> DispatchHandle:
         """``handle`` as a cached dispatch or a combine with ``config`` may use it."""
         if type(handle) is not DispatchHandle or handle.owner != self.owner:  # no call on the steady path

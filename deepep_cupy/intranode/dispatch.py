@@ -217,7 +217,7 @@ class DispatchPath:
         layout = handle_layout(self._ctx.num_ranks, spec.config.num_channels, call.num_tokens)
         ctx = self._ctx
         with ctx.on_device, ctx.span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as ordered:
-            caller, run_on = ordered.caller, ordered.run_on
+            run_on = ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):
                     block = lib.empty((layout.words(rows, num_local_experts),), "int64", dev)
@@ -241,7 +241,7 @@ class DispatchPath:
                                   handle.recv_expert_counts_ptr)
             ordered.settled = True
             allocated = (block, *outputs)
-            event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+            event = ordered.finish(lib, async_finish, (*call.arrays, *allocated), allocated,
                                allocate_on_comm_stream)
         self.last_dispatch_allocation = "fixed"
         return dispatch_result(outputs, [], handle, event)
@@ -378,7 +378,7 @@ class DispatchPath:
             if not expand:
                 # Every kernel of the call is queued: the call is handed over while the count
                 # exchange runs, which the host waits for anyway (docs/PERFORMANCE.md).
-                event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                event = ordered.finish(lib, async_finish, (*call.arrays, *allocated), allocated,
                                    allocate_on_comm_stream)
             if self._next_outputs.steady and rows_guessed is not None:
                 self._prepare_next(lib, plan, handle.layout, rows_guessed, caller, allocate_on_comm_stream)
@@ -404,7 +404,7 @@ class DispatchPath:
                     outputs, expanded = self._expand(run_on, lib, plan.spec, outputs, per_expert_list, handle)
                 allocated = (*allocated, *expanded)
             if event is None:
-                event = ctx.finish(caller, run_on, lib, async_finish, (*call.arrays, *allocated), allocated,
+                event = ordered.finish(lib, async_finish, (*call.arrays, *allocated), allocated,
                                    allocate_on_comm_stream)
             return dispatch_result(outputs, per_expert_list, handle, event)
 
@@ -416,7 +416,7 @@ class DispatchPath:
         exchange, so that the call ends on every rank alike. This rank raises ``failure`` itself;
         its peers raise from the verdict (a dispatch with ``num_worst_tokens``: from their error
         record, at their next call), so none is left in this rank's record, which the count wait
-        would raise instead of ``failure``. The call span (``OrderedCall``) abandons ``run_on`` as
+        would raise instead of ``failure``. The call span (``CallSpan``) abandons ``run_on`` as
         the exception leaves it."""
         code = host_failure_code(failure)
         plan = call.plan
@@ -555,7 +555,7 @@ class DispatchPath:
         check_recv_rows_fit(plan, num_recv, "the handle")
         scale_strides = scale_strides_of(plan.spec.rows, lib, scales)
         with ctx.on_device, ctx.span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as ordered:
-            caller, run_on = ordered.caller, ordered.run_on
+            run_on = ordered.run_on
             try:
                 with ctx.allocating(lib, allocate_on_comm_stream):
                     recv_x, recv_scales, _, _ = dispatch_outputs(self._ctx, lib, plan, num_recv)
@@ -573,7 +573,7 @@ class DispatchPath:
                           handle.channel_prefix_ptr, handle.rank_prefix_ptr, n, *scale_strides, handle.verdict_ptr)
             ordered.settled = True
             outputs = (recv_x, recv_scales)
-            event = ctx.finish(caller, run_on, lib, async_finish,
+            event = ordered.finish(lib, async_finish,
                                (rows, scales, handle.block, handle.is_token_in_rank, *outputs), outputs,
                                allocate_on_comm_stream)
         return dispatch_result((recv_x, recv_scales, None, None), None, handle, event)

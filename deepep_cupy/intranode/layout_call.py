@@ -28,15 +28,15 @@ class LayoutPath:
         plan = ctx.plans.get(key) or ctx.plans.make(key, self._layout_plan, topk_idx, num_experts)
         R, dev, lib = ctx.num_ranks, ctx.device_id, plan.spec.lib  # topk_idx's library: its kind is in the key
         on_comm_stream = async_finish or allocate_on_comm_stream
-        with ctx.on_device, ctx.span.begin(lib, previous_event, on_comm_stream) as (caller, run_on):
+        with ctx.on_device, ctx.span.begin(lib, previous_event, on_comm_stream) as span:
             with ctx.allocating(lib, allocate_on_comm_stream):
                 per_rank = lib.empty((R,), "int32", dev)
                 per_expert = lib.empty((num_experts,), "int32", dev)
                 in_rank = lib.empty((num_tokens, R), "bool", dev)
-            plan.main.run(run_on, topk_ptr, lib.pointer(per_rank), lib.pointer(per_expert), lib.pointer(in_rank),
+            plan.main.run(span.run_on, topk_ptr, lib.pointer(per_rank), lib.pointer(per_expert), lib.pointer(in_rank),
                           num_tokens)
             outputs = (per_rank, per_expert, in_rank)
-            event = ctx.finish(caller, run_on, lib, async_finish, (topk_idx, *outputs), outputs,
+            event = span.finish(lib, async_finish, (topk_idx, *outputs), outputs,
                                allocate_on_comm_stream)
         return per_rank, per_expert, in_rank, event
 
