@@ -283,6 +283,16 @@ __device__ __forceinline__ int rows_before(int count, int num_ranks, int lane, i
     return inclusive - count;
 }
 
+// One warp copies piece `piece` of `pieces` (equal, the last one shorter or empty) of a row of
+// `row_int4` int4.
+__device__ __forceinline__ void copy_piece(int4* dst, const int4* src, int row_int4, int piece, int pieces,
+                                           int lane) {
+    const int piece_int4 = (row_int4 + pieces - 1) / pieces;
+    const int begin = piece * piece_int4, n = min(row_int4 - begin, piece_int4);
+    if (n > 0)
+        warp_copy<4>(dst + begin, src + begin, n, lane);
+}
+
 // The source (lane s < R, rows before it `before`) of row `row`: the last one starting at or
 // before it (a source of no rows starts where the next does).
 __device__ __forceinline__ int source_of_row(int before, int row, int num_ranks, int lane) {
@@ -514,8 +524,6 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             // Fewer rows than warps: each row in pieces, one per warp (more rows: whole rows, each
             // warp's copies one after another cost less than a piece's fixed cost per row).
             const int pieces = total < per_expert ? per_expert : 1;
-            const int copy_int4 = (int)(row_bytes / 16);  // a received row (FP8 or BF16) in int4
-            const int piece_int4 = (copy_int4 + pieces - 1) / pieces;
             for (int item = member; item < total * pieces; item += per_expert) {
                 const int row = item / pieces, piece = item % pieces;
                 const int source = source_of_row(before, row, num_ranks, lane);
@@ -524,10 +532,8 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                                      + half * half_bytes
                                      + ((int64_t_)(local * num_ranks + source) * num_max + (row - first)) * record_bytes;
                 const int64_t_ out_row = (int64_t_)local * rows_per_expert + row;
-                const int begin = piece * piece_int4, n = min(copy_int4 - begin, piece_int4);
-                if (n > 0)
-                    warp_copy<4>(reinterpret_cast<int4*>(reinterpret_cast<char*>(recv_x) + out_row * row_bytes) + begin,
-                                 reinterpret_cast<const int4*>(record) + begin, n, lane);
+                copy_piece(reinterpret_cast<int4*>(reinterpret_cast<char*>(recv_x) + out_row * row_bytes),
+                           reinterpret_cast<const int4*>(record), (int)(row_bytes / 16), piece, pieces, lane);
                 if (piece != 0)
                     continue;  // the scales and the source index: piece 0's
                 if (fp8_mode == 1 || fp8_mode == 2) {
@@ -898,7 +904,6 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         const int num_teams = num_warps / team_warps, team = warp_id / team_warps, member = warp_id % team_warps;
         // LogFMT rows are written whole: where a chunk lands depends on every chunk before it.
         const int pieces = logfmt_unroll != 0 ? 1 : team_warps;
-        const int piece_int4 = (row_int4 + pieces - 1) / pieces;
         for (int local = team; local < num_local; local += num_teams) {
             const int expert = rank * num_local + local;
             // The rows for rank s are [before_s, before_s + count_s) (the dispatch's layout).
@@ -920,9 +925,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                 } else if (logfmt_unroll == 2) {
                     logfmt_write_row<2>(slot, x_int4, hidden, lane);
                 } else {
-                    const int begin = piece * piece_int4, n = min(row_int4 - begin, piece_int4);
-                    if (n > 0)
-                        warp_copy<4>(reinterpret_cast<int4*>(slot) + begin, x_int4 + begin, n, lane);
+                    copy_piece(reinterpret_cast<int4*>(slot), x_int4, row_int4, piece, pieces, lane);
                 }
             }
             LL_STAMP(1, send_call, 6);
