@@ -269,6 +269,33 @@ __device__ __forceinline__ int token_expert(const int64_t_* topk_idx, int t, int
     return expert;
 }
 
+// Lane k's place among the tokens this rank sends to lane k's expert of token t (`expert`, from
+// token_expert): the tokens of [0, t) routed to it. Lanes split the earlier tokens and read each
+// one's ids once, matching them against all of t's experts (a row of ids is read once, not once per
+// expert of t).
+__device__ __forceinline__ int places_among_earlier(const int64_t_* topk_idx, int t, int num_topk, int expert,
+                                                    int lane) {
+    int place = 0;
+    for (int base = 0; base < t; base += 32) {
+        const int u = base + lane;
+        unsigned hits = 0;  // bit k: token u is routed to lane k's expert
+        for (int j = 0; j < num_topk; ++j) {
+            const int64_t_ e = u < t ? __ldg(topk_idx + (int64_t_)u * num_topk + j) : -1;
+            for (int k = 0; k < num_topk; ++k) {
+                const int mine = __shfl_sync(kFullMask, expert, k);
+                if (mine >= 0 && e == mine)
+                    hits |= 1u << k;
+            }
+        }
+        for (int k = 0; k < num_topk; ++k) {
+            const int routed = __popc(__ballot_sync(kFullMask, (hits >> k) & 1u));
+            if (lane == k)
+                place += routed;
+        }
+    }
+    return place;
+}
+
 // Lane `s < R` holds `count` (rows from source s); returns the rows before source s and sets
 // `total`.
 __device__ __forceinline__ int rows_before(int count, int num_ranks, int lane, int& total) {
@@ -383,16 +410,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         for (int item = warp_id; item < num_tokens * parts; item += num_warps) {
             const int t = item / parts, part = item % parts;
             const int expert = token_expert(topk_idx, t, num_topk, num_experts, lane);
-            // The token's place among those this rank sends to each expert (lane k: its expert).
-            int place = 0;
-            for (int k = 0; k < num_topk; ++k) {
-                const int e = __shfl_sync(kFullMask, expert, k);
-                if (e < 0)
-                    continue;
-                const int before = tokens_routed_to(topk_idx, t, num_topk, e, lane);
-                if (lane == k)
-                    place = before;
-            }
+            const int place = places_among_earlier(topk_idx, t, num_topk, expert, lane);
             LL_STAMP(0, send_call, 5);
             const bool writes = expert >= 0 && !masked[expert / num_local];
             char* record = nullptr;

@@ -51,7 +51,10 @@ def mpi_runs():
 
 def _every_rank_passed(run, case, num_ranks):
     entries = records_by(run.stdout, "case").get(case)
-    assert entries, f"no result for {case} with {num_ranks} ranks\n{describe(run)}"
+    if not entries:  # the job stopped in this case: the errors its ranks printed first say why
+        errors = "".join(f"\n--- rank {e['rank']}: {e['error']}"
+                         for e in records_by(run.stdout, "case", "CASE_ERROR").get(case, []))
+        raise AssertionError(f"no result for {case} with {num_ranks} ranks{errors}\n{describe(run)}")
     assert sorted(e["rank"] for e in entries) == list(range(num_ranks)), entries
     failed = [f"rank {e['rank']}: {e['error']}" for e in entries if not e["ok"]]
     assert not failed, "\n".join(failed)

@@ -698,6 +698,9 @@ def rank_main(group, names):
             except Exception as exc:  # report, then go on with the next case
                 ok, error = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
                 failures += 1
+                # At once: a rank that fails mid-case leaves the others in its collectives, and the
+                # group may abort before the RESULT below is printed.
+                emit("CASE_ERROR", {"case": name, "rank": group.rank, "error": error})
             all_ok = all(group.allgather(ok))
             emit("RESULT", {"case": name, "rank": group.rank, "size": R, "ok": ok, "all_ok": all_ok,
                             "error": error, "skipped": skipped, "seconds": round(time.time() - start, 3),
