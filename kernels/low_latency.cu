@@ -269,31 +269,43 @@ __device__ __forceinline__ int token_expert(const int64_t_* topk_idx, int t, int
     return expert;
 }
 
-// Lane k's place among the tokens this rank sends to lane k's expert of token t (`expert`, from
-// token_expert): the tokens of [0, t) routed to it. Lanes split the earlier tokens and read each
-// one's ids once, matching them against all of t's experts (a row of ids is read once, not once per
-// expert of t).
-__device__ __forceinline__ int places_among_earlier(const int64_t_* topk_idx, int t, int num_topk, int expert,
-                                                    int lane) {
-    int place = 0;
-    for (int base = 0; base < t; base += 32) {
-        const int u = base + lane;
-        unsigned hits = 0;  // bit k: token u is routed to lane k's expert
-        for (int j = 0; j < num_topk; ++j) {
-            const int64_t_ e = u < t ? __ldg(topk_idx + (int64_t_)u * num_topk + j) : -1;
+// The experts and places of a send round's tokens [t_first, t_end) (at most one per warp of the
+// block), counted by the block's warps together, once per round instead of once per piece:
+// experts[j][k] is expert k of token t_first + j (token_expert), places[j][k] the tokens of
+// [0, t_first + j) routed to it. Warps split the earlier tokens 32 at a time; a lane reads its
+// token's ids and matches them against each round token's experts. Every thread of the block calls
+// it (block barriers).
+__device__ __forceinline__ void count_round_places(const int64_t_* topk_idx, int t_first, int t_end, int num_topk,
+                                                   int num_experts, int (*experts)[32], int (*places)[32]) {
+    const int lane = threadIdx.x % 32, block_warp = threadIdx.x / 32;
+    const int round_tokens = t_end - t_first;
+    __syncthreads();  // the previous round has read its experts and places
+    if (block_warp < round_tokens)
+        experts[block_warp][lane] = token_expert(topk_idx, t_first + block_warp, num_topk, num_experts, lane);
+    for (int i = threadIdx.x; i < round_tokens * 32; i += blockDim.x)
+        places[i / 32][i % 32] = 0;
+    __syncthreads();
+    for (int u0 = block_warp * 32; u0 < t_end - 1; u0 += kLLWarps * 32) {
+        const int u = u0 + lane;
+        for (int j = max(0, u0 + 1 - t_first); j < round_tokens; ++j) {  // the round tokens after u0
+            const int t = t_first + j;
+            unsigned hits = 0;  // bit k: token u (earlier than t) is routed to expert k of t
+            for (int c = 0; c < num_topk && u < t; ++c) {
+                const int64_t_ id = __ldg(topk_idx + (int64_t_)u * num_topk + c);
+                for (int k = 0; k < num_topk; ++k) {
+                    const int e = experts[j][k];
+                    if (e >= 0 && id == e)
+                        hits |= 1u << k;
+                }
+            }
             for (int k = 0; k < num_topk; ++k) {
-                const int mine = __shfl_sync(kFullMask, expert, k);
-                if (mine >= 0 && e == mine)
-                    hits |= 1u << k;
+                const int routed = __popc(__ballot_sync(kFullMask, (hits >> k) & 1u));
+                if (lane == 0 && routed > 0)
+                    atomicAdd(&places[j][k], routed);
             }
         }
-        for (int k = 0; k < num_topk; ++k) {
-            const int routed = __popc(__ballot_sync(kFullMask, (hits >> k) & 1u));
-            if (lane == k)
-                place += routed;
-        }
     }
-    return place;
+    __syncthreads();
 }
 
 // Lane `s < R` holds `count` (rows from source s); returns the rows before source s and sets
@@ -407,10 +419,20 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         const int parts = send_parts(num_tokens, steps);
         const int steps_per_part = (steps + parts - 1) / parts;
         const bool fp8 = fp8_mode != 0, round_scale = fp8_mode >= 2;
-        for (int item = warp_id; item < num_tokens * parts; item += num_warps) {
+        // Rounds: the block's warps take the consecutive items [base, base + warps of a block), a
+        // few tokens whose experts and places the block counts together first.
+        __shared__ int round_experts[kLLWarps][32];
+        __shared__ int round_places[kLLWarps][32];
+        const int total_items = num_tokens * parts;
+        for (int base = blockIdx.x * kLLWarps; base < total_items; base += num_warps) {
+            const int t_first = base / parts, t_end = (min(total_items, base + kLLWarps) - 1) / parts + 1;
+            count_round_places(topk_idx, t_first, t_end, num_topk, num_experts, round_experts, round_places);
+            const int item = base + threadIdx.x / 32;
+            if (item >= total_items)
+                continue;
             const int t = item / parts, part = item % parts;
-            const int expert = token_expert(topk_idx, t, num_topk, num_experts, lane);
-            const int place = places_among_earlier(topk_idx, t, num_topk, expert, lane);
+            const int expert = round_experts[t - t_first][lane];
+            const int place = round_places[t - t_first][lane];
             LL_STAMP(0, send_call, 5);
             const bool writes = expert >= 0 && !masked[expert / num_local];
             char* record = nullptr;
