@@ -15,6 +15,9 @@ dispatch spinning until this rank's kernel starts (docs/GROUPS.md); and each nod
 Buffer checks the SM budget of its own node's ranks only, while every node's kernels are on the
 GPU at once. Processes have contexts of their own, which take turns on the GPU, so the MPI
 transport can run every case on one GPU.
+
+Environment: ``DEEPEP_TEST_INTERNODE_SEEDS`` (default all): the part of the seeds to run, for a
+machine whose calls are shorter than the whole job.
 """
 
 import os
@@ -28,7 +31,25 @@ sys.path.insert(0, str(WORKERS))  # the workers import their siblings as scripts
 from internode_cases import GPU_TEST_SEEDS, internode_cases  # noqa: E402
 
 WORKER = WORKERS / "internode_random_worker.py"
-CASES = {c["seed"]: c for c in internode_cases(GPU_TEST_SEEDS[0], len(GPU_TEST_SEEDS))}
+
+def _selected_seeds(text):
+    """``DEEPEP_TEST_INTERNODE_SEEDS``: ``a-b`` (inclusive) or ``s,t,...`` of GPU_TEST_SEEDS, so that
+    a machine whose calls are shorter than the whole job can run it in parts; all by default."""
+    if not text.strip():
+        return list(GPU_TEST_SEEDS)
+    if "-" in text:
+        first, last = (int(v) for v in text.split("-"))
+        chosen = list(range(first, last + 1))
+    else:
+        chosen = [int(v) for v in text.split(",")]
+    unknown = sorted(set(chosen) - set(GPU_TEST_SEEDS))
+    if unknown:
+        raise ValueError(f"DEEPEP_TEST_INTERNODE_SEEDS: {unknown} are not among the test seeds {GPU_TEST_SEEDS}")
+    return chosen
+
+
+SEEDS = _selected_seeds(os.environ.get("DEEPEP_TEST_INTERNODE_SEEDS", ""))
+CASES = {c["seed"]: c for c in internode_cases(GPU_TEST_SEEDS[0], len(GPU_TEST_SEEDS)) if c["seed"] in SEEDS}
 #: Processes of the job: the most ranks a case has.
 JOB_RANKS = max(c["num_ranks"] for c in CASES.values())
 #: Seconds the job may take (kernel compilation included), as the internode scenario jobs.
@@ -43,7 +64,7 @@ def random_results():
         pytest.skip(f"an mpiexec job of {JOB_RANKS} ranks needs {gpus_needed_under_mpiexec(JOB_RANKS)} GPUs "
                     "(DEEPEP_TEST_ONE_GPU_MPI=1: one for all)")
     try:
-        run = run_mpi(JOB_RANKS, [str(WORKER), "--seed", str(GPU_TEST_SEEDS[0]), "--cases", str(len(GPU_TEST_SEEDS))],
+        run = run_mpi(JOB_RANKS, [str(WORKER), "--seeds", *map(str, SEEDS)],
                       timeout=JOB_TIMEOUT_S,
                       env={"DEEPEP_TEST_TIMEOUT_S": os.environ.get("DEEPEP_TEST_TIMEOUT_S", "60")})
         output, stdout, returncode = describe(run), run.stdout, run.returncode
@@ -62,7 +83,7 @@ def random_results():
 
 @pytest.mark.gpu
 @pytest.mark.mpi
-@pytest.mark.parametrize("seed", GPU_TEST_SEEDS)
+@pytest.mark.parametrize("seed", SEEDS)
 def test_random_internode_case_matches_the_node_reference(random_results, seed):
     records, output, _, _ = random_results
     case = CASES[seed]
@@ -78,8 +99,8 @@ def test_random_internode_case_matches_the_node_reference(random_results, seed):
 @pytest.mark.mpi
 def test_random_internode_job_reports_every_case_and_exits_cleanly(random_results):
     records, output, stdout, returncode = random_results
-    assert sorted(records) == list(GPU_TEST_SEEDS), output[-6000:]
+    assert sorted(records) == sorted(SEEDS), output[-6000:]
     summaries = worker_records(stdout, "SUMMARY")
     assert summaries, output[-6000:]
-    assert summaries[-1]["cases"] == len(GPU_TEST_SEEDS) and not summaries[-1]["failed"], summaries[-1]
+    assert summaries[-1]["cases"] == len(SEEDS) and not summaries[-1]["failed"], summaries[-1]
     assert returncode == 0, output[-6000:]
