@@ -61,6 +61,16 @@ namespace low_latency {
 #define LL_POLL_RELAXED 0
 #endif
 
+// 1: the row copies (a dispatch receive's rows, a combine send's pieces) keep 8 loads per lane in
+// flight instead of 4, and a combine send cuts its rows into pieces of one such round (fewer,
+// larger pieces). At 128 tokens the copies of the two ranks sharing a GPU move about 1.7 TB/s,
+// near what 4 loads per lane in flight allow at HBM latency. A knob for
+// scripts/decode_timeline.py, which measures it.
+#ifndef LL_WIDE_COPIES
+#define LL_WIDE_COPIES 0
+#endif
+constexpr int kCopyUnroll = LL_WIDE_COPIES ? 8 : 4;
+
 __device__ __forceinline__ int poll_read(const int* p) {
 #if LL_POLL_RELAXED
     int v;
@@ -329,7 +339,7 @@ __device__ __forceinline__ void copy_piece(int4* dst, const int4* src, int row_i
     const int piece_int4 = (row_int4 + pieces - 1) / pieces;
     const int begin = piece * piece_int4, n = min(row_int4 - begin, piece_int4);
     if (n > 0)
-        warp_copy<4>(dst + begin, src + begin, n, lane);
+        warp_copy<kCopyUnroll>(dst + begin, src + begin, n, lane);
 }
 
 // The source (lane s < R, rows before it `before`) of row `row`: the last one starting at or
@@ -943,7 +953,9 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         const int team_warps = combine_team_warps(num_local);
         const int num_teams = num_warps / team_warps, team = warp_id / team_warps, member = warp_id % team_warps;
         // LogFMT rows are written whole: where a chunk lands depends on every chunk before it.
-        const int pieces = logfmt_unroll != 0 ? 1 : team_warps;
+        const int pieces = logfmt_unroll != 0 ? 1
+                           : LL_WIDE_COPIES ? min(team_warps, (row_int4 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll))
+                                            : team_warps;
         for (int local = team; local < num_local; local += num_teams) {
             const int expert = rank * num_local + local;
             // The rows for rank s are [before_s, before_s + count_s) (the dispatch's layout).
