@@ -71,6 +71,15 @@ namespace low_latency {
 #endif
 constexpr int kCopyUnroll = LL_WIDE_COPIES ? 8 : 4;
 
+// 1: a combine send spreads all its rows' pieces over the grid's warps, instead of one team of
+// warps per local expert: rows per expert vary (at 128 tokens, top-8 of 256, from 2 to about 17,
+// 8 on average), and the team of the busiest expert sets the send's end. Each piece is counted
+// per expert, and the expert's owner warp raises its flags once all are (as the dispatch send
+// does). A knob for scripts/decode_timeline.py, which measures it.
+#ifndef LL_SPREAD_ROWS
+#define LL_SPREAD_ROWS 0
+#endif
+
 __device__ __forceinline__ int poll_read(const int* p) {
 #if LL_POLL_RELAXED
     int v;
@@ -875,6 +884,64 @@ __device__ __forceinline__ void team_sync(int team_warps) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(team_warps * 32) : "memory");
 }
 
+#if LL_SPREAD_ROWS
+// The local experts' row counts, exclusive-scanned into `prefix[0..num_local]` (shared memory):
+// prefix[le] is the rows of the local experts before le, prefix[num_local] all of them. From
+// layout_range (the dispatch's: the last source's rows before it and its count make the total).
+// Every thread of the block calls it (block barriers).
+__device__ __forceinline__ void scan_local_rows(const int64_t_* layout_range, int num_local, int num_ranks,
+                                                int* prefix, int* warp_sums) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int per = (num_local + blockDim.x - 1) / blockDim.x;
+    const int lo = min(num_local, threadIdx.x * per), hi = min(num_local, lo + per);
+    auto rows_of = [&](int le) {
+        const int64_t_ last = layout_range[(int64_t_)le * num_ranks + num_ranks - 1];
+        return (int)(last >> 32) + (int)(last & 0xffffffff);
+    };
+    int sum = 0;
+    for (int le = lo; le < hi; ++le)
+        sum += rows_of(le);
+    int inclusive = sum;
+    #pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, inclusive, offset);
+        if (lane >= offset)
+            inclusive += v;
+    }
+    if (lane == 31)
+        warp_sums[warp] = inclusive;
+    __syncthreads();
+    int base = inclusive - sum;
+    for (int w = 0; w < warp; ++w)
+        base += warp_sums[w];
+    for (int le = lo; le < hi; ++le) {
+        prefix[le] = base;
+        base += rows_of(le);
+    }
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int w = 0; w < kLLWarps; ++w)
+            total += warp_sums[w];
+        prefix[num_local] = total;
+    }
+    __syncthreads();
+}
+
+// The local expert whose rows hold global row `row` (< prefix[num_local]): the last le with
+// prefix[le] <= row.
+__device__ __forceinline__ int expert_of_row(const int* prefix, int num_local, int row) {
+    int lo = 0, hi = num_local - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (prefix[mid] <= row)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+#endif
+
 // Rows whose loads one lane of the BF16 receive issues before it adds them (in top-k order).
 constexpr int kSumBatch = 8;
 
@@ -950,6 +1017,62 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         LL_STAMP(1, send_call, 1);
         snapshot_mask(mask, num_ranks, masked);
         const int rows_per_expert = num_ranks * num_max;
+#if LL_SPREAD_ROWS
+        // Every piece of every row, spread over the grid's warps; counted per local expert in this
+        // rank's sent-pieces words (a Buffer's sends never overlap, and the dispatch send leaves
+        // them at 0), and the expert's owner warp (le = warp, warp + W, ...) raises its flags.
+        __shared__ int row_prefix[MAX_EXPERTS + 1];
+        __shared__ int scan_sums[kLLWarps];
+        int* sent_pieces = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + LL_SENT_PIECES_OFFSET);
+        scan_local_rows(layout_range, num_local, num_ranks, row_prefix, scan_sums);
+        const int pieces = logfmt_unroll != 0 ? 1 : max(1, (row_int4 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll));
+        const int all_rows = row_prefix[num_local];
+        for (int item = warp_id; item < all_rows * pieces; item += num_warps) {
+            const int global_row = item / pieces, piece = item % pieces;
+            const int local = expert_of_row(row_prefix, num_local, global_row);
+            const int row = global_row - row_prefix[local];
+            const int64_t_ range = lane < num_ranks ? layout_range[local * num_ranks + lane] : 0;
+            const int dst = source_of_row((int)(range >> 32), row, num_ranks, lane);
+            if (!masked[dst]) {
+                const int64_t_ x_row = (int64_t_)local * rows_per_expert + row;
+                const int token = src_info[x_row];
+                char* slot = reinterpret_cast<char*>(buffer_ptrs[dst]) + combine_off + half * half_bytes
+                             + ((int64_t_)(rank * num_local + local) * num_max + token) * slot_bytes;
+                const int4* x_int4 = reinterpret_cast<const int4*>(x) + x_row * row_int4;
+                if (logfmt_unroll == 4)
+                    logfmt_write_row<4>(slot, x_int4, hidden, lane);
+                else if (logfmt_unroll == 2)
+                    logfmt_write_row<2>(slot, x_int4, hidden, lane);
+                else
+                    copy_piece(reinterpret_cast<int4*>(slot), x_int4, row_int4, piece, pieces, lane);
+            }
+            // The warp's writes before its count (release), the count before the flags (the owner's
+            // acquire, then system-scope releases).
+            __syncwarp();
+            if (lane == 0)
+                add_release_gpu(sent_pieces + local, 1);  // a masked destination's pieces count too
+        }
+        LL_STAMP(1, send_call, 6);
+        for (int local = warp_id; local < num_local && !failed; local += num_warps) {
+            const int expected = (row_prefix[local + 1] - row_prefix[local]) * pieces;
+            if (lane == 0) {
+                PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_COMBINE_SEND,
+                              rank * num_local + local);
+                while (ld_acquire_gpu(sent_pieces + local) != expected)
+                    if (wait.failed(rank, rank * num_local + local)) {
+                        failed = true;
+                        break;
+                    }
+                sent_pieces[local] = 0;
+            }
+            failed = __shfl_sync(kFullMask, failed, 0);
+            if (!failed && lane < num_ranks && !masked[lane]) {
+                int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[lane]) + LL_COMBINE_FLAGS_OFFSET)
+                            + half * MAX_EXPERTS + rank * num_local + local;
+                st_release_sys(flag, send_call + 1);
+            }
+        }
+#else
         const int team_warps = combine_team_warps(num_local);
         const int num_teams = num_warps / team_warps, team = warp_id / team_warps, member = warp_id % team_warps;
         // LogFMT rows are written whole: where a chunk lands depends on every chunk before it.
@@ -988,10 +1111,11 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                 st_release_sys(flag, send_call + 1);
             }
         }
+#endif
         LL_STAMP(1, send_call, 2);
     }
 
-    if (phases & 2) {
+    if ((phases & 2) && !failed) {
         const int half = recv_call & 1;
         const int epoch = recv_call + 1;
         const int* flags = reinterpret_cast<const int*>(reinterpret_cast<const char*>(buffer_ptrs[rank])
