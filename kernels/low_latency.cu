@@ -71,11 +71,12 @@ namespace low_latency {
 #endif
 constexpr int kCopyUnroll = LL_WIDE_COPIES ? 8 : 4;
 
-// 1: a combine send spreads all its rows' pieces over the grid's warps, instead of one team of
-// warps per local expert: rows per expert vary (at 128 tokens, top-8 of 256, from 2 to about 17,
-// 8 on average), and the team of the busiest expert sets the send's end. Each piece is counted
-// per expert, and the expert's owner warp raises its flags once all are (as the dispatch send
-// does). A knob for scripts/decode_timeline.py, which measures it.
+// 1: a combine send, and a dispatch receive outside shrink mode, spread all the rows' pieces over
+// the grid's warps instead of giving each local expert a team of warps: rows per expert vary (at
+// 128 tokens, top-8 of 256, from 2 to about 17, 8 on average), and the team of the busiest expert
+// sets the end. The combine send counts each piece per expert, and the expert's owner warp raises
+// its flags once all are (as the dispatch send does); the dispatch receive has every block wait
+// for all the counts first. A knob for scripts/decode_timeline.py, which measures it.
 #ifndef LL_SPREAD_ROWS
 #define LL_SPREAD_ROWS 0
 #endif
@@ -327,16 +328,21 @@ __device__ __forceinline__ void count_round_places(const int64_t_* topk_idx, int
     __syncthreads();
 }
 
+// The sum of `value` over lanes 0..lane of the warp.
+__device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {
+    #pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, value, offset);
+        if (lane >= offset)
+            value += v;
+    }
+    return value;
+}
+
 // Lane `s < R` holds `count` (rows from source s); returns the rows before source s and sets
 // `total`.
 __device__ __forceinline__ int rows_before(int count, int num_ranks, int lane, int& total) {
-    int inclusive = count;
-    #pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, inclusive, offset);
-        if (lane >= offset)
-            inclusive += v;
-    }
+    const int inclusive = warp_inclusive_sum(count, lane);
     total = __shfl_sync(kFullMask, inclusive, num_ranks - 1);
     return inclusive - count;
 }
@@ -386,6 +392,97 @@ constexpr int kSendBatch = 4;
 // tokens, so that one token alone still keeps up to `steps` warps busy.
 __device__ __forceinline__ int send_parts(int num_tokens, int steps) {
     return num_tokens > 0 ? max(1, min(grid_warps() / num_tokens, steps)) : 1;
+}
+
+#if LL_SPREAD_ROWS
+// The local experts' rows (`rows_of(le)`) exclusive-scanned into `prefix[0..num_local]` (shared
+// memory): prefix[le] is the rows of the local experts before le, prefix[num_local] all of them.
+// Every thread of the block calls it (block barriers); `warp_sums`: kLLWarps ints of shared memory.
+template <typename RowsOf>
+__device__ __forceinline__ void scan_rows(int num_local, RowsOf rows_of, int* prefix, int* warp_sums) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int per = (num_local + blockDim.x - 1) / blockDim.x;
+    const int lo = min(num_local, threadIdx.x * per), hi = min(num_local, lo + per);
+    int sum = 0;
+    for (int le = lo; le < hi; ++le)
+        sum += rows_of(le);
+    const int inclusive = warp_inclusive_sum(sum, lane);
+    if (lane == 31)
+        warp_sums[warp] = inclusive;
+    __syncthreads();
+    int base = inclusive - sum;
+    for (int w = 0; w < warp; ++w)
+        base += warp_sums[w];
+    for (int le = lo; le < hi; ++le) {
+        prefix[le] = base;
+        base += rows_of(le);
+    }
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int w = 0; w < kLLWarps; ++w)
+            total += warp_sums[w];
+        prefix[num_local] = total;
+    }
+    __syncthreads();
+}
+
+// The local expert whose rows hold row `row` (< prefix[num_local]) of them all: the last le with
+// prefix[le] <= row.
+__device__ __forceinline__ int expert_of_row(const int* prefix, int num_local, int row) {
+    int lo = 0, hi = num_local - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (prefix[mid] <= row)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+#endif
+
+// Where a dispatch receive puts what it reads: the received records of this rank's area (half
+// `half`) and the outputs, with the sizes that place a row.
+struct ReceivedRows {
+    const char* area;  // this rank's dispatch area of the call's half
+    void* recv_x;
+    void* recv_scales;
+    int* src_info;
+    int num_ranks, num_max, hidden, fp8_mode, num_groups, rows_per_expert;
+    int64_t_ record_bytes, row_bytes;
+};
+
+// Piece `piece` of `pieces` of received row `row` of local expert `local` (lane s < R: the rows
+// before source s, `before`): its bytes into recv_x; with piece 0 also its scales and source index.
+__device__ __forceinline__ void receive_piece(const ReceivedRows& r, int local, int row, int piece, int pieces,
+                                              int before, int lane) {
+    const int source = source_of_row(before, row, r.num_ranks, lane);
+    const int first = __shfl_sync(kFullMask, before, source);
+    const char* record = r.area + ((int64_t_)(local * r.num_ranks + source) * r.num_max + (row - first)) * r.record_bytes;
+    const int64_t_ out_row = (int64_t_)local * r.rows_per_expert + row;
+    copy_piece(reinterpret_cast<int4*>(reinterpret_cast<char*>(r.recv_x) + out_row * r.row_bytes),
+               reinterpret_cast<const int4*>(record), (int)(r.row_bytes / 16), piece, pieces, lane);
+    if (piece != 0)
+        return;  // the scales and the source index: piece 0's
+    if (r.fp8_mode == 1 || r.fp8_mode == 2) {
+        const float* scales = reinterpret_cast<const float*>(record + r.hidden);
+        float* out = reinterpret_cast<float*>(r.recv_scales);
+        for (int g = lane; g < r.num_groups; g += 32)
+            out[((int64_t_)local * r.num_groups + g) * r.rows_per_expert + row] = ld_stream(scales + g);
+    } else if (r.fp8_mode == 3) {
+        const int* scale_bits = reinterpret_cast<const int*>(record + r.hidden);
+        int* out = reinterpret_cast<int*>(r.recv_scales);
+        const int num_words = r.num_groups / UE8M0_PER_INT;
+        for (int w = lane; w < num_words; w += 32) {
+            unsigned packed = 0;
+            #pragma unroll
+            for (int j = 0; j < UE8M0_PER_INT; ++j)
+                packed |= (((unsigned)ld_stream(scale_bits + UE8M0_PER_INT * w + j) >> 23) & 0xffu) << (8 * j);
+            out[((int64_t_)local * num_words + w) * r.rows_per_expert + row] = (int)packed;
+        }
+    }
+    if (lane == 0)
+        r.src_info[out_row] = ld_stream(reinterpret_cast<const int*>(record + r.record_bytes - 16));
 }
 
 // fp8_mode: 0 BF16, 1 FP8, 2 FP8 with power-of-two scales, 3 FP8 with UE8M0-packed scales.
@@ -534,8 +631,78 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         const int64_t_ row_bytes = fp8_mode == 0 ? (int64_t_)hidden * 2 : hidden;
         const int64_t_* my_counts = reinterpret_cast<const int64_t_*>(reinterpret_cast<const char*>(buffer_ptrs[rank])
                                                                       + LL_DISPATCH_COUNTS_OFFSET) + half * MAX_EXPERTS;
+        const ReceivedRows received{reinterpret_cast<const char*>(buffer_ptrs[rank]) + dispatch_off + half * half_bytes,
+                                    recv_x, recv_scales, src_info, num_ranks, num_max, hidden, fp8_mode, num_groups,
+                                    rows_per_expert, record_bytes, row_bytes};
         const int per_expert = max(1, num_warps / num_local);
         const int num_teams = num_warps / per_expert, team = warp_id / per_expert, member = warp_id % per_expert;
+#if LL_SPREAD_ROWS
+        __shared__ int recv_prefix[MAX_EXPERTS + 1];
+        __shared__ int recv_sums[kLLWarps];
+        // The low half of a count word: the rows source s sent local expert le (once its epoch came).
+        auto count_of = [&](int le, int s) {
+            return ld_volatile(reinterpret_cast<const int*>(my_counts + le * num_ranks + s));
+        };
+        if (!shrink) {
+            // Every block waits for all the counts (a thread per word), then takes its share of all
+            // the rows: rows per local expert vary, and a team per expert waits for the busiest.
+            bool ok = true;
+            for (int i = threadIdx.x; i < num_local * num_ranks && ok; i += blockDim.x) {
+                const int source = i % num_ranks;
+                const long long start = clock64();
+                long long cost = 0;  // DeepEP's wait_recv_cost, counted once (block 0's pollers)
+                LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
+                            KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, i / num_ranks, mask);
+                while ((poll_read(my_counts + i) >> 32) != epoch) {
+                    if (LL_POLL_SLEEP_NS > 0)
+                        __nanosleep(LL_POLL_SLEEP_NS);
+                    cost = clock64() - start;
+                    if (wait.poll(source, (int)epoch) != kKeepWaiting) {
+                        ok = false;
+                        break;
+                    }
+                }
+                poll_seen();
+                if (blockIdx.x == 0 && wait_recv_cost_stats != nullptr)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
+                              (unsigned long long)cost);
+            }
+            if (!__syncthreads_and(ok)) {
+                failed = true;
+            } else {
+                LL_STAMP(0, recv_call, 3);
+                scan_rows(num_local, [&](int le) {
+                    int rows = 0;
+                    for (int s = 0; s < num_ranks; ++s)
+                        rows += count_of(le, s);
+                    return rows;
+                }, recv_prefix, recv_sums);
+                if (blockIdx.x == 0) {
+                    for (int le = threadIdx.x; le < num_local; le += blockDim.x) {
+                        int before = 0;
+                        for (int s = 0; s < num_ranks; ++s) {
+                            const int count = count_of(le, s);
+                            layout_range[le * num_ranks + s] = ((int64_t_)before << 32) | (int64_t_)count;
+                            before += count;
+                        }
+                        recv_count[le] = before;
+                        if (cumulative_recv_stats != nullptr)
+                            cumulative_recv_stats[le] += before;
+                    }
+                }
+                const int all_rows = recv_prefix[num_local];
+                const int pieces = max(1, min(num_warps / max(1, all_rows), (int)(row_bytes / 16) / 32));
+                for (int item = warp_id; item < all_rows * pieces; item += num_warps) {
+                    const int row = item / pieces;
+                    const int local = expert_of_row(recv_prefix, num_local, row);
+                    int total;
+                    const int before = rows_before(lane < num_ranks ? count_of(local, lane) : 0, num_ranks, lane, total);
+                    receive_piece(received, local, row - recv_prefix[local], item % pieces, pieces, before, lane);
+                }
+            }
+        } else
+#endif
+        // A team of warps per local expert: each waits for the expert's counts itself.
         for (int local = team; local < num_local && team < num_teams && !failed; local += num_teams) {
             bool ok = true;
             int count = 0;
@@ -583,39 +750,8 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             // Fewer rows than warps: each row in pieces, one per warp (more rows: whole rows, each
             // warp's copies one after another cost less than a piece's fixed cost per row).
             const int pieces = total < per_expert ? per_expert : 1;
-            for (int item = member; item < total * pieces; item += per_expert) {
-                const int row = item / pieces, piece = item % pieces;
-                const int source = source_of_row(before, row, num_ranks, lane);
-                const int first = __shfl_sync(kFullMask, before, source);
-                const char* record = reinterpret_cast<const char*>(buffer_ptrs[rank]) + dispatch_off
-                                     + half * half_bytes
-                                     + ((int64_t_)(local * num_ranks + source) * num_max + (row - first)) * record_bytes;
-                const int64_t_ out_row = (int64_t_)local * rows_per_expert + row;
-                copy_piece(reinterpret_cast<int4*>(reinterpret_cast<char*>(recv_x) + out_row * row_bytes),
-                           reinterpret_cast<const int4*>(record), (int)(row_bytes / 16), piece, pieces, lane);
-                if (piece != 0)
-                    continue;  // the scales and the source index: piece 0's
-                if (fp8_mode == 1 || fp8_mode == 2) {
-                    const float* scales = reinterpret_cast<const float*>(record + hidden);
-                    float* out = reinterpret_cast<float*>(recv_scales);
-                    for (int g = lane; g < num_groups; g += 32)
-                        out[((int64_t_)local * num_groups + g) * rows_per_expert + row] = ld_stream(scales + g);
-                } else if (fp8_mode == 3) {
-                    const int* scale_bits = reinterpret_cast<const int*>(record + hidden);
-                    int* out = reinterpret_cast<int*>(recv_scales);
-                    const int num_words = num_groups / UE8M0_PER_INT;
-                    for (int w = lane; w < num_words; w += 32) {
-                        unsigned packed = 0;
-                        #pragma unroll
-                        for (int j = 0; j < UE8M0_PER_INT; ++j)
-                            packed |= (((unsigned)ld_stream(scale_bits + UE8M0_PER_INT * w + j) >> 23) & 0xffu)
-                                      << (8 * j);
-                        out[((int64_t_)local * num_words + w) * rows_per_expert + row] = (int)packed;
-                    }
-                }
-                if (lane == 0)
-                    src_info[out_row] = ld_stream(reinterpret_cast<const int*>(record + record_bytes - 16));
-            }
+            for (int item = member; item < total * pieces; item += per_expert)
+                receive_piece(received, local, item / pieces, item % pieces, pieces, before, lane);
         }
     }
     if (__syncthreads_or(failed))
@@ -884,63 +1020,6 @@ __device__ __forceinline__ void team_sync(int team_warps) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(team_warps * 32) : "memory");
 }
 
-#if LL_SPREAD_ROWS
-// The local experts' row counts, exclusive-scanned into `prefix[0..num_local]` (shared memory):
-// prefix[le] is the rows of the local experts before le, prefix[num_local] all of them. From
-// layout_range (the dispatch's: the last source's rows before it and its count make the total).
-// Every thread of the block calls it (block barriers).
-__device__ __forceinline__ void scan_local_rows(const int64_t_* layout_range, int num_local, int num_ranks,
-                                                int* prefix, int* warp_sums) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int per = (num_local + blockDim.x - 1) / blockDim.x;
-    const int lo = min(num_local, threadIdx.x * per), hi = min(num_local, lo + per);
-    auto rows_of = [&](int le) {
-        const int64_t_ last = layout_range[(int64_t_)le * num_ranks + num_ranks - 1];
-        return (int)(last >> 32) + (int)(last & 0xffffffff);
-    };
-    int sum = 0;
-    for (int le = lo; le < hi; ++le)
-        sum += rows_of(le);
-    int inclusive = sum;
-    #pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, inclusive, offset);
-        if (lane >= offset)
-            inclusive += v;
-    }
-    if (lane == 31)
-        warp_sums[warp] = inclusive;
-    __syncthreads();
-    int base = inclusive - sum;
-    for (int w = 0; w < warp; ++w)
-        base += warp_sums[w];
-    for (int le = lo; le < hi; ++le) {
-        prefix[le] = base;
-        base += rows_of(le);
-    }
-    if (threadIdx.x == 0) {
-        int total = 0;
-        for (int w = 0; w < kLLWarps; ++w)
-            total += warp_sums[w];
-        prefix[num_local] = total;
-    }
-    __syncthreads();
-}
-
-// The local expert whose rows hold global row `row` (< prefix[num_local]): the last le with
-// prefix[le] <= row.
-__device__ __forceinline__ int expert_of_row(const int* prefix, int num_local, int row) {
-    int lo = 0, hi = num_local - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (prefix[mid] <= row)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
-}
-#endif
 
 // Rows whose loads one lane of the BF16 receive issues before it adds them (in top-k order).
 constexpr int kSumBatch = 8;
@@ -1024,7 +1103,10 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         __shared__ int row_prefix[MAX_EXPERTS + 1];
         __shared__ int scan_sums[kLLWarps];
         int* sent_pieces = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + LL_SENT_PIECES_OFFSET);
-        scan_local_rows(layout_range, num_local, num_ranks, row_prefix, scan_sums);
+        scan_rows(num_local, [&](int le) {
+            const int64_t_ last = layout_range[(int64_t_)le * num_ranks + num_ranks - 1];
+            return (int)(last >> 32) + (int)(last & 0xffffffff);
+        }, row_prefix, scan_sums);
         const int pieces = logfmt_unroll != 0 ? 1 : max(1, (row_int4 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll));
         const int all_rows = row_prefix[num_local];
         for (int item = warp_id; item < all_rows * pieces; item += num_warps) {
