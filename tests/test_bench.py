@@ -551,6 +551,20 @@ def test_decode_bytes_count_fp8_rows_with_scales_and_bf16_rows():
     assert decode_bytes(10, 7168) == {"dispatch": 10 * (7168 + 56 * 4), "combine": 10 * 7168 * 2}
 
 
+def test_the_eager_decode_table_shows_each_library_and_medians_over_the_ranks():
+    from deepep_cupy.bench.decode import eager_table
+
+    row = dict(lib="cupy", tokens=128, dispatch_loop_us=30.0, dispatch_host_us=9.0, combine_loop_us=40.0,
+               combine_host_us=8.0)
+    torch_row = dict(row, lib="torch", dispatch_host_us=12.0)
+    other = [dict(row, dispatch_loop_us=50.0, combine_host_us=6.0), dict(torch_row, dispatch_host_us=14.0)]
+    third = [dict(row, dispatch_loop_us=40.0, combine_host_us=7.0), dict(torch_row, dispatch_host_us=16.0)]
+    lines = eager_table([[row, torch_row], other, third]).splitlines()
+    assert lines[0].startswith("| library | tokens/rank | dispatch loop us | dispatch host us")
+    assert lines[2] == "| cupy | 128 | 40.0 | 9.0 | 40.0 | 7.0 |"
+    assert lines[3] == "| torch | 128 | 30.0 | 14.0 | 40.0 | 8.0 |"
+
+
 def test_the_decode_table_shows_medians_over_the_ranks():
     from deepep_cupy.bench.decode import decode_table
 

@@ -9,6 +9,11 @@ CUDA graph (CuPy) and replayed back to back. Figures per rank, medians over the 
 * bytes: what the rank receives, DeepEP's accounting: dispatch rows x (hidden + hidden / 128 x 4)
   (FP8 plus scales), combine rows x hidden x 2 (BF16).
 
+A second table gives the same calls made eagerly, per library (CuPy, and PyTorch when it imports):
+loop time (GPU time per call over ``--iters`` calls back to back) and host time (median wall time
+of one call from Python). Ranks sharing a GPU in one process return from a call once its kernels
+are over (deepep_cupy/gpu/streams.py), so there the loop time includes each call's host part.
+
 The ranks run in this process (one per visible GPU, or ``--num-ranks`` sharing them).
 """
 
@@ -27,21 +32,26 @@ def decode_bytes(recv_rows: int, hidden: int) -> Dict[str, int]:
     return {"dispatch": recv_rows * (hidden + hidden // 128 * 4), "combine": recv_rows * hidden * 2}
 
 
-def _rank(group, args, token_counts: Sequence[int]) -> List[Dict[str, Any]]:
+def _rank(group, args, token_counts: Sequence[int]) -> Dict[str, List[Dict[str, Any]]]:
     import cupy
 
     import deepep_cupy as ep
 
-    from .calls import _lib_stream
+    from .calls import _lib_stream, available_libs
 
     R, hidden, E = group.size, args.hidden, args.num_experts
     largest = max(token_counts)
     buf = ep.Buffer(group, 0, ep.Buffer.get_low_latency_rdma_size_hint(largest, hidden, R, E),
                     low_latency_mode=True, timeout_s=args.timeout)
-    lib = _graph_library()
+    lib, device = _graph_library(), cupy.cuda.Device().id
     try:
-        with _lib_stream(lib, cupy.cuda.Device().id):
-            return [_measure(group, buf, args, n, largest, lib) for n in token_counts]
+        with _lib_stream(lib, device):
+            graphs = [_measure(group, buf, args, n, largest, lib) for n in token_counts]
+        eager = []
+        for eager_lib in available_libs(("cupy", "torch")):
+            with _lib_stream(eager_lib, device):
+                eager += [_measure_eager(group, buf, args, n, largest, eager_lib) for n in token_counts]
+        return {"graphs": graphs, "eager": eager}
     finally:
         group.barrier()
         buf.destroy()
@@ -57,26 +67,37 @@ def _graph_library() -> str:
     return "torch"
 
 
-def decode_graphs(group, buf, args, n: int, largest: int, lib: str) -> Tuple[Dict[str, Any], int]:
-    """The captured calls of one row (``dispatch``, ``combine``, ``step``: :class:`.graphs.Replay`)
-    on ``n`` tokens, sized for ``largest``, and the rows this rank receives."""
+def decode_inputs(group, args, n: int, largest: int, lib: str) -> Tuple[Any, Any, Any, Any]:
+    """This rank's ``x``, ``topk_idx``, ``topk_weights`` for ``n`` tokens and the experts' output
+    rows ``y`` (BF16, sized for ``largest``), as ``lib``'s arrays on the current device."""
     import cupy
 
     from deepep_cupy.reference import intranode as ref
 
     from .calls import device_arrays
-    from .graphs import Replay
 
     R, rank, hidden, E, K = group.size, group.rank, args.hidden, args.num_experts, args.num_topk
-    stream = cupy.cuda.get_current_stream()
     device = cupy.cuda.Device().id
     rng = np.random.default_rng(args.seed * 1000 + rank * 17 + n)
     a = device_arrays(lib, {"x": ref.float32_to_bfloat16_bits(rng.standard_normal((n, hidden), dtype=np.float32)),
                             "topk_idx": ref.random_routing(rng, n, E, K),
                             "topk_weights": rng.random((n, K), dtype=np.float32)}, device)
-    x, topk, weights = a["x"], a["topk_idx"], a["topk_weights"]
     # The experts' output rows (BF16, as device_arrays makes "x").
     y = device_arrays(lib, {"x": np.zeros((E // R, R * largest, hidden), np.uint16)}, device)["x"]
+    return a["x"], a["topk_idx"], a["topk_weights"], y
+
+
+def decode_graphs(group, buf, args, n: int, largest: int, lib: str) -> Tuple[Dict[str, Any], int]:
+    """The captured calls of one row (``dispatch``, ``combine``, ``step``: :class:`.graphs.Replay`)
+    on ``n`` tokens, sized for ``largest``, and the rows this rank receives."""
+    import cupy
+
+    from .graphs import Replay
+
+    E = args.num_experts
+    stream = cupy.cuda.get_current_stream()
+    device = cupy.cuda.Device().id
+    x, topk, weights, y = decode_inputs(group, args, n, largest, lib)
     state = {}
 
     def dispatch():
@@ -120,6 +141,47 @@ def _measure(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]
     return figures
 
 
+def _measure_eager(group, buf, args, n: int, largest: int, lib: str) -> Dict[str, Any]:
+    """One row of the eager table on this rank: ``lib``'s arrays, ``n`` tokens, calls sized for
+    ``largest``; the combines reuse one dispatch's handle."""
+    import cupy
+
+    from deepep_cupy import tensors
+
+    from .calls import time_loop
+
+    E = args.num_experts
+    stream = tensors.library(lib).current_stream(cupy.cuda.Device().id)
+    x, topk, weights, y = decode_inputs(group, args, n, largest, lib)
+
+    def dispatch():
+        return buf.low_latency_dispatch(x, topk, largest, E, use_fp8=True)
+
+    group.barrier()
+    handle = dispatch()[2]
+
+    def combine():
+        return buf.low_latency_combine(y, topk, weights, handle)
+
+    figures: Dict[str, Any] = {"lib": lib, "tokens": n}
+    for name, fn in (("dispatch", dispatch), ("combine", combine)):
+        timed = time_loop(fn, stream, args.warmup, args.iters, group.barrier)
+        figures[f"{name}_loop_us"], figures[f"{name}_host_us"] = timed["loop_us"], timed["host_us"]
+    group.barrier()
+    return figures
+
+
+def eager_table(per_rank: Sequence[Sequence[Dict[str, Any]]]) -> str:
+    """The markdown table of the eager calls (medians over the ranks)."""
+    lines = ["| library | tokens/rank | dispatch loop us | dispatch host us | combine loop us | combine host us |",
+             "|---|---|---|---|---|---|"]
+    for i, first in enumerate(per_rank[0]):
+        med = {k: statistics.median(r[i][k] for r in per_rank) for k in first if k not in ("lib", "tokens")}
+        lines.append(f"| {first['lib']} | {first['tokens']} | {med['dispatch_loop_us']:.1f} | "
+                     f"{med['dispatch_host_us']:.1f} | {med['combine_loop_us']:.1f} | {med['combine_host_us']:.1f} |")
+    return "\n".join(lines)
+
+
 def decode_table(per_rank: Sequence[Sequence[Dict[str, Any]]]) -> str:
     """The markdown table of :func:`run_decode`'s per-rank figures (medians over the ranks)."""
     lines = ["| tokens/rank | dispatch us (GPU) | combine us (GPU) | step host us/replay | dispatch bytes "
@@ -142,5 +204,7 @@ def run_decode(args) -> int:
     per_rank = run_local_group(lambda group: _rank(group, args, token_counts), num_ranks)
     print(f"decode: {num_ranks} ranks, hidden {args.hidden}, top-{args.num_topk} of {args.num_experts} experts, "
           f"FP8 dispatch, BF16 combine, CUDA-graph replays ({_graph_library()})")
-    print(decode_table(per_rank), flush=True)
+    print(decode_table([r["graphs"] for r in per_rank]), flush=True)
+    print("\ndecode, eager calls (loop: GPU time per call back to back; host: the Python call)")
+    print(eager_table([r["eager"] for r in per_rank]), flush=True)
     return 0
