@@ -54,13 +54,6 @@ namespace low_latency {
 #define LL_POLL_SLEEP_NS 0
 #endif
 
-// 1: a receive polls its signals with relaxed reads and makes one acquire fence once the value
-// has come, instead of an acquire read per poll (which may drop the SM's L1, where the warps
-// beside it read the routing). Another knob for scripts/decode_timeline.py.
-#ifndef LL_POLL_RELAXED
-#define LL_POLL_RELAXED 0
-#endif
-
 // 1: the row copies (a dispatch receive's rows, a combine send's pieces) keep 8 loads per lane in
 // flight instead of 4, and a combine send cuts its rows into pieces of one such round (fewer,
 // larger pieces). At 128 tokens the copies of the two ranks sharing a GPU move about 1.7 TB/s,
@@ -80,33 +73,6 @@ constexpr int kCopyUnroll = LL_WIDE_COPIES ? 8 : 4;
 #ifndef LL_SPREAD_ROWS
 #define LL_SPREAD_ROWS 0
 #endif
-
-__device__ __forceinline__ int poll_read(const int* p) {
-#if LL_POLL_RELAXED
-    int v;
-    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-#else
-    return ld_acquire_sys(p);
-#endif
-}
-
-__device__ __forceinline__ int64_t_ poll_read(const int64_t_* p) {
-#if LL_POLL_RELAXED
-    int64_t_ v;
-    asm volatile("ld.relaxed.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-#else
-    return ld_acquire_sys(p);
-#endif
-}
-
-// After poll_read has seen the value waited for.
-__device__ __forceinline__ void poll_seen() {
-#if LL_POLL_RELAXED
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-#endif
-}
 
 #define LL_THREADS LOW_LATENCY_DISPATCH_THREADS
 static_assert(LOW_LATENCY_DISPATCH_THREADS == LOW_LATENCY_COMBINE_THREADS, "one block size for both kernels");
@@ -653,7 +619,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                 long long cost = 0;  // DeepEP's wait_recv_cost, counted once (block 0's pollers)
                 LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
                             KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, i / num_ranks, mask);
-                while ((poll_read(my_counts + i) >> 32) != epoch) {
+                while ((ld_acquire_sys(my_counts + i) >> 32) != epoch) {
                     if (LL_POLL_SLEEP_NS > 0)
                         __nanosleep(LL_POLL_SLEEP_NS);
                     cost = clock64() - start;
@@ -662,7 +628,6 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                         break;
                     }
                 }
-                poll_seen();
                 if (blockIdx.x == 0 && wait_recv_cost_stats != nullptr)
                     atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
                               (unsigned long long)cost);
@@ -713,7 +678,7 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                             KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local, mask);
                 const int64_t_* word = my_counts + local * num_ranks + lane;
                 int64_t_ value;
-                while (((value = poll_read(word)) >> 32) != epoch) {
+                while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
                     if (LL_POLL_SLEEP_NS > 0)
                         __nanosleep(LL_POLL_SLEEP_NS);
                     cost = clock64() - start;
@@ -724,7 +689,6 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                         break;
                     }
                 }
-                poll_seen();
                 count = (int)(value & 0xffffffff);
             }
             if (!__all_sync(kFullMask, ok)) {
@@ -1225,7 +1189,7 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                     long long cost = 0;
                     LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
                                 KERNEL_LOW_LATENCY_COMBINE_RECEIVE, expert, mask);
-                    while (poll_read(flags + expert) != epoch) {
+                    while (ld_acquire_sys(flags + expert) != epoch) {
                         if (LL_POLL_SLEEP_NS > 0)
                             __nanosleep(LL_POLL_SLEEP_NS);
                         cost = clock64() - start;
@@ -1235,7 +1199,6 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                             break;
                         }
                     }
-                    poll_seen();
                     if (wait_recv_cost_stats != nullptr)
                         atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
                                   (unsigned long long)cost);
