@@ -323,6 +323,23 @@ __device__ __forceinline__ void copy_piece(int4* dst, const int4* src, int row_i
         warp_copy<kCopyUnroll>(dst + begin, src + begin, n, lane);
 }
 
+// One thread: wait until the warps' piece count `*counter` reaches `expected` (acquiring what they
+// wrote before their counts), then zero it for the next send; false when the wait failed (recorded
+// for `kernel` and `channel`).
+__device__ __forceinline__ bool take_pieces(int* counter, int expected, void* const* buffer_ptrs, int num_ranks,
+                                            int rank, int64_t_ timeout_ns, int* error_record, int kernel,
+                                            int channel) {
+    PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, kernel, channel);
+    bool ok = true;
+    while (ld_acquire_gpu(counter) != expected)
+        if (wait.failed(rank, channel)) {
+            ok = false;
+            break;
+        }
+    *counter = 0;
+    return ok;
+}
+
 // The source (lane s < R, rows before it `before`) of row `row`: the last one starting at or
 // before it (a source of no rows starts where the next does).
 __device__ __forceinline__ int source_of_row(int before, int row, int num_ranks, int lane) {
@@ -569,13 +586,8 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         for (int e = warp_id; e < num_experts && !failed; e += num_warps) {
             const int rows = tokens_routed_to(topk_idx, num_tokens, num_topk, e, lane);
             if (lane == 0) {
-                PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_DISPATCH_SEND, e);
-                while (ld_acquire_gpu(sent_pieces + e) != rows * parts)
-                    if (wait.failed(rank, e)) {
-                        failed = true;
-                        break;
-                    }
-                sent_pieces[e] = 0;
+                failed = !take_pieces(sent_pieces + e, rows * parts, buffer_ptrs, num_ranks, rank, timeout_ns,
+                                      error_record, KERNEL_LOW_LATENCY_DISPATCH_SEND, e);
                 const int dst = e / num_local;
                 if (!failed && !masked[dst]) {
                     int64_t_* count_word = reinterpret_cast<int64_t_*>(reinterpret_cast<char*>(buffer_ptrs[dst])
@@ -1101,16 +1113,9 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         LL_STAMP(1, send_call, 6);
         for (int local = warp_id; local < num_local && !failed; local += num_warps) {
             const int expected = (row_prefix[local + 1] - row_prefix[local]) * pieces;
-            if (lane == 0) {
-                PeerWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record, KERNEL_LOW_LATENCY_COMBINE_SEND,
-                              rank * num_local + local);
-                while (ld_acquire_gpu(sent_pieces + local) != expected)
-                    if (wait.failed(rank, rank * num_local + local)) {
-                        failed = true;
-                        break;
-                    }
-                sent_pieces[local] = 0;
-            }
+            if (lane == 0)
+                failed = !take_pieces(sent_pieces + local, expected, buffer_ptrs, num_ranks, rank, timeout_ns,
+                                      error_record, KERNEL_LOW_LATENCY_COMBINE_SEND, rank * num_local + local);
             failed = __shfl_sync(kFullMask, failed, 0);
             if (!failed && lane < num_ranks && !masked[lane]) {
                 int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[lane]) + LL_COMBINE_FLAGS_OFFSET)
