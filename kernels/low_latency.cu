@@ -54,25 +54,11 @@ namespace low_latency {
 #define LL_POLL_SLEEP_NS 0
 #endif
 
-// 1: the row copies (a dispatch receive's rows, a combine send's pieces) keep 8 loads per lane in
-// flight instead of 4, and a combine send cuts its rows into pieces of one such round (fewer,
-// larger pieces). At 128 tokens the copies of the two ranks sharing a GPU move about 1.7 TB/s,
-// near what 4 loads per lane in flight allow at HBM latency. A knob for
-// scripts/decode_timeline.py, which measures it.
-#ifndef LL_WIDE_COPIES
-#define LL_WIDE_COPIES 0
-#endif
-constexpr int kCopyUnroll = LL_WIDE_COPIES ? 8 : 4;
-
-// 1: a combine send, and a dispatch receive outside shrink mode, spread all the rows' pieces over
-// the grid's warps instead of giving each local expert a team of warps: rows per expert vary (at
-// 128 tokens, top-8 of 256, from 2 to about 17, 8 on average), and the team of the busiest expert
-// sets the end. The combine send counts each piece per expert, and the expert's owner warp raises
-// its flags once all are (as the dispatch send does); the dispatch receive has every block wait
-// for all the counts first. A knob for scripts/decode_timeline.py, which measures it.
-#ifndef LL_SPREAD_ROWS
-#define LL_SPREAD_ROWS 0
-#endif
+// Loads per lane a row copy keeps in flight (a dispatch receive's rows, a combine send's pieces): at
+// 128 tokens the copies of two ranks sharing a GPU move about 1.7 TB/s, which 4 in flight at HBM
+// latency cap (docs/PERFORMANCE.md, decode). A combine send cuts its rows into pieces of one such
+// round.
+constexpr int kCopyUnroll = 8;
 
 #define LL_THREADS LOW_LATENCY_DISPATCH_THREADS
 static_assert(LOW_LATENCY_DISPATCH_THREADS == LOW_LATENCY_COMBINE_THREADS, "one block size for both kernels");
@@ -377,7 +363,6 @@ __device__ __forceinline__ int send_parts(int num_tokens, int steps) {
     return num_tokens > 0 ? max(1, min(grid_warps() / num_tokens, steps)) : 1;
 }
 
-#if LL_SPREAD_ROWS
 // The local experts' rows (`rows_of(le)`) exclusive-scanned into `prefix[0..num_local]` (shared
 // memory): prefix[le] is the rows of the local experts before le, prefix[num_local] all of them.
 // Every thread of the block calls it (block barriers); `warp_sums`: kLLWarps ints of shared memory.
@@ -422,7 +407,6 @@ __device__ __forceinline__ int expert_of_row(const int* prefix, int num_local, i
     }
     return lo;
 }
-#endif
 
 // Where a dispatch receive puts what it reads: the received records of this rank's area (half
 // `half`) and the outputs, with the sizes that place a row.
@@ -612,9 +596,6 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
         const ReceivedRows received{reinterpret_cast<const char*>(buffer_ptrs[rank]) + dispatch_off + half * half_bytes,
                                     recv_x, recv_scales, src_info, num_ranks, num_max, hidden, fp8_mode, num_groups,
                                     rows_per_expert, record_bytes, row_bytes};
-        const int per_expert = max(1, num_warps / num_local);
-        const int num_teams = num_warps / per_expert, team = warp_id / per_expert, member = warp_id % per_expert;
-#if LL_SPREAD_ROWS
         __shared__ int recv_prefix[MAX_EXPERTS + 1];
         __shared__ int recv_sums[kLLWarps];
         // The low half of a count word: the rows source s sent local expert le (once its epoch came).
@@ -677,57 +658,60 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
                     receive_piece(received, local, row - recv_prefix[local], item % pieces, pieces, before, lane);
                 }
             }
-        } else
-#endif
-        // A team of warps per local expert: each waits for the expert's counts itself.
-        for (int local = team; local < num_local && team < num_teams && !failed; local += num_teams) {
-            bool ok = true;
-            int count = 0;
-            long long cost = 0;  // DeepEP's wait_recv_cost: the clock64 cycles polled without the count
-            if (lane < num_ranks && !is_masked(mask, lane)) {
-                const long long start = clock64();
-                LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
-                            KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local, mask);
-                const int64_t_* word = my_counts + local * num_ranks + lane;
-                int64_t_ value;
-                while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
-                    if (LL_POLL_SLEEP_NS > 0)
-                        __nanosleep(LL_POLL_SLEEP_NS);
-                    cost = clock64() - start;
-                    const int state = wait.poll(lane, (int)epoch);
-                    if (state != kKeepWaiting) {
-                        ok = state != kStop;
-                        value = 0;  // a masked source sent nothing
-                        break;
+        } else {
+            // Shrink mode: a team of warps per local expert, each waiting for the expert's counts
+            // itself (its lanes skip masked sources).
+            const int per_expert = max(1, num_warps / num_local);
+            const int num_teams = num_warps / per_expert, team = warp_id / per_expert, member = warp_id % per_expert;
+            for (int local = team; local < num_local && team < num_teams && !failed; local += num_teams) {
+                bool ok = true;
+                int count = 0;
+                long long cost = 0;  // DeepEP's wait_recv_cost: the clock64 cycles polled without the count
+                if (lane < num_ranks && !is_masked(mask, lane)) {
+                    const long long start = clock64();
+                    LLWait wait(buffer_ptrs, num_ranks, rank, timeout_ns, error_record,
+                                KERNEL_LOW_LATENCY_DISPATCH_RECEIVE, local, mask);
+                    const int64_t_* word = my_counts + local * num_ranks + lane;
+                    int64_t_ value;
+                    while (((value = ld_acquire_sys(word)) >> 32) != epoch) {
+                        if (LL_POLL_SLEEP_NS > 0)
+                            __nanosleep(LL_POLL_SLEEP_NS);
+                        cost = clock64() - start;
+                        const int state = wait.poll(lane, (int)epoch);
+                        if (state != kKeepWaiting) {
+                            ok = state != kStop;
+                            value = 0;  // a masked source sent nothing
+                            break;
+                        }
+                    }
+                    count = (int)(value & 0xffffffff);
+                }
+                if (!__all_sync(kFullMask, ok)) {
+                    failed = true;
+                    break;
+                }
+                LL_STAMP(0, recv_call, 3);
+                int total;
+                const int before = rows_before(count, num_ranks, lane, total);
+                if (member == 0) {
+                    if (lane < num_ranks) {
+                        layout_range[local * num_ranks + lane] = ((int64_t_)before << 32) | (int64_t_)count;
+                        if (wait_recv_cost_stats != nullptr)
+                            atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + lane),
+                                      (unsigned long long)cost);
+                    }
+                    if (lane == 0) {
+                        recv_count[local] = total;
+                        if (cumulative_recv_stats != nullptr)
+                            cumulative_recv_stats[local] += total;
                     }
                 }
-                count = (int)(value & 0xffffffff);
+                // Fewer rows than warps: each row in pieces, one per warp (more rows: whole rows, each
+                // warp's copies one after another cost less than a piece's fixed cost per row).
+                const int pieces = total < per_expert ? per_expert : 1;
+                for (int item = member; item < total * pieces; item += per_expert)
+                    receive_piece(received, local, item / pieces, item % pieces, pieces, before, lane);
             }
-            if (!__all_sync(kFullMask, ok)) {
-                failed = true;
-                break;
-            }
-            LL_STAMP(0, recv_call, 3);
-            int total;
-            const int before = rows_before(count, num_ranks, lane, total);
-            if (member == 0) {
-                if (lane < num_ranks) {
-                    layout_range[local * num_ranks + lane] = ((int64_t_)before << 32) | (int64_t_)count;
-                    if (wait_recv_cost_stats != nullptr)
-                        atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + lane),
-                                  (unsigned long long)cost);
-                }
-                if (lane == 0) {
-                    recv_count[local] = total;
-                    if (cumulative_recv_stats != nullptr)
-                        cumulative_recv_stats[local] += total;
-                }
-            }
-            // Fewer rows than warps: each row in pieces, one per warp (more rows: whole rows, each
-            // warp's copies one after another cost less than a piece's fixed cost per row).
-            const int pieces = total < per_expert ? per_expert : 1;
-            for (int item = member; item < total * pieces; item += per_expert)
-                receive_piece(received, local, item / pieces, item % pieces, pieces, before, lane);
         }
     }
     if (__syncthreads_or(failed))
@@ -1042,8 +1026,8 @@ __device__ __forceinline__ void sum_chunk(void* combined_x, const char* area, co
 // travel in LogFMT with that unroll (2 or 4, see above). slot_bytes: a row's slot in the combine
 // area (hidden * 2, or with LogFMT hidden * 2 + hidden / 32 for its meta).
 //
-// Send: per local expert a team of warps writes its rows (BF16 rows cut in one piece per warp,
-// LogFMT rows whole) into their tokens' slots at the tokens' ranks, then flags the expert at every
+// Send: per local expert a team of warps writes its rows (BF16 rows cut in pieces of one round of
+// kCopyUnroll loads, at most one per warp; LogFMT rows whole) into their tokens' slots at the tokens' ranks, then flags the expert at every
 // rank. Receive: each warp takes a run of (token, 256 channels) pieces, waits for the flags of the
 // token's experts and sums their rows (LogFMT: whole tokens).
 __global__ void __launch_bounds__(LL_THREADS) combine(
@@ -1072,64 +1056,10 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
         LL_STAMP(1, send_call, 1);
         snapshot_mask(mask, num_ranks, masked);
         const int rows_per_expert = num_ranks * num_max;
-#if LL_SPREAD_ROWS
-        // Every piece of every row, spread over the grid's warps; counted per local expert in this
-        // rank's sent-pieces words (a Buffer's sends never overlap, and the dispatch send leaves
-        // them at 0), and the expert's owner warp (le = warp, warp + W, ...) raises its flags.
-        __shared__ int row_prefix[MAX_EXPERTS + 1];
-        __shared__ int scan_sums[kLLWarps];
-        int* sent_pieces = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[rank]) + LL_SENT_PIECES_OFFSET);
-        scan_rows(num_local, [&](int le) {
-            const int64_t_ last = layout_range[(int64_t_)le * num_ranks + num_ranks - 1];
-            return (int)(last >> 32) + (int)(last & 0xffffffff);
-        }, row_prefix, scan_sums);
-        const int pieces = logfmt_unroll != 0 ? 1 : max(1, (row_int4 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll));
-        const int all_rows = row_prefix[num_local];
-        for (int item = warp_id; item < all_rows * pieces; item += num_warps) {
-            const int global_row = item / pieces, piece = item % pieces;
-            const int local = expert_of_row(row_prefix, num_local, global_row);
-            const int row = global_row - row_prefix[local];
-            const int64_t_ range = lane < num_ranks ? layout_range[local * num_ranks + lane] : 0;
-            const int dst = source_of_row((int)(range >> 32), row, num_ranks, lane);
-            if (!masked[dst]) {
-                const int64_t_ x_row = (int64_t_)local * rows_per_expert + row;
-                const int token = src_info[x_row];
-                char* slot = reinterpret_cast<char*>(buffer_ptrs[dst]) + combine_off + half * half_bytes
-                             + ((int64_t_)(rank * num_local + local) * num_max + token) * slot_bytes;
-                const int4* x_int4 = reinterpret_cast<const int4*>(x) + x_row * row_int4;
-                if (logfmt_unroll == 4)
-                    logfmt_write_row<4>(slot, x_int4, hidden, lane);
-                else if (logfmt_unroll == 2)
-                    logfmt_write_row<2>(slot, x_int4, hidden, lane);
-                else
-                    copy_piece(reinterpret_cast<int4*>(slot), x_int4, row_int4, piece, pieces, lane);
-            }
-            // The warp's writes before its count (release), the count before the flags (the owner's
-            // acquire, then system-scope releases).
-            __syncwarp();
-            if (lane == 0)
-                add_release_gpu(sent_pieces + local, 1);  // a masked destination's pieces count too
-        }
-        LL_STAMP(1, send_call, 6);
-        for (int local = warp_id; local < num_local && !failed; local += num_warps) {
-            const int expected = (row_prefix[local + 1] - row_prefix[local]) * pieces;
-            if (lane == 0)
-                failed = !take_pieces(sent_pieces + local, expected, buffer_ptrs, num_ranks, rank, timeout_ns,
-                                      error_record, KERNEL_LOW_LATENCY_COMBINE_SEND, rank * num_local + local);
-            failed = __shfl_sync(kFullMask, failed, 0);
-            if (!failed && lane < num_ranks && !masked[lane]) {
-                int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(buffer_ptrs[lane]) + LL_COMBINE_FLAGS_OFFSET)
-                            + half * MAX_EXPERTS + rank * num_local + local;
-                st_release_sys(flag, send_call + 1);
-            }
-        }
-#else
         const int team_warps = combine_team_warps(num_local);
         const int num_teams = num_warps / team_warps, team = warp_id / team_warps, member = warp_id % team_warps;
         // LogFMT rows are written whole: where a chunk lands depends on every chunk before it.
-        const int pieces = logfmt_unroll != 0 ? 1
-                           : LL_WIDE_COPIES ? min(team_warps, (row_int4 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll))
-                                            : team_warps;
+        const int pieces = logfmt_unroll != 0 ? 1 : min(team_warps, (row_int4 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll));
         for (int local = team; local < num_local; local += num_teams) {
             const int expert = rank * num_local + local;
             // The rows for rank s are [before_s, before_s + count_s) (the dispatch's layout).
@@ -1162,7 +1092,6 @@ __global__ void __launch_bounds__(LL_THREADS) combine(
                 st_release_sys(flag, send_call + 1);
             }
         }
-#endif
         LL_STAMP(1, send_call, 2);
     }
 

@@ -26,7 +26,7 @@ def test_stamped_low_latency_kernels_compile():
     assert set(lowered) == set(instances)
 
 
-@pytest.mark.parametrize("knob", ["LL_POLL_SLEEP_NS=100", "LL_WIDE_COPIES=1", "LL_SPREAD_ROWS=1"])
+@pytest.mark.parametrize("knob", ["LL_POLL_SLEEP_NS=100"])
 def test_a_knob_set_with_define_reaches_the_kernels_and_compiles(knob):
     timeline = _timeline()
     source = timeline.patch_source("low_latency.cu", kernels.read_source("low_latency.cu"), [knob])
