@@ -8,11 +8,20 @@ stream itself), on a capture stream of its own (``torch.cuda.graph``; CuPy's
 ``Stream.begin_capture``), in thread-local mode when the ranks are threads of one process (there
 PyTorch's ``CUDAGraph.capture_begin``, without the device-wide synchronization of
 ``torch.cuda.graph``). A replay launches on the caller's current stream.
+
+While any thread captures, Python's cyclic garbage collector is held off (:func:`collector_held`):
+an array of CuPy's stream-ordered pool (the one in-process ranks sharing a GPU allocate from) is
+freed on the stream it was allocated on, or on the current stream once that one is gone, and a
+collection that frees one onto a stream that is capturing breaks the capture
+(cudaErrorStreamCaptureUnsupported). Such a collection can start in any thread at any allocation.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import contextlib
+import gc
+import threading
+from typing import Any, Callable, Dict, Iterator
 
 #: The two ops this module adds to the loop benchmark.
 STEP_OPS = ("step eager", "step graph replay")
@@ -33,6 +42,37 @@ def step(buf: Any, a: Dict[str, Any], num_experts: int, dispatch_config: Any, co
     return run
 
 
+class _CollectorHold:
+    """How many threads capture now, and whether the collector ran before the first began."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.captures = 0
+        self.was_enabled = False
+
+
+_HOLD = _CollectorHold()
+
+
+@contextlib.contextmanager
+def collector_held() -> Iterator[None]:
+    """Python's cyclic garbage collector off while any thread is inside; the first thread in
+    collects first (no capture is under way then) and the last one out restores its state."""
+    with _HOLD.lock:
+        if _HOLD.captures == 0:
+            _HOLD.was_enabled = gc.isenabled()
+            gc.collect()
+            gc.disable()
+        _HOLD.captures += 1
+    try:
+        yield
+    finally:
+        with _HOLD.lock:
+            _HOLD.captures -= 1
+            if _HOLD.captures == 0 and _HOLD.was_enabled:
+                gc.enable()
+
+
 class Replay:
     """``fn`` captured once into a CUDA graph, after one call outside the capture; calling the
     object replays it on the current stream. ``outputs``: what the captured call returned (the
@@ -51,14 +91,14 @@ class Replay:
             caller.synchronize()
             self.graph = torch.cuda.CUDAGraph()
             if not thread_local:
-                with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)):
+                with collector_held(), torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)):
                     self.outputs = fn()
                 return
             # torch.cuda.graph synchronizes the whole device and empties the cache on entry, which
             # fails, and breaks the capture, while a rank thread sharing the GPU is capturing already.
             stream = torch.cuda.Stream(device)
             stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
+            with collector_held(), torch.cuda.stream(stream):
                 self.graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     self.outputs = fn()
@@ -74,11 +114,12 @@ class Replay:
                 # leaves the blocks that the capture then takes without a cudaMalloc.
                 fn()
                 capture.synchronize()
-                capture.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal if thread_local else None)
-                try:
-                    self.outputs = fn()
-                finally:
-                    self.graph = capture.end_capture()
+                with collector_held():
+                    capture.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal if thread_local else None)
+                    try:
+                        self.outputs = fn()
+                    finally:
+                        self.graph = capture.end_capture()
 
     def __call__(self) -> None:
         if self.lib == "torch":
