@@ -22,6 +22,7 @@ allocator) on the stream the caller's library considers current, so they are ret
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -285,12 +286,18 @@ class _TorchLib(ArrayLib):
 
 _LIBS: Dict[type, Optional[ArrayLib]] = {}
 _LIB_SINGLETONS: Dict[str, ArrayLib] = {}
+#: Held while a library object is made: rank threads of one process meet their first arrays
+#: together, and two objects for one library would fail the checks that compare them with ``is``.
+_MAKING = threading.Lock()
 
 
 def _singleton(cls) -> ArrayLib:
     lib = _LIB_SINGLETONS.get(cls.name)
     if lib is None:
-        lib = _LIB_SINGLETONS[cls.name] = cls()
+        with _MAKING:
+            lib = _LIB_SINGLETONS.get(cls.name)
+            if lib is None:
+                lib = _LIB_SINGLETONS[cls.name] = cls()
     return lib
 
 

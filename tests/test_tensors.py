@@ -1,5 +1,8 @@
 """Reading and checking array arguments (CPU only: ArrayInfo values and fake arrays stand in)."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from _harness import import_or_skip
@@ -207,3 +210,32 @@ def test_the_legacy_default_stream_is_named_as_pytorchs_default_stream_not_a_new
     assert lib.stream(0, 0) == "default stream"
     assert lib.stream(0x5EED, 0) == f"stream {0x5EED}"
     assert made == [("default", ("cuda", 0)), ("external", 0x5EED)]
+
+
+def test_threads_meeting_their_first_arrays_together_share_one_library_object(monkeypatch):
+    # Rank threads of one process reach their first arrays at once; the argument checks compare
+    # the library objects of x and topk_idx with ``is``.
+    made = []
+
+    class SlowLib:
+        name = "slow"
+
+        def __init__(self):
+            made.append(self)
+            time.sleep(0.05)  # as long as importing the library takes, the others arrive meanwhile
+
+    monkeypatch.setattr(tensors, "_LIB_SINGLETONS", {})
+    start = threading.Barrier(8)
+    got = []
+
+    def first_use():
+        start.wait()
+        got.append(tensors._singleton(SlowLib))
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1
+    assert all(lib is made[0] for lib in got)
