@@ -1027,9 +1027,10 @@ __device__ __forceinline__ void sum_chunk(void* combined_x, const char* area, co
 // area (hidden * 2, or with LogFMT hidden * 2 + hidden / 32 for its meta).
 //
 // Send: per local expert a team of warps writes its rows (BF16 rows cut in pieces of one round of
-// kCopyUnroll loads, at most one per warp; LogFMT rows whole) into their tokens' slots at the tokens' ranks, then flags the expert at every
-// rank. Receive: each warp takes a run of (token, 256 channels) pieces, waits for the flags of the
-// token's experts and sums their rows (LogFMT: whole tokens).
+// kCopyUnroll loads, at most one per warp; LogFMT rows whole) into their tokens' slots at the
+// tokens' ranks, then flags the expert at every rank. Receive: each warp takes a run of (token, 256
+// channels) pieces, waits for the flags of the token's experts and sums their rows (LogFMT: whole
+// tokens).
 __global__ void __launch_bounds__(LL_THREADS) combine(
         void* combined_x, const void* x, const int64_t_* topk_idx, const float* topk_weights, const int* src_info,
         const int64_t_* layout_range, int64_t_* wait_recv_cost_stats, int num_tokens, int num_topk, int hidden,
