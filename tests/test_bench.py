@@ -554,15 +554,43 @@ def test_decode_bytes_count_fp8_rows_with_scales_and_bf16_rows():
 def test_the_eager_decode_table_shows_each_library_and_medians_over_the_ranks():
     from deepep_cupy.bench.decode import eager_table
 
-    row = dict(lib="cupy", tokens=128, dispatch_loop_us=30.0, dispatch_host_us=9.0, combine_loop_us=40.0,
-               combine_host_us=8.0)
+    row = dict(lib="cupy", tokens=128, dispatch_loop_us=30.0, dispatch_host_us=9.0, dispatch_host_alone_us=5.0,
+               combine_loop_us=40.0, combine_host_us=8.0, combine_host_alone_us=4.0)
     torch_row = dict(row, lib="torch", dispatch_host_us=12.0)
     other = [dict(row, dispatch_loop_us=50.0, combine_host_us=6.0), dict(torch_row, dispatch_host_us=14.0)]
-    third = [dict(row, dispatch_loop_us=40.0, combine_host_us=7.0), dict(torch_row, dispatch_host_us=16.0)]
+    third = [dict(row, dispatch_loop_us=40.0, combine_host_us=7.0, combine_host_alone_us=2.0),
+             dict(torch_row, dispatch_host_us=16.0)]
     lines = eager_table([[row, torch_row], other, third]).splitlines()
-    assert lines[0].startswith("| library | tokens/rank | dispatch loop us | dispatch host us")
-    assert lines[2] == "| cupy | 128 | 40.0 | 9.0 | 40.0 | 7.0 |"
-    assert lines[3] == "| torch | 128 | 30.0 | 14.0 | 40.0 | 8.0 |"
+    assert lines[0] == ("| library | tokens/rank | dispatch loop us | dispatch host us | dispatch host alone us "
+                        "| combine loop us | combine host us | combine host alone us |")
+    assert lines[1] == "|---|---|---|---|---|---|---|---|"
+    assert lines[2] == "| cupy | 128 | 40.0 | 9.0 | 5.0 | 40.0 | 7.0 | 4.0 |"
+    assert lines[3] == "| torch | 128 | 30.0 | 14.0 | 5.0 | 40.0 | 8.0 | 4.0 |"
+
+
+def test_host_alone_has_the_ranks_call_in_turns_and_each_make_every_call(monkeypatch):
+    from deepep_cupy.bench.decode import host_alone_us
+
+    cupy = pytest.importorskip("cupy")
+    events = []
+
+    class Group:
+        size = 3
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def barrier(self):
+            events.append("barrier")
+
+    calls = []
+    synced = []
+    monkeypatch.setattr(cupy.cuda.runtime, "streamSynchronize", synced.append)
+    us = host_alone_us(Group(1), lambda: calls.append(events.count("barrier")), 4, 7)
+    # Rank 1 calls in its turn: after the second barrier and before the third.
+    assert calls == [2, 2, 2, 2]
+    assert events.count("barrier") == 5 and synced == [7]
+    assert us >= 0.0
 
 
 def test_the_decode_table_shows_medians_over_the_ranks():

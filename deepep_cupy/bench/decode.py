@@ -14,7 +14,11 @@ loop time (GPU time per call over ``--iters`` calls back to back) and host time 
 of one call from Python). The eager calls pass ``async_finish=True`` and make the caller's stream
 wait for the returned event, as a decode step that overlaps them does: a synchronous call of ranks
 sharing a GPU in one process returns only once its kernels are over (deepep_cupy/gpu/streams.py),
-which would put the kernels' time into the host time and the host time into the loop.
+which would put the kernels' time into the host time and the host time into the loop. Rank threads
+of one process also share one interpreter, so while both call, each call's wall time holds the
+other thread's Python too: "host alone" is the median of ``--iters`` calls made while the other
+ranks wait at a barrier, rank after rank (their kernels wait on the GPU for the peers' calls, which
+come in the peers' turns): the Python call as one process per GPU would see it.
 
 The ranks run in this process (one per visible GPU, or ``--num-ranks`` sharing them).
 """
@@ -22,6 +26,7 @@ The ranks run in this process (one per visible GPU, or ``--num-ranks`` sharing t
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -173,18 +178,38 @@ def _measure_eager(group, buf, args, n: int, largest: int, lib: str) -> Dict[str
     for name, fn in (("dispatch", dispatch), ("combine", combine)):
         timed = time_loop(fn, stream, args.warmup, args.iters, group.barrier)
         figures[f"{name}_loop_us"], figures[f"{name}_host_us"] = timed["loop_us"], timed["host_us"]
+        figures[f"{name}_host_alone_us"] = host_alone_us(group, fn, args.iters, stream)
     group.barrier()
     return figures
 
 
+def host_alone_us(group, fn, iters: int, stream_ptr: int) -> float:
+    """Median wall time (us) of ``iters`` calls of ``fn`` on this rank while the other ranks wait at
+    a barrier: the ranks take turns, so every rank makes the same calls in the end."""
+    import cupy
+
+    hosts = []
+    for turn in range(group.size):
+        group.barrier()
+        if group.rank == turn:
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                hosts.append(time.perf_counter() - t0)
+    group.barrier()
+    cupy.cuda.runtime.streamSynchronize(stream_ptr)
+    group.barrier()
+    return float(np.median(hosts)) * 1e6
+
+
 def eager_table(per_rank: Sequence[Sequence[Dict[str, Any]]]) -> str:
     """The markdown table of the eager calls (medians over the ranks)."""
-    lines = ["| library | tokens/rank | dispatch loop us | dispatch host us | combine loop us | combine host us |",
-             "|---|---|---|---|---|---|"]
+    columns = [f"{op}_{what}_us" for op in ("dispatch", "combine") for what in ("loop", "host", "host_alone")]
+    lines = ["| library | tokens/rank | " + " | ".join(c[:-3].replace("_", " ") + " us" for c in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
     for i, first in enumerate(per_rank[0]):
-        med = {k: statistics.median(r[i][k] for r in per_rank) for k in first if k not in ("lib", "tokens")}
-        lines.append(f"| {first['lib']} | {first['tokens']} | {med['dispatch_loop_us']:.1f} | "
-                     f"{med['dispatch_host_us']:.1f} | {med['combine_loop_us']:.1f} | {med['combine_host_us']:.1f} |")
+        med = [statistics.median(r[i][c] for r in per_rank) for c in columns]
+        lines.append(f"| {first['lib']} | {first['tokens']} | " + " | ".join(f"{v:.1f}" for v in med) + " |")
     return "\n".join(lines)
 
 
