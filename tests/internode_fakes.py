@@ -14,36 +14,16 @@ import ctypes
 import threading
 import types
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import numpy as np
 from host_fakes import DEVICE, FakeArray, FakeLib, FakeOrder, on_device
 
 from deepep_cupy import tensors
 from deepep_cupy.gpu import call_span
+from deepep_cupy.groups.nodes import NodeTopology
 from deepep_cupy.internode import arrays as internode_arrays
 from deepep_cupy.internode import path as internode
 from deepep_cupy.reference import intranode as ref
-
-try:
-    from deepep_cupy.groups.nodes import NodeTopology
-except ImportError:  # the transport helper's module, not merged yet: the same shape
-    class NodeTopology(NamedTuple):
-        rank: int
-        num_ranks: int
-        ranks_per_node: int
-
-        @property
-        def num_nodes(self):
-            return self.num_ranks // self.ranks_per_node
-
-        @property
-        def node(self):
-            return self.rank // self.ranks_per_node
-
-        @property
-        def local_rank(self):
-            return self.rank % self.ranks_per_node
 
 
 class NumpyAsCupy:
