@@ -571,7 +571,7 @@ def test_the_eager_decode_table_shows_each_library_and_medians_over_the_ranks():
 def test_host_alone_has_the_ranks_call_in_turns_and_each_make_every_call(monkeypatch):
     from deepep_cupy.bench.decode import host_alone_us
 
-    cupy = pytest.importorskip("cupy")
+    cupy = import_or_skip("cupy", "host_alone_us synchronizes a CuPy stream")
     events = []
 
     class Group:
