@@ -1,5 +1,5 @@
 """While a benchmark or test captures a CUDA graph, Python's cyclic collector is held off
-(deepep_cupy.bench.graphs.collector_held): a collection during a capture can free a CuPy array
+(deepep_cupy.gpu.device_pools.collector_held): a collection during a capture can free a CuPy array
 onto the capturing stream and break the capture."""
 
 import gc
@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from deepep_cupy.bench.graphs import collector_held
+from deepep_cupy.gpu.device_pools import collector_held
 
 
 @pytest.fixture(autouse=True)

@@ -9,19 +9,15 @@ stream itself), on a capture stream of its own (``torch.cuda.graph``; CuPy's
 PyTorch's ``CUDAGraph.capture_begin``, without the device-wide synchronization of
 ``torch.cuda.graph``). A replay launches on the caller's current stream.
 
-While any thread captures, Python's cyclic garbage collector is held off (:func:`collector_held`):
-an array of CuPy's stream-ordered pool (the one in-process ranks sharing a GPU allocate from) is
-freed on the stream it was allocated on, or on the current stream once that one is gone, and a
-collection that frees one onto a stream that is capturing breaks the capture
-(cudaErrorStreamCaptureUnsupported). Such a collection can start in any thread at any allocation.
+While any thread captures, Python's cyclic garbage collector is held off
+(:func:`deepep_cupy.gpu.device_pools.collector_held`, which says why).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import threading
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict
+
+from ..gpu.device_pools import collector_held
 
 #: The two ops this module adds to the loop benchmark.
 STEP_OPS = ("step eager", "step graph replay")
@@ -40,37 +36,6 @@ def step(buf: Any, a: Dict[str, Any], num_experts: int, dispatch_config: Any, co
         return buf.combine(recv_x, handle, topk_weights=recv_w, config=combine_config)
 
     return run
-
-
-class _CollectorHold:
-    """How many threads capture now, and whether the collector ran before the first began."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.captures = 0
-        self.was_enabled = False
-
-
-_HOLD = _CollectorHold()
-
-
-@contextlib.contextmanager
-def collector_held() -> Iterator[None]:
-    """Python's cyclic garbage collector off while any thread is inside; the first thread in
-    collects first (no capture is under way then) and the last one out restores its state."""
-    with _HOLD.lock:
-        if _HOLD.captures == 0:
-            _HOLD.was_enabled = gc.isenabled()
-            gc.collect()
-            gc.disable()
-        _HOLD.captures += 1
-    try:
-        yield
-    finally:
-        with _HOLD.lock:
-            _HOLD.captures -= 1
-            if _HOLD.captures == 0 and _HOLD.was_enabled:
-                gc.enable()
 
 
 class Replay:

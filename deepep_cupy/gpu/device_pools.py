@@ -16,9 +16,10 @@ the device's default pool current for them, and that pool allows the reuse forbi
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence
 
 
 @dataclass
@@ -114,3 +115,38 @@ def allocator_for(devices: Sequence[Optional[int]], rank: int,
     if device is None or sum(1 for d in devices if d == device) < 2:
         return contextlib.nullcontext()
     return _allocating_from(pools or _process_device_pools(), device)
+
+
+class _CollectorHold:
+    """How many threads capture now, and whether the collector ran before the first began."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.captures = 0
+        self.was_enabled = False
+
+
+_HOLD = _CollectorHold()
+
+
+@contextlib.contextmanager
+def collector_held() -> Iterator[None]:
+    """Python's cyclic garbage collector off while any thread is inside: wrap every CUDA graph
+    capture of ranks that allocate from the shared pool. An array of CuPy's stream-ordered pool is
+    freed on the stream it was allocated on, or on the current stream once that one is gone; a
+    collection, which can start in any thread at any allocation, that frees one onto a stream being
+    captured breaks the capture (cudaErrorStreamCaptureUnsupported). The first thread in collects
+    first (no capture is under way then) and the last one out restores the collector's state."""
+    with _HOLD.lock:
+        if _HOLD.captures == 0:
+            _HOLD.was_enabled = gc.isenabled()
+            gc.collect()
+            gc.disable()
+        _HOLD.captures += 1
+    try:
+        yield
+    finally:
+        with _HOLD.lock:
+            _HOLD.captures -= 1
+            if _HOLD.captures == 0 and _HOLD.was_enabled:
+                gc.enable()
