@@ -130,6 +130,14 @@ KERNEL_STAGES: Dict[int, str] = {
     12: "low-latency combine receive",
 }
 
+#: The local rail transport's mailbox (kernels/rail.cu): int64 words per rank, and what each holds
+#: (the rank's call count, its last posted call, its send buffer, the peers done with it, its
+#: pull blocks done, a timed-out wait's code).
+RAIL_MAILBOX_WORDS = 8
+RAIL_CALLS, RAIL_READY, RAIL_SEND_PTR, RAIL_PULLED, RAIL_BLOCKS_DONE, RAIL_ERROR = range(6)
+#: Blocks of the local rail's pull kernel (a call's count of them tells its last block).
+RAIL_PULL_BLOCKS = 16
+
 #: Threads per block of every kernel (the launch uses it; the kernels use it in their launch
 #: bounds and their warp-role split).
 BLOCK_THREADS: Dict[str, int] = {
@@ -146,6 +154,13 @@ BLOCK_THREADS: Dict[str, int] = {
     "deepep_cupy::internode::forward": 256,
     "deepep_cupy::internode::combine": 256,
     "deepep_cupy::internode::sum_nodes": 256,
+    "deepep_cupy::blocks::route": 256,
+    "deepep_cupy::blocks::number_rows": 1024,
+    "deepep_cupy::blocks::stage_counts": 256,
+    "deepep_cupy::blocks::deepep_order": 1024,
+    "deepep_cupy::blocks::take_rows": 256,
+    "deepep_cupy::rail::post": 32,
+    "deepep_cupy::rail::pull": 256,
     "deepep_cupy::low_latency::dispatch": 512,
     "deepep_cupy::low_latency::combine": 512,
     "deepep_cupy::low_latency::barrier": 32,
@@ -205,6 +220,12 @@ def cuda_defines() -> Dict[str, Union[int, str]]:
         "LL_DISPATCH_COUNTS_OFFSET": LL_DISPATCH_COUNTS_OFFSET,
         "LL_COMBINE_FLAGS_OFFSET": LL_COMBINE_FLAGS_OFFSET,
         "LL_SENT_PIECES_OFFSET": LL_SENT_PIECES_OFFSET,
+        "RAIL_CALLS": RAIL_CALLS,
+        "RAIL_READY": RAIL_READY,
+        "RAIL_SEND_PTR": RAIL_SEND_PTR,
+        "RAIL_PULLED": RAIL_PULLED,
+        "RAIL_BLOCKS_DONE": RAIL_BLOCKS_DONE,
+        "RAIL_ERROR": RAIL_ERROR,
     }
     defines.update({f"KERNEL_{_macro(stage)}": kernel_id for kernel_id, stage in KERNEL_STAGES.items()})
     defines.update({_threads_macro(kernel): n for kernel, n in BLOCK_THREADS.items()})

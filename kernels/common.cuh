@@ -103,6 +103,12 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
     return v;
 }
 
+__device__ __forceinline__ int64_t_ ld_volatile(const int64_t_* p) {
+    int64_t_ v;
+    asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }

@@ -2,7 +2,7 @@
 //
 // A record is one token's row, its FP8 scales, its int64 top-k ids, its float32 weights and its
 // is_token_in_rank row, each part at the offset the host's RecordLayout (deepep_cupy/
-// internode_records.py) gives it, the record padded to 16 bytes. A send buffer holds the records
+// internode/records.py) gives it, the record padded to 16 bytes. A send buffer holds the records
 // of every destination node in node order; a receive buffer the records from every source node,
 // in node order too.
 //
@@ -52,6 +52,8 @@ __global__ void __launch_bounds__(INTERNODE_NOTIFY_THREADS) notify(
         int in_rank_off) {
     for (int i = blockIdx.x; i < num_records; i += gridDim.x) {
         const int64_t_ t = token_ids == nullptr ? i : token_ids[i];
+        if (t < 0)  // no token for this record (a fixed-size block's gap)
+            continue;
         unsigned char* record = records + (int64_t_)i * record_bytes;
         copy_row(record, x + t * x_token_stride, row_bytes);
         if (scales != nullptr)
@@ -65,37 +67,43 @@ __global__ void __launch_bounds__(INTERNODE_NOTIFY_THREADS) notify(
     }
 }
 
-// The parts of `num_records` records into C-contiguous outputs (null outputs are skipped): top-k
-// ids in [first_expert, first_expert + num_local_experts) become local (minus first_expert), the
-// others -1 with weight 0; is_token_in_rank keeps the `num_in_rank` entries from `in_rank_from`.
-// Rows num_records .. num_out_rows - 1 (a num_worst_tokens output) get top-k ids -1.
+// The parts of `num_records` records into C-contiguous outputs (null outputs are skipped): record
+// i into row row_of[i] (i without row_of; -1: not a row); top-k ids in [first_expert, first_expert
+// + num_local_experts) become local (minus first_expert), the others -1 with weight 0;
+// is_token_in_rank keeps the `num_in_rank` entries from `in_rank_from`. Rows from the rows written
+// (*num_valid with it, else num_records) to num_out_rows - 1 (a num_worst_tokens output) get top-k ids -1.
 __device__ __forceinline__ void unpack(
         const unsigned char* records, int record_bytes, int num_records,
         unsigned char* rows_out, int row_bytes, float* scales_out, int num_scales, int scales_off,
         int64_t_* topk_out, float* weights_out, int num_topk, int topk_off, int weights_off,
         int64_t_ first_expert, int64_t_ num_local_experts,
-        bool* in_rank_out, int in_rank_from, int num_in_rank, int in_rank_off, int num_out_rows) {
-    for (int i = blockIdx.x; i < num_out_rows; i += gridDim.x) {
+        bool* in_rank_out, int in_rank_from, int num_in_rank, int in_rank_off, int num_out_rows,
+        const int64_t_* row_of, const int* num_valid) {
+    const int first_pad = num_valid != nullptr ? *num_valid : num_records;
+    for (int i = blockIdx.x; i < num_records + num_out_rows; i += gridDim.x) {
         if (i >= num_records) {
-            for (int k = threadIdx.x; topk_out != nullptr && k < num_topk; k += blockDim.x)
-                topk_out[(int64_t_)i * num_topk + k] = -1;
+            const int64_t_ row = i - num_records;
+            for (int k = threadIdx.x; row >= first_pad && topk_out != nullptr && k < num_topk; k += blockDim.x)
+                topk_out[row * num_topk + k] = -1;
             continue;
         }
+        const int64_t_ row = row_of != nullptr ? row_of[i] : i;
+        if (row < 0 || row >= num_out_rows)
+            continue;
         const unsigned char* record = records + (int64_t_)i * record_bytes;
-        copy_row(rows_out + (int64_t_)i * row_bytes, record, row_bytes);
+        copy_row(rows_out + row * row_bytes, record, row_bytes);
         if (scales_out != nullptr)
-            copy_elements(reinterpret_cast<unsigned char*>(scales_out + (int64_t_)i * num_scales), record + scales_off,
+            copy_elements(reinterpret_cast<unsigned char*>(scales_out + row * num_scales), record + scales_off,
                           num_scales, 4, 4);
         for (int k = threadIdx.x; topk_out != nullptr && k < num_topk; k += blockDim.x) {
             const int64_t_ e = reinterpret_cast<const int64_t_*>(record + topk_off)[k];
             const bool mine = e >= first_expert && e < first_expert + num_local_experts;
-            topk_out[(int64_t_)i * num_topk + k] = mine ? e - first_expert : -1;
+            topk_out[row * num_topk + k] = mine ? e - first_expert : -1;
             if (weights_out != nullptr)
-                weights_out[(int64_t_)i * num_topk + k] =
-                    mine ? reinterpret_cast<const float*>(record + weights_off)[k] : 0.0f;
+                weights_out[row * num_topk + k] = mine ? reinterpret_cast<const float*>(record + weights_off)[k] : 0.0f;
         }
         if (in_rank_out != nullptr)
-            copy_elements(reinterpret_cast<unsigned char*>(in_rank_out + (int64_t_)i * num_in_rank),
+            copy_elements(reinterpret_cast<unsigned char*>(in_rank_out + row * num_in_rank),
                           record + in_rank_off + in_rank_from, num_in_rank, 1, 1);
     }
 }
@@ -106,10 +114,11 @@ __global__ void __launch_bounds__(INTERNODE_DISPATCH_THREADS) dispatch(
         unsigned char* rows_out, int row_bytes, float* scales_out, int num_scales, int scales_off,
         int64_t_* topk_out, float* weights_out, int num_topk, int topk_off, int weights_off,
         int64_t_ first_expert, int64_t_ num_local_experts,
-        bool* in_rank_out, int in_rank_from, int num_in_rank, int in_rank_off, int num_out_rows) {
+        bool* in_rank_out, int in_rank_from, int num_in_rank, int in_rank_off, int num_out_rows,
+        const int64_t_* row_of, const int* num_valid) {
     unpack(records, record_bytes, num_records, rows_out, row_bytes, scales_out, num_scales, scales_off, topk_out,
            weights_out, num_topk, topk_off, weights_off, first_expert, num_local_experts, in_rank_out, in_rank_from,
-           num_in_rank, in_rank_off, num_out_rows);
+           num_in_rank, in_rank_off, num_out_rows, row_of, num_valid);
 }
 
 // The received records into the inputs of the node's NVLink dispatch.
@@ -118,10 +127,11 @@ __global__ void __launch_bounds__(INTERNODE_FORWARD_THREADS) forward(
         unsigned char* rows_out, int row_bytes, float* scales_out, int num_scales, int scales_off,
         int64_t_* topk_out, float* weights_out, int num_topk, int topk_off, int weights_off,
         int64_t_ first_expert, int64_t_ num_local_experts,
-        bool* in_rank_out, int in_rank_from, int num_in_rank, int in_rank_off, int num_out_rows) {
+        bool* in_rank_out, int in_rank_from, int num_in_rank, int in_rank_off, int num_out_rows,
+        const int64_t_* row_of, const int* num_valid) {
     unpack(records, record_bytes, num_records, rows_out, row_bytes, scales_out, num_scales, scales_off, topk_out,
            weights_out, num_topk, topk_off, weights_off, first_expert, num_local_experts, in_rank_out, in_rank_from,
-           num_in_rank, in_rank_off, num_out_rows);
+           num_in_rank, in_rank_off, num_out_rows, row_of, num_valid);
 }
 
 // out[t] = the float32 sum of bias_0[t], bias_1[t] (each optional), then the rows that came back

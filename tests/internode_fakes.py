@@ -91,6 +91,7 @@ class ThreadRail:
     """A RailTransport between threads: host pointers, byte offsets as the interface says."""
 
     name = "threads"
+    capturable = True
 
     def __init__(self, hub: Hub, rank: int):
         self.hub, self.rank, self.size = hub, rank, hub.size
@@ -114,6 +115,12 @@ class ThreadRail:
             offset += recv_bytes[peer]
         self.hub.barrier.wait()  # nobody's send buffer goes before every peer has copied from it
 
+    def exchange_blocks(self, send_ptr, recv_ptr, block_bytes, stream, owners=()):
+        self.alltoallv(send_ptr, [block_bytes] * self.size, recv_ptr, [block_bytes] * self.size, stream, owners)
+
+    def check(self):
+        pass
+
     def close(self):
         pass
 
@@ -124,11 +131,22 @@ def dtype_name_of(a) -> str:
 
 
 class EngineHandle:
-    """The node model's handle: per source local rank, the rows of its tokens this rank got."""
+    """The node model's handle: per source local rank, the rows of its tokens this rank got. As
+    DeepEP's tuple it has the two fields the fixed-block path reads: ``rank_prefix_matrix``
+    (this rank's column) and ``recv_src_idx``."""
 
-    def __init__(self, picks, num_worst_tokens, num_tokens):
+    def __init__(self, picks, num_worst_tokens, num_tokens, local=0):
         self.picks, self.num_worst_tokens, self.num_tokens = picks, num_worst_tokens, num_tokens
         self.num_recv_tokens = sum(len(p) for p in picks)
+        L = len(picks)
+        prefix = np.zeros((L, L), np.int32)
+        prefix[:, local] = np.cumsum([len(p) for p in picks])
+        src_idx = np.zeros(self.rows, np.int32)
+        src_idx[:self.num_recv_tokens] = np.concatenate([np.asarray(p, np.int64) for p in picks]) if picks else []
+        self._fields = {0: on_device(prefix), 3: on_device(src_idx)}
+
+    def __getitem__(self, index):
+        return self._fields[index]
 
     @property
     def rows(self):
@@ -170,7 +188,7 @@ class ModelEngine:
             return got
 
         recv_x = on_device(gather(0)) if scales is None else (on_device(gather(0)), on_device(gather(1)))
-        new_handle = handle or EngineHandle(picks, num_worst_tokens, len(host[0]))
+        new_handle = handle or EngineHandle(picks, num_worst_tokens, len(host[0]), me)
         if handle is not None:
             return recv_x, None, None, None, handle, None
         recv_topk = recv_w = None
@@ -220,20 +238,27 @@ class NumpyRecords:
     def pack(self, stream, records, layout, token_ids, count, sources):
         self.launched.append("notify")
         ids = np.arange(count) if token_ids is None else np.asarray(token_ids)[:count]
-        rec = np.asarray(records)
+        written = ids >= 0  # -1: no token for the record (a fixed-size block's gap)
+        rec = np.asarray(records)[:count][written]
+        ids = ids[written]
         rows, scales, topk, weights, in_rank = (None if a is None else np.asarray(a) for a in sources)
-        rec[:count, :layout.row_bytes] = rows[ids]
+        rec[:, :layout.row_bytes] = rows[ids]
         for offset, part, dtype in ((layout.scales_off, scales, np.float32), (layout.topk_off, topk, np.int64),
                                     (layout.weights_off, weights, np.float32), (layout.in_rank_off, in_rank, np.bool_)):
             if part is not None:
                 width = np.dtype(dtype).itemsize * (part.shape[1] if part.ndim > 1 else 1)
-                values = np.ascontiguousarray(part[ids].astype(dtype)).view(np.uint8).reshape(count, width)
-                rec[:count, offset:offset + values.shape[1]] = values
+                values = np.ascontiguousarray(part[ids].astype(dtype)).view(np.uint8).reshape(len(ids), width)
+                rec[:, offset:offset + values.shape[1]] = values
+        np.asarray(records)[:count][written] = rec
 
     def unpack(self, stream, writes_outputs, records, layout, count, out_rows, targets, first_expert=0,
-               num_local_experts=0, in_rank_from=0):
+               num_local_experts=0, in_rank_from=0, row_of=None, num_valid=None):
         self.launched.append("dispatch" if writes_outputs else "forward")
         rec = np.asarray(records)[:count]
+        if row_of is not None:  # the records in their rows' order, then the unwritten rows as padding
+            rows_of = np.asarray(row_of)[:count]
+            rec = rec[np.argsort(np.where(rows_of < 0, count, rows_of), kind="stable")][:int(np.asarray(num_valid)[0])]
+            count = len(rec)
         rows, scales, topk, weights, in_rank = targets
         np.asarray(rows)[:count] = rec[:, :layout.row_bytes]
         if scales is not None:
@@ -271,6 +296,69 @@ class NumpyRecords:
         np.asarray(out)[...] = ref.round_to_dtype(acc, dtype_name).view(np.asarray(out).dtype)
         if out_weights is not None:
             np.asarray(out_weights)[...] = acc_w
+
+
+class NumpyBlockKernels:
+    """The block kernels (deepep_cupy.internode.block_kernels.BlockKernels) on NumPy arrays: each
+    written from its docstring's contract, with NumPy's own means (a stable sort where the kernel
+    counts places)."""
+
+    def __init__(self):
+        self.launched = []
+
+    def zero(self, stream, array):
+        np.asarray(array)[...] = 0
+
+    def route(self, stream, topk, in_rank_in, num_tokens, num_experts, num_ranks, ranks_per_node, block_tokens, *,
+              in_rank_out=None, per_rank=None, per_node=None, per_expert=None, slots=None):
+        self.launched.append("route")
+        T, R, E = num_tokens, num_ranks, num_experts
+        N = R // ranks_per_node
+        ids = np.zeros((T, 0), np.int64) if topk is None else np.asarray(topk)
+        valid = (ids >= 0) & (ids < E)
+        if in_rank_in is not None:
+            in_rank = np.asarray(in_rank_in).astype(bool)
+        else:
+            in_rank = (np.where(valid, ids // (E // R), -1)[:, :, None] == np.arange(R)).any(axis=1)
+        in_node = in_rank.reshape(T, N, ranks_per_node).any(axis=2)
+        for out, values in ((in_rank_out, in_rank), (per_rank, in_rank.sum(axis=0)), (per_node, in_node.sum(axis=0)),
+                            (per_expert, np.bincount(ids[valid], minlength=E)),
+                            (slots, np.where(in_node.T, np.arange(N)[:, None] * block_tokens + np.arange(T), -1))):
+            if out is not None:
+                np.asarray(out)[...] = values
+
+    def number_rows(self, stream, records, record_bytes, in_rank_off, rank, num_blocks, block_tokens, num_rows,
+                    row_of, counts, block_prefix):
+        mine = np.asarray(records)[:, in_rank_off + rank] != 0
+        inclusive = np.cumsum(mine)
+        np.asarray(row_of)[...] = np.where(mine & (inclusive - 1 < num_rows), inclusive - 1, -1)
+        np.asarray(counts)[:num_blocks] = np.minimum(inclusive.reshape(num_blocks, block_tokens)[:, -1], num_rows)
+        np.asarray(counts)[num_blocks] = inclusive[-1]
+        np.asarray(block_prefix)[...] = block_tokens * np.arange(1, num_blocks + 1)
+
+    def stage_counts(self, stream, in_rank, topk, num_rows, num_node_experts, per_rank, per_expert):
+        in_rank = np.asarray(in_rank)[:num_rows]
+        np.asarray(per_rank)[...] = in_rank.sum(axis=0)
+        ids = np.zeros((num_rows, 0), np.int64) if topk is None else np.asarray(topk)[:num_rows]
+        ids = ids[in_rank.any(axis=1)]
+        np.asarray(per_expert)[...] = np.bincount(ids[(ids >= 0) & (ids < num_node_experts)],
+                                                  minlength=num_node_experts)
+
+    def deepep_order(self, stream, rank_prefix, recv_src_idx, local_rank, ranks_per_node, num_nodes, block_tokens,
+                     num_rows, order, inverse, gbl_prefix, block_prefix):
+        L = ranks_per_node
+        column = np.asarray(rank_prefix).reshape(L, L)[:, local_rank]
+        received = min(int(column[-1]), num_rows)
+        rows = np.arange(received)
+        source = (np.asarray(recv_src_idx)[:received] // block_tokens) * L + np.searchsorted(column, rows, "right")
+        taken = np.concatenate([np.argsort(source, kind="stable"), np.arange(received, num_rows)])
+        np.asarray(order)[...] = taken
+        np.asarray(inverse)[taken] = np.arange(num_rows)
+        np.asarray(gbl_prefix)[...] = np.cumsum(np.bincount(source, minlength=L * num_nodes))
+        np.asarray(block_prefix)[...] = block_tokens * np.arange(1, num_nodes + 1)
+
+    def take_rows(self, stream, dst, src, order, num_rows, row_bytes):
+        np.asarray(dst)[:num_rows] = np.asarray(src)[np.asarray(order)[:num_rows]]
 
 
 def _part(records, offset, width, dtype):
@@ -316,8 +404,9 @@ class FakeInternodeBuffer:
         return None
 
 
-def make_paths(num_nodes: int, ranks_per_node: int):
-    """Per rank, its InternodePath with thread collaborators (build and use them on one thread each)."""
+def make_paths(num_nodes: int, ranks_per_node: int, in_blocks: bool = False):
+    """Per rank, its InternodePath with thread collaborators (build and use them on one thread each);
+    ``in_blocks``: with the block kernels, so that the calls with num_worst_tokens go in fixed-size blocks."""
     R = num_nodes * ranks_per_node
     rails = [Hub(num_nodes) for _ in range(ranks_per_node)]
     nodes = [Hub(ranks_per_node) for _ in range(num_nodes)]
@@ -328,7 +417,8 @@ def make_paths(num_nodes: int, ranks_per_node: int):
         engine = ModelEngine(nodes[topo.node], topo.local_rank) if ranks_per_node > 1 else None
         path = internode.InternodePath(topo, ThreadRail(rails[topo.local_rank], topo.node), DEVICE, engine,
                                        EventOrder(), records=NumpyRecords(),
-                                       vote=lambda obj, rank=rank: everyone.exchange(rank, obj))
+                                       vote=lambda obj, rank=rank: everyone.exchange(rank, obj),
+                                       block_kernels=NumpyBlockKernels() if in_blocks else None)
         path.everyone = everyone
         paths.append(path)
     return paths

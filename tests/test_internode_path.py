@@ -47,7 +47,7 @@ def expect_bits(what, got, want):
 
 
 def run_case(monkeypatch, num_nodes, L, dtype, *, seed=0, counts=None, drop=0.0, only_node=None, worst=0,
-             alignment=1, with_bias=True):
+             alignment=1, with_bias=True, in_blocks=False):
     use_host_arrays(monkeypatch)
     R = num_nodes * L
     E, K = 4 * R, 3
@@ -90,8 +90,14 @@ def run_case(monkeypatch, num_nodes, L, dtype, *, seed=0, counts=None, drop=0.0,
         assert (np.asarray(recv_topk)[n:] == -1).all()
         expect_bits("recv_topk_weights", np.asarray(recv_w)[:n], w["recv_topk_weights"])
         assert experts == ([] if worst else w["num_recv_tokens_per_expert_list"])
-        assert handle.send_counts == tuple(w["send_counts"]) and handle.recv_counts == tuple(w["recv_counts"])
-        assert path.last_internode_rows == sum(w["send_counts"]) - w["send_counts"][rank // L]
+        if in_blocks:  # every node gets a block of the group's largest token count
+            block = max(len(i["x"]) for i in inputs)
+            assert handle.block_tokens == block and handle.send_counts == handle.recv_counts == (block,) * num_nodes
+            assert path.last_internode_rows == block * (num_nodes - 1)
+            expect_bits("recv_gbl_rank_prefix_sum", handle[6], w["recv_gbl_rank_prefix_sum"])
+        else:
+            assert handle.send_counts == tuple(w["send_counts"]) and handle.recv_counts == tuple(w["recv_counts"])
+            assert path.last_internode_rows == sum(w["send_counts"]) - w["send_counts"][rank // L]
 
         cached_x, none_topk, _, none_list, same, _ = path.dispatch(x, handle=handle)
         assert none_topk is None and none_list is None and same is handle
@@ -107,7 +113,7 @@ def run_case(monkeypatch, num_nodes, L, dtype, *, seed=0, counts=None, drop=0.0,
         expect_bits("combined_topk_weights", out_w, combined[rank][1])
         return True
 
-    assert all(run_ranks(make_paths(num_nodes, L), body))
+    assert all(run_ranks(make_paths(num_nodes, L, in_blocks), body))
 
 
 @pytest.mark.parametrize("num_nodes,L", SHAPES)
@@ -135,6 +141,19 @@ def test_every_token_routed_to_one_node(monkeypatch, num_nodes, L):
 @pytest.mark.parametrize("num_nodes,L", SHAPES)
 def test_num_worst_tokens_pads_the_outputs_and_combine_takes_as_many_rows(monkeypatch, num_nodes, L):
     run_case(monkeypatch, num_nodes, L, "bfloat16", seed=6, worst=64, with_bias=False)
+
+
+@pytest.mark.parametrize("num_nodes,L", SHAPES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_dispatch_with_num_worst_tokens_in_fixed_size_blocks_matches_the_node_model(monkeypatch, num_nodes, L,
+                                                                                      dtype):
+    run_case(monkeypatch, num_nodes, L, dtype, seed=7 + num_nodes, worst=64, in_blocks=True)
+
+
+@pytest.mark.parametrize("num_nodes,L", [(2, 2), (4, 1)])
+def test_fixed_size_blocks_carry_uneven_and_zero_token_counts_and_minus_one_ids(monkeypatch, num_nodes, L):
+    run_case(monkeypatch, num_nodes, L, "bfloat16", seed=8, counts=[0, 7, 1, 0][:num_nodes * L], drop=0.3,
+             alignment=4, worst=32, in_blocks=True)
 
 
 def test_the_own_nodes_block_is_the_rails_self_entry(monkeypatch):
@@ -482,3 +501,45 @@ def test_a_call_inside_a_graph_capture_is_refused_on_every_rank_before_anything_
         return path.combine(recv_x, handle)[0].shape  # the next call works
 
     assert [shape[0] for shape in run_ranks(paths, body)] == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("num_nodes,L", [(2, 1), (2, 2)])
+def test_a_call_in_fixed_size_blocks_may_be_captured_and_reads_the_device_never(monkeypatch, num_nodes, L):
+    use_host_arrays(monkeypatch)
+    R = num_nodes * L
+    inputs = make_inputs(9, R, 4 * R, 2, "float32", counts=[5] * R)
+    syncs = []
+    monkeypatch.setattr(internode_arrays.cupy_module(), "asnumpy", lambda a: syncs.append("asnumpy") or np.asarray(a),
+                        raising=False)
+
+    def body(rank, path):
+        path.order.capturing = True
+        x, topk = on_device(inputs[rank]["x"]), on_device(inputs[rank]["topk"])
+        per_rank, _, per_expert, in_rank, _ = path.get_dispatch_layout(topk, 4 * R)
+        recv_x, _, recv_w, _, handle, _ = path.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                        num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                        num_worst_tokens=5 * R)
+        cached = path.dispatch(x, handle=handle)[0]
+        out = path.combine(recv_x, handle)[0]
+        return handle.block_tokens, np.asarray(cached).shape, np.asarray(out).shape
+
+    assert run_ranks(make_paths(num_nodes, L, in_blocks=True), body) == [(5, (5 * R, H), (5, H))] * R
+    assert syncs == []
+
+
+def test_a_capture_over_a_transport_that_waits_on_the_host_is_refused_naming_it(monkeypatch):
+    use_host_arrays(monkeypatch)
+    inputs = make_inputs(10, 2, 8, 2, "float32", counts=[3, 3])
+
+    def body(rank, path):
+        path.order.capturing = True
+        x, topk = on_device(inputs[rank]["x"]), on_device(inputs[rank]["topk"])
+        with pytest.raises(ValueError, match="'threads' rail transport waits on the host"):
+            path.dispatch(x, num_tokens_per_expert=on_device(np.zeros(8, np.int32)), topk_idx=topk,
+                          num_worst_tokens=6)
+        return True
+
+    paths = make_paths(2, 1)
+    for path in paths:
+        path.transport.capturable = False
+    assert all(run_ranks(paths, body))

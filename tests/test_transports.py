@@ -252,6 +252,23 @@ def test_local_alltoallv_delivers_every_chunk(size):
             assert recv[-1] == 0xEE
 
 
+def test_local_exchange_blocks_on_host_memory_delivers_block_p_to_peer_p_and_is_not_capturable():
+    block = 8
+
+    def rank(g):
+        t = LocalRailTransport(g, list(range(g.size)), device_id=g.rank, timeout_s=10.0, memory=HostMemory(g.rank))
+        send = np.array([[16 * g.rank + p] * block for p in range(g.size)], np.uint8)
+        recv = np.zeros((g.size, block), np.uint8)
+        t.exchange_blocks(send.ctypes.data, recv.ctypes.data, block, STREAM)
+        capturable = t.capturable
+        t.close()
+        return recv, capturable
+
+    for rank, (recv, capturable) in enumerate(run(rank, 3)):
+        assert recv.tolist() == [[16 * p + rank] * block for p in range(3)]
+        assert not capturable  # host memory has no mailboxes: the event-ordered copies stand in
+
+
 def test_local_alltoallv_moves_nothing_when_every_count_is_zero():
     results = run(lambda g: _local_alltoallv(g, [[0] * 3] * 3, 0, HostMemory(g.rank)), 3)
     assert all(recv.tolist() == [0xEE] for _, recv in results)
@@ -357,6 +374,23 @@ def test_nccl_alltoallv_is_one_group_of_sends_and_receives_at_the_packed_offsets
     # The self entry is a device-to-device copy on the stream, queued before the group.
     assert memories[0].calls == [("copy", r, s, 4, STREAM)]
     assert recv[:4].tolist() == [0, 1, 2, 3]
+
+
+def test_nccl_exchange_blocks_is_one_group_of_equal_sends_and_receives_that_a_graph_can_hold():
+    nccl = FakeNccl()
+    (t, *_), memories = _nccl_transports(3, nccl)
+    nccl.calls.clear()
+    send, recv = np.arange(12, dtype=np.uint8), np.zeros(12, np.uint8)
+    s, r = send.ctypes.data, recv.ctypes.data
+    t.exchange_blocks(s, r, 4, STREAM)
+    assert t.capturable
+    assert nccl.calls == [
+        ("groupStart",),
+        ("send", s + 4, 4, FakeNccl.NCCL_INT8, 1, STREAM), ("recv", r + 4, 4, FakeNccl.NCCL_INT8, 1, STREAM),
+        ("send", s + 8, 4, FakeNccl.NCCL_INT8, 2, STREAM), ("recv", r + 8, 4, FakeNccl.NCCL_INT8, 2, STREAM),
+        ("groupEnd",),
+    ]
+    assert memories[0].calls == [("copy", r, s, 4, STREAM)]
 
 
 def test_nccl_alltoallv_with_nothing_to_move_makes_no_nccl_call():

@@ -47,6 +47,10 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     "internode.cu": ("deepep_cupy::internode::notify", "deepep_cupy::internode::dispatch",
                      "deepep_cupy::internode::forward")
     + tuple(f"deepep_cupy::internode::{k}<{t}>" for k in ("combine", "sum_nodes") for t in COMBINE_ELEMENTS.values()),
+    # Across nodes with no host wait: fixed-size blocks, and the local rail that graphs can hold.
+    "internode_blocks.cu": tuple(f"deepep_cupy::blocks::{k}" for k in ("route", "number_rows", "stage_counts",
+                                                                      "deepep_order", "take_rows")),
+    "rail.cu": ("deepep_cupy::rail::post", "deepep_cupy::rail::pull"),
     # Decode (DeepEP's low-latency API): the settings are run-time arguments, so one instance each.
     # Namespaced as DeepEP's are: its bench_kineto finds them by "::dispatch" / "::combine".
     "low_latency.cu": ("deepep_cupy::low_latency::dispatch", "deepep_cupy::low_latency::combine",
@@ -58,7 +62,7 @@ OPTIONAL_KERNELS = ("expand_kernel",)
 #: is made with ``low_latency_mode``; the internode path, across nodes: :func:`load`), never
 #: :func:`warm_up`: the FP8 conversions of the decode kernels need sm_89, and no other Buffer
 #: should pay for either.
-OWN_WARM_UP = ("low_latency.cu", "internode.cu")
+OWN_WARM_UP = ("low_latency.cu", "internode.cu", "internode_blocks.cu", "rail.cu")
 
 #: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
@@ -281,7 +285,7 @@ _INTERNODE_UNPACK = _signature(
     "records:ptr record_bytes:i32 num_records:i32 rows_out:ptr row_bytes:i32 scales_out:ptr "
     "num_scales:i32 scales_off:i32 topk_out:ptr weights_out:ptr num_topk:i32 topk_off:i32 weights_off:i32 "
     "first_expert:i64 num_local_experts:i64 in_rank_out:ptr in_rank_from:i32 num_in_rank:i32 in_rank_off:i32 "
-    "num_out_rows:i32")
+    "num_out_rows:i32 row_of:ptr num_valid:ptr")
 _INTERNODE_SUM = _signature(
     "out:ptr out_weights:ptr records:ptr record_bytes:i32 slots:ptr num_tokens:i32 num_nodes:i32 row_bytes:i32 "
     "num_weights:i32 weights_off:i32 bias_0:ptr bias_1:ptr")
@@ -325,6 +329,23 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "deepep_cupy::internode::forward": _INTERNODE_UNPACK,
     "deepep_cupy::internode::combine": _INTERNODE_SUM,
     "deepep_cupy::internode::sum_nodes": _INTERNODE_SUM,
+    "deepep_cupy::blocks::route": _signature(
+        "topk:ptr topk_stride:i64 num_topk:i32 in_rank_in:ptr in_rank_token_stride:i64 in_rank_stride:i64 "
+        "num_tokens:i32 num_experts:i32 num_ranks:i32 ranks_per_node:i32 block_tokens:i32 in_rank_out:ptr "
+        "per_rank:ptr per_node:ptr per_expert:ptr slots:ptr"),
+    "deepep_cupy::blocks::number_rows": _signature(
+        "records:ptr record_bytes:i32 in_rank_off:i32 rank:i32 num_blocks:i32 block_tokens:i32 num_rows:i32 "
+        "row_of:ptr counts:ptr block_prefix:ptr"),
+    "deepep_cupy::blocks::stage_counts": _signature(
+        "in_rank:ptr topk:ptr num_rows:i32 ranks_per_node:i32 num_topk:i32 num_node_experts:i32 per_rank:ptr "
+        "per_expert:ptr"),
+    "deepep_cupy::blocks::deepep_order": _signature(
+        "rank_prefix:ptr recv_src_idx:ptr local_rank:i32 ranks_per_node:i32 num_nodes:i32 block_tokens:i32 "
+        "num_rows:i32 order:ptr inverse:ptr gbl_prefix:ptr block_prefix:ptr"),
+    "deepep_cupy::blocks::take_rows": _signature("dst:ptr src:ptr order:ptr num_rows:i32 row_bytes:i64"),
+    "deepep_cupy::rail::post": _signature("mailbox:ptr send_ptr:i64"),
+    "deepep_cupy::rail::pull": _signature(
+        "mailboxes:ptr rank:i32 num_peers:i32 recv:ptr block_bytes:i64 timeout_ns:i64"),
     "deepep_cupy::low_latency::dispatch": _signature(
         "recv_x:ptr recv_scales:ptr recv_count:ptr src_info:ptr layout_range:ptr cumulative_recv_stats:ptr "
         "wait_recv_cost_stats:ptr x:ptr topk_idx:ptr num_tokens:i32 num_topk:i32 hidden:i32 num_max:i32 "

@@ -127,13 +127,20 @@ def check_combine(x, handle, topk_weights, bias, config, *, device_id: int, owne
     return handle, info, w_info, views
 
 
-def refuse_capture(capturing: bool, what: str) -> None:
-    """An internode call inside a CUDA graph capture: refused as a bad argument is (every rank raises
-    from the call's vote, before anything moves). Its host learns the per-node counts before the
-    rail transfer, and the transports' host calls are not captured."""
-    if capturing:
-        raise ValueError(f"{what}: an internode call cannot be captured in a CUDA graph (its host learns the "
-                         "per-node counts before the rail transfer); run it outside the capture")
+def refuse_capture(capturing: bool, what: str, transport: str, capturable: bool) -> None:
+    """An internode call inside a CUDA graph capture that cannot be captured: refused as a bad
+    argument is (every rank raises from the call's vote, before anything moves). Only the calls in
+    fixed-size blocks (a fresh dispatch with ``num_worst_tokens``, the cached dispatches and combines
+    of its handle) on a transport that queues device work alone (NCCL, local) have no host wait."""
+    if not capturing:
+        return
+    if not capturable:
+        raise ValueError(f"{what}: the '{transport}' rail transport waits on the host, so an internode call "
+                         "over it cannot be captured in a CUDA graph; use the 'nccl' transport (or 'local' for "
+                         "in-process ranks), or run the call outside the capture")
+    raise ValueError(f"{what}: an internode call without a fixed output size cannot be captured in a CUDA graph "
+                     "(its host learns the per-node counts before the rail transfer); a dispatch with "
+                     "num_worst_tokens, and the cached dispatches and combines of its handle, can be")
 
 
 class CachedDispatchArgs(NamedTuple):

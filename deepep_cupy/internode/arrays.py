@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import tensors
 from ..tensors import ITEMSIZE, STORAGE
+from .records import UnpackTargets
 
 
 def cupy_module():
@@ -98,3 +99,39 @@ def inverse_of(order):
     inverse = cupy.empty_like(order)
     inverse[order] = cupy.arange(order.shape[0], dtype=order.dtype)
     return inverse
+
+
+def new_output(lib, shape: Tuple[int, ...], dtype_name: str, device_id: int):
+    """``(array, view)``: a new C-contiguous array of the caller's library and a CuPy view of it."""
+    out = lib.empty(shape, dtype_name, device_id)
+    if lib.name == "cupy":
+        return out, out
+    info = tensors.ArrayInfo(lib, dtype_name, None, tuple(shape), True, c_strides(shape, dtype_name))
+    return out, device_view(out, info, device_id)
+
+
+def to_lib(lib, values, dtype_name: str, device_id: int):
+    """``values`` (CuPy, storage dtype) as an array of the caller's library (a copy for PyTorch)."""
+    if lib.name == "cupy":
+        return values
+    out, view = new_output(lib, values.shape, dtype_name, device_id)
+    if values.size:
+        view[...] = values
+    return out
+
+
+def dispatch_outputs(lib, rows: int, info, scales_info, num_topk: int, weights: bool, in_rank: int, device_id: int):
+    """``(arrays, views)`` of a dispatch's outputs of ``rows`` rows: rows, scales, top-k, weights
+    (and, for the node stage's inputs, is_token_in_rank ``[rows, in_rank]``); the views as
+    :class:`UnpackTargets` (the rows as bytes)."""
+    x_out, x_view = new_output(lib, (rows, *info.shape[1:]), info.dtype_name, device_id)
+    made = [None if scales_info is None else new_output(lib, (rows, *scales_info.shape[1:]), "float32", device_id),
+            None if not num_topk else new_output(lib, (rows, num_topk), "int64", device_id),
+            None if not weights else new_output(lib, (rows, num_topk), "float32", device_id),
+            None if not in_rank else new_output(lib, (rows, in_rank), "bool", device_id)]
+    row_bytes = tensors.row_bytes(info.shape[1:], info.dtype_name)
+    arrays = [x_out] + [None if m is None else m[0] for m in made]
+    views = [x_view.view(cupy_module().uint8).reshape(rows, row_bytes)] + [None if m is None else m[1] for m in made]
+    if views[1] is not None:
+        views[1] = views[1].reshape(rows, (scales_info.shape + (1,))[1])
+    return arrays, UnpackTargets(*views)

@@ -7,6 +7,7 @@ from typing import Any, Callable, List, Optional
 
 from ..gpu.streams import StreamOrder
 from ..transports import make_transport
+from .block_kernels import BlockKernels
 from .path import InternodePath
 from .records import RecordKernels
 
@@ -35,7 +36,7 @@ def create_internode_path(group, topology, *, device_id: int, timeout_s: float, 
         order = StreamOrder.create(device_id, shares_gpu)
         return InternodePath(topology, transport, device_id, engine, order, records=RecordKernels(),
                              vote=lambda obj: group.allgather_within(obj, timeout_s), on_destroy=releases,
-                             group_barrier=group.barrier)
+                             group_barrier=group.barrier, block_kernels=BlockKernels())
     except BaseException:
         if engine is not None:
             engine.destroy()

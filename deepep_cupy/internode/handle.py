@@ -35,6 +35,13 @@ class InternodeHandle(tuple):
         order: int64 CuPy array or None: for each row in DeepEP's order, its row in the node stage's
             outputs (None: the same order); ``inverse`` the other way round.
         num_worst_tokens, num_topk: the dispatch's.
+        block_tokens: the records of each node's block of a dispatch in fixed-size blocks
+            (:mod:`deepep_cupy.internode.blocks`), 0 for one whose host learned the counts. Such a
+            handle's counts stay on the device: ``send_counts``/``recv_counts`` are the blocks,
+            ``send_token_idx`` is None, ``num_recv_tokens`` is ``num_worst_tokens``,
+            ``recv_rdma_rank_prefix_sum`` counts the blocks' records.
+        row_of, num_valid: with one rank per node, the output row of each received record (int64,
+            -1: none) and the rows received (an int32 device scalar); None otherwise.
     """
 
     def __new__(cls, fields: Sequence[Any], **attributes):
@@ -56,6 +63,9 @@ class InternodeHandle(tuple):
     inverse: Optional[Any]
     num_worst_tokens: int
     num_topk: int
+    block_tokens: int = 0
+    row_of: Optional[Any] = None
+    num_valid: Optional[Any] = None
 
     @property
     def num_forwarded(self) -> int:

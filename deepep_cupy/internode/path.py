@@ -14,7 +14,7 @@ them before it posts the transfers):
 
 1. Every rank reads its arguments and, for a fresh dispatch, routes its tokens (per node, per
    rank and per expert counts, one copy to the host); then the whole group votes
-   (:meth:`InternodePath._vote`): every rank's counts, or its failure, reach every rank, so that a
+   (:class:`deepep_cupy.internode.vote.CallVote`): every rank's counts, or its failure, reach every rank, so that a
    bad argument on one rank makes every rank raise from the same call, before anything moves.
 2. Every rank allocates what the call needs and votes again (ready), then the records (row, FP8
    scales, top-k ids, weights, ``is_token_in_rank`` row) are packed per destination node on the GPU
@@ -32,26 +32,25 @@ topology, the rail transport, the intranode engine, the group's vote) are given 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import checks, tensors
 from ..config import Config
 from ..engine import Engine
-from ..errors import PeerFailedError, RankMismatchError
+from ..errors import RankMismatchError
 from ..events import EventOverlap
 from ..gpu.call_span import CallSpan
 from ..tensors import check_array, check_int, describe
 from . import arguments
 from . import arrays as device
+from .blocks import BlockCalls
 from .handle import InternodeHandle
-from .records import PackSources, RecordLayout, UnpackTargets
+from .records import PackSources, RecordLayout
+from .vote import CallVote
 
 __all__ = ["InternodeHandle", "InternodePath", "RecordLayout"]
-
-_T = TypeVar("_T")
-
 
 class _Route(NamedTuple):
     """A fresh dispatch's routing: this rank's counts (host) and where its tokens go (device)."""
@@ -81,12 +80,15 @@ class InternodePath(Engine):
         on_destroy: callables run by :meth:`destroy` after the engine and the transport are
             closed (the sub-groups' ``free``).
         group_barrier: the whole group's host barrier (:meth:`barrier`).
+        block_kernels: the kernels of the calls in fixed-size blocks and of the layout
+            (:class:`deepep_cupy.internode.block_kernels.BlockKernels`), or None (the CPU tests).
     """
 
     kind = "internode"
 
     def __init__(self, topology, transport, device_id: int, intranode, order, *, records, vote: Callable[[Any], list],
-                 on_destroy: Sequence[Callable[[], Any]] = (), group_barrier: Optional[Callable[[], Any]] = None):
+                 on_destroy: Sequence[Callable[[], Any]] = (), group_barrier: Optional[Callable[[], Any]] = None,
+                 block_kernels: Any = None):
         if topology.num_nodes < 2:
             raise ValueError(f"topology: the internode path needs at least 2 nodes, got {topology.num_nodes}")
         if (intranode is None) != (topology.ranks_per_node == 1):
@@ -101,7 +103,12 @@ class InternodePath(Engine):
         self.intranode = intranode
         self.order = order
         self.records = records
-        self._vote_all = vote
+        # The calls with num_worst_tokens go in fixed-size blocks, with no host wait, where the
+        # transport queues device work alone (BlockCalls); elsewhere the host learns the counts.
+        self.block_kernels = block_kernels
+        self.blocks = None if block_kernels is None or not transport.capturable else \
+            BlockCalls(topology, transport, device_id, intranode, records=records, kernels=block_kernels)
+        self._votes = CallVote(vote, topology.rank)
         self._on_destroy = list(on_destroy)
         self._group_barrier = group_barrier
         self._span = CallSpan(order, device_id, topology.rank)
@@ -109,32 +116,7 @@ class InternodePath(Engine):
         self._rows_sent_out = 0
 
     # -----------------------------------------------------------------------------------------
-    # Streams, the vote, outputs
-
-    def _vote(self, what: str, failure: Optional[BaseException], payload: Any = None) -> List[Any]:
-        """Every rank's ``payload``, once every rank has said whether its part of the call so far
-        went well: when one failed, every rank raises from this call (the failing rank its own
-        exception, the others :class:`deepep_cupy.PeerFailedError` naming it and what it raised)."""
-        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-        table = self._vote_all((mine, None if failure is not None else payload))
-        failed = [r for r, (error, _) in enumerate(table) if error is not None]
-        if failure is not None:
-            raise failure
-        if failed:
-            r = failed[0]
-            raise PeerFailedError(f"rank {self.topology.rank}: the internode {what} failed on rank {r} "
-                                  f"({table[r][0]}); every rank raises from this call", peer=r)
-        return [p for _, p in table]
-
-    def _voting(self, what: str, step: Callable[[], _T]) -> _T:
-        """``step()``'s result once every rank's step went well (:meth:`_vote`)."""
-        try:
-            result = step()
-        except Exception as exc:  # told to every rank; re-raised by _vote
-            self._vote(what, exc)
-            raise  # pragma: no cover - _vote re-raises exc
-        self._vote(what, None)
-        return result
+    # Streams and outputs
 
     def _finish(self, lib, caller: int, run_on: int, async_finish: bool, arrays, outputs) -> EventOverlap:
         return self._span.finish(lib, async_finish, [a for a in arrays if a is not None],
@@ -142,20 +124,11 @@ class InternodePath(Engine):
 
     def _new_output(self, lib, shape: Tuple[int, ...], dtype_name: str):
         """``(array, view)``: a new C-contiguous array of the caller's library and a CuPy view of it."""
-        out = lib.empty(shape, dtype_name, self.device_id)
-        if lib.name == "cupy":
-            return out, out
-        info = tensors.ArrayInfo(lib, dtype_name, None, tuple(shape), True, device.c_strides(shape, dtype_name))
-        return out, device.device_view(out, info, self.device_id)
+        return device.new_output(lib, shape, dtype_name, self.device_id)
 
     def _to_lib(self, lib, values, dtype_name: str):
         """``values`` (CuPy, storage dtype) as an array of the caller's library (a copy for PyTorch)."""
-        if lib.name == "cupy":
-            return values
-        out, view = self._new_output(lib, values.shape, dtype_name)
-        if values.size:
-            view[...] = values
-        return out
+        return device.to_lib(lib, values, dtype_name, self.device_id)
 
     def _host_ints(self, lib, values: Sequence[int]):
         """Host ints as an int32 array of the caller's library."""
@@ -181,6 +154,10 @@ class InternodePath(Engine):
                 span.current(lib):
             caller, run_on = span
             topk = device.device_view(topk_idx, info, self.device_id)
+            if self.block_kernels is not None:
+                outputs = self._layout_on_device(lib, run_on, topk, num_experts)
+                event = self._finish(lib, caller, run_on, async_finish, (topk_idx, *outputs), outputs)
+                return (*outputs, event)
             in_rank = self._in_rank_of(topk, num_experts)
             per_expert = device.counts(topk, num_experts)
             per_rank = in_rank.sum(axis=0).astype(device.cupy_module().int32)
@@ -190,6 +167,17 @@ class InternodePath(Engine):
                        self._to_lib(lib, per_expert, "int32"), self._to_lib(lib, in_rank, "bool"))
             event = self._finish(lib, caller, run_on, async_finish, (topk_idx, *outputs), outputs)
         return (*outputs, event)
+
+    def _layout_on_device(self, lib, stream: int, topk, num_experts: int):
+        """The layout's four arrays, made by one kernel into arrays of the caller's library (no CuPy
+        temporaries, so that a CUDA graph can hold it)."""
+        R, N, T = self.topology.num_ranks, self.topology.num_nodes, topk.shape[0]
+        made = [self._new_output(lib, shape, dtype) for shape, dtype in
+                (((R,), "int32"), ((N,), "int32"), ((num_experts,), "int32"), ((T, R), "bool"))]
+        per_rank, per_node, per_expert, in_rank = (view for _, view in made)
+        self.block_kernels.route(stream, topk, None, T, num_experts, R, self.topology.ranks_per_node, 0,
+                                 in_rank_out=in_rank, per_rank=per_rank, per_node=per_node, per_expert=per_expert)
+        return tuple(array for array, _ in made)
 
     def _in_rank_of(self, topk, num_experts: int):
         """bool ``[T, R]``: whether each token has an expert on each rank (ids out of range: none)."""
@@ -224,8 +212,8 @@ class InternodePath(Engine):
                 span.current(lib):
             caller, run_on = span
             if handle is not None:
-                checked = self._voting("dispatch", lambda: self._check_cached(x, handle, num_worst_tokens, expand,
-                                                                              recv_x_in_buffer, config))
+                checked = self._votes.voting("dispatch", lambda: self._check_cached(
+                    x, handle, num_worst_tokens, expand, recv_x_in_buffer, config))
                 return self._cached_dispatch(*checked, config, caller, run_on, async_finish)
             return self._fresh_dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                         expert_alignment, num_worst_tokens, config, expand, recv_x_in_buffer,
@@ -234,11 +222,13 @@ class InternodePath(Engine):
     def _check_cached(self, x, handle, num_worst_tokens, expand, recv_x_in_buffer,
                       config) -> arguments.CachedDispatchArgs:
         """A cached dispatch's checks, then what it allocates (the rail buffers): one vote for both."""
-        arguments.refuse_capture(self.order.capturing, "dispatch")
         info, scales_info, handle, x_rows, x_scales = arguments.check_cached(
             x, handle, num_worst_tokens, expand, recv_x_in_buffer, config, device_id=self.device_id, owner=id(self))
+        self._refuse_capture("dispatch", in_blocks=bool(handle.block_tokens))
         layout = RecordLayout(x_rows.shape[1], 0 if x_scales is None else 4 * x_scales.shape[1])
-        send, recv = self._rail_buffers(layout, handle.send_counts, handle.recv_counts)
+        send = recv = None
+        if not handle.block_tokens:
+            send, recv = self._rail_buffers(info.lib, layout, handle.send_counts, handle.recv_counts)
         rows, scales = checks.split_x(x)
         return arguments.CachedDispatchArgs(rows, scales, info, scales_info, handle, x_rows, x_scales, layout, send,
                                             recv)
@@ -274,25 +264,37 @@ class InternodePath(Engine):
         return _Route(per_node, [int(c) for c in host[N:N + R]], [int(c) for c in host[N + R:-1]], in_rank,
                       picked[:total] % max(T, 1), slots)
 
+    def _refuse_capture(self, what: str, in_blocks: bool) -> None:
+        arguments.refuse_capture(self.order.capturing and not (in_blocks and self.blocks is not None), what,
+                                 self.transport.name, self.transport.capturable)
+
     def _fresh_dispatch(self, x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                         num_worst_tokens, config, expand, recv_x_in_buffer, caller, run_on, async_finish):
         topo = self.topology
         R, N, L, me = topo.num_ranks, topo.num_nodes, topo.ranks_per_node, topo.rank
-        failure = args = route = None
+        failure = args = route = payload = None
+        in_blocks = False
         try:
-            arguments.refuse_capture(self.order.capturing, "dispatch")
             args = arguments.check_fresh(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                          expert_alignment, num_worst_tokens, expand, recv_x_in_buffer, config,
                                          device_id=self.device_id, num_ranks=R)
-            route = self._route(args)
-        except Exception as exc:  # every rank raises from this call (_vote)
+            in_blocks = bool(args.num_worst_tokens) and self.blocks is not None
+            self._refuse_capture("dispatch", in_blocks)
+            if in_blocks:
+                payload = (args.settings, args.x_rows.shape[0])
+            else:
+                route = self._route(args)
+                payload = (args.settings, route.per_node, route.per_rank, route.per_expert)
+        except Exception as exc:  # every rank raises from this call (the vote)
             failure = exc
-        table = self._vote("dispatch", failure, None if route is None else
-                           (args.settings, route.per_node, route.per_rank, route.per_expert))
+        table = self._votes.vote("dispatch", failure, payload)
         if any(t[0] != table[0][0] for t in table):
             raise RankMismatchError(f"rank {me}: the ranks' dispatch arguments disagree (num_experts, x's dtype and "
                                     "shape, scales, top-k, weights, num_worst_tokens, expert_alignment by rank: "
                                     f"{[t[0] for t in table]})")
+        if in_blocks:
+            return self._block_dispatch(args, max(int(t[1]) for t in table), is_token_in_rank, topk_idx,
+                                        topk_weights, config, caller, run_on, async_finish)
         per_node = np.array([t[1] for t in table], np.int64)     # [source rank, node]
         per_rank = np.array([t[2] for t in table], np.int64)     # [source rank, receiver]
         per_expert = np.array([t[3] for t in table], np.int64)   # [source rank, expert]
@@ -308,7 +310,7 @@ class InternodePath(Engine):
         K = 0 if args.topk is None else args.topk.shape[1]
         layout = RecordLayout(args.x_rows.shape[1], 0 if args.x_scales is None else 4 * args.x_scales.shape[1], K,
                               0 if args.weights is None else K, R if L > 1 else 0)
-        send, recv = self._voting("dispatch", lambda: self._rail_buffers(layout, send_counts, recv_counts))
+        send, recv = self._votes.voting("dispatch", lambda: self._rail_buffers(lib, layout, send_counts, recv_counts))
         num_recv = int(received[me])
 
         def move():
@@ -323,7 +325,7 @@ class InternodePath(Engine):
             return self._through_node(run_on, lib, recv, layout, info, args.scales_info, engine_counts, E,
                                       args.expert_alignment, worst, config, per_rank[:, me])
 
-        outputs, inner, order = self._voting("dispatch", move)
+        outputs, inner, order = self._votes.voting("dispatch", move)
         self._rows_sent_out = sum(send_counts) - send_counts[topo.node]
         epr = E // R
         expert_list = [] if worst else [int(-(-int(c) // args.expert_alignment) * args.expert_alignment)
@@ -341,10 +343,25 @@ class InternodePath(Engine):
         return (recv_x if recv_scales is None else (recv_x, recv_scales)), recv_topk, recv_weights, expert_list, \
             handle, event
 
-    def _rail_buffers(self, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int]):
-        cupy = device.cupy_module()
-        return (cupy.empty((sum(send_counts), layout.bytes), cupy.uint8),
-                cupy.empty((sum(recv_counts), layout.bytes), cupy.uint8))
+    def _block_dispatch(self, args: arguments.FreshArgs, block_tokens: int, is_token_in_rank, topk_idx,
+                        topk_weights, config, caller, run_on, async_finish):
+        """A fresh dispatch with num_worst_tokens in fixed-size blocks (:class:`BlockCalls`): no
+        host wait after the vote on the arguments."""
+        lib, blocks = args.info.lib, self.blocks
+        assert blocks is not None  # chosen so by _fresh_dispatch
+        outputs, handle = self._votes.voting("dispatch", lambda: blocks.dispatch(
+            args, lib, run_on, block_tokens, config, id(self), is_token_in_rank))
+        self._rows_sent_out = block_tokens * (self.topology.num_nodes - 1)
+        recv_x, recv_scales, recv_topk, recv_weights = outputs
+        event = self._finish(lib, caller, run_on, async_finish, (args.x_rows, topk_idx, topk_weights, *outputs),
+                             outputs)
+        return (recv_x if recv_scales is None else (recv_x, recv_scales)), recv_topk, recv_weights, [], handle, event
+
+    def _rail_buffers(self, lib, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int]):
+        """The send and receive buffers of a call's records (CuPy uint8 views of arrays of the
+        caller's library, allocated on the call's stream)."""
+        return tuple(device.new_output(lib, (sum(counts), layout.bytes), "bool", self.device_id)[1]
+                     .view(device.cupy_module().uint8) for counts in (send_counts, recv_counts))
 
     def _exchange(self, send, recv, record_bytes: int, send_counts: Sequence[int], recv_counts: Sequence[int],
                   run_on: int) -> None:
@@ -354,20 +371,8 @@ class InternodePath(Engine):
                                  owners=(send, recv))
 
     def _outputs(self, lib, rows: int, info, scales_info, num_topk: int, weights: bool, in_rank: int = 0):
-        """``(arrays, views)`` of a dispatch's outputs of ``rows`` rows: rows, scales, top-k, weights
-        (and, for the node stage's inputs, is_token_in_rank ``[rows, in_rank]``)."""
-        x_out, x_view = self._new_output(lib, (rows, *info.shape[1:]), info.dtype_name)
-        made = [None if scales_info is None else self._new_output(lib, (rows, *scales_info.shape[1:]), "float32"),
-                None if not num_topk else self._new_output(lib, (rows, num_topk), "int64"),
-                None if not weights else self._new_output(lib, (rows, num_topk), "float32"),
-                None if not in_rank else self._new_output(lib, (rows, in_rank), "bool")]
-        row_bytes = tensors.row_bytes(info.shape[1:], info.dtype_name)
-        arrays = [x_out] + [None if m is None else m[0] for m in made]
-        views = [x_view.view(device.cupy_module().uint8).reshape(rows, row_bytes)] + \
-            [None if m is None else m[1] for m in made]
-        if views[1] is not None:
-            views[1] = views[1].reshape(rows, (scales_info.shape + (1,))[1])
-        return arrays, UnpackTargets(*views)
+        """``(arrays, views)`` of a dispatch's outputs of ``rows`` rows (:func:`arrays.dispatch_outputs`)."""
+        return device.dispatch_outputs(lib, rows, info, scales_info, num_topk, weights, in_rank, self.device_id)
 
     def _unpack_outputs(self, run_on: int, lib, recv, layout: RecordLayout, info, scales_info, num_recv: int,
                         worst: int, first_expert: int, num_local_experts: int):
@@ -421,6 +426,9 @@ class InternodePath(Engine):
         lib = info.lib
 
         def move():
+            if handle.block_tokens:
+                return self.blocks.cached_dispatch(lib, run_on, handle, layout, x_rows, x_scales, info, scales_info,
+                                                   config)
             self.records.pack(run_on, send, layout, handle.send_token_idx, send.shape[0], PackSources(x_rows, x_scales))
             self._exchange(send, recv, layout.bytes, handle.send_counts, handle.recv_counts, run_on)
             if self.intranode is None:
@@ -437,7 +445,7 @@ class InternodePath(Engine):
                 return [recv_x, recv_scales]
             return [self._reordered(lib, a, handle.order) for a in (recv_x, recv_scales)]
 
-        recv_x, recv_scales = self._voting("dispatch", move)
+        recv_x, recv_scales = self._votes.voting("dispatch", move)
         outputs = (recv_x, recv_scales)
         event = self._finish(lib, caller, run_on, async_finish, (rows, scales, *outputs), outputs)
         recv = recv_x if recv_scales is None else (recv_x, recv_scales)
@@ -458,20 +466,22 @@ class InternodePath(Engine):
         with self._span.begin(lib, previous_event, async_finish or allocate_on_comm_stream) as span, \
                 span.current(lib):
             caller, run_on = span
-            checked = self._voting("combine", lambda: self._check_and_allocate_combine(x, handle, topk_weights, bias,
-                                                                                        config))
+            checked = self._votes.voting("combine", lambda: self._check_and_allocate_combine(
+                x, handle, topk_weights, bias, config))
             return self._combine(x, topk_weights, *checked, config, caller, run_on, async_finish)
 
     def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config) -> arguments.CombineArgs:
         """The combine's checks, then what it allocates (the rail buffers, the outputs): one vote for both."""
-        arguments.refuse_capture(self.order.capturing, "combine")
         handle, info, w_info, bias_views = arguments.check_combine(x, handle, topk_weights, bias, config,
                                                                    device_id=self.device_id, owner=id(self))
+        self._refuse_capture("combine", in_blocks=bool(handle.block_tokens))
         lib, dtype = info.lib, info.dtype_name
         T, H = handle.num_tokens, info.shape[1]
         K = 0 if w_info is None else w_info.shape[1]
         layout = RecordLayout(tensors.row_bytes((H,), dtype), num_weights=K)
-        send, recv = self._rail_buffers(layout, handle.recv_counts, handle.send_counts)
+        send = recv = None
+        if not handle.block_tokens:
+            send, recv = self._rail_buffers(lib, layout, handle.recv_counts, handle.send_counts)
         out = self._new_output(lib, (T, H), dtype)
         out_w = None if not K else self._new_output(lib, (T, K), "float32")
         return arguments.CombineArgs(handle, info, w_info, bias_views, layout, send, recv, out, out_w)
@@ -482,15 +492,19 @@ class InternodePath(Engine):
         out, out_view = out_made
 
         def move():
+            biases = (bias_views + [None, None])[:2]
+            if handle.block_tokens:
+                self.blocks.combine(lib, run_on, x, info, weights, w_info, handle, layout, out_view,
+                                    None if out_w is None else out_w[1], biases, config)
+                return
             partial, partial_w = self._node_partials(lib, x, info, weights, w_info, handle, config)
             rows = device.byte_rows(partial)
             self.records.pack(run_on, send, layout, None, send.shape[0], PackSources(rows, weights=partial_w))
             self._exchange(send, recv, layout.bytes, handle.recv_counts, handle.send_counts, run_on)
-            biases = (bias_views + [None, None])[:2]
             self.records.sum_nodes(run_on, self.intranode is None, dtype, out_view,
                                    None if out_w is None else out_w[1], recv, layout, handle.slots, biases)
 
-        self._voting("combine", move)
+        self._votes.voting("combine", move)
         outputs = (out, None if out_w is None else out_w[0])
         event = self._finish(lib, caller, run_on, async_finish, (x, weights, *outputs), outputs)
         return outputs[0], outputs[1], event
@@ -516,10 +530,11 @@ class InternodePath(Engine):
     # -----------------------------------------------------------------------------------------
 
     def check_kernel_errors(self) -> None:
-        """Raise what the intranode engine's kernels reported, if anything (the rail transfers
-        raise at once)."""
+        """Raise what the intranode engine's kernels or the rail transport's device waits reported,
+        if anything (the host-driven rail transfers raise at once)."""
         if self.intranode is not None:
             self.intranode.check_kernel_errors()
+        self.transport.check()
 
     def barrier(self) -> None:
         """Wait for this path's calls, then for every rank of the group (host barrier)."""

@@ -124,11 +124,13 @@ class RecordKernels:
 
     def unpack(self, stream: int, writes_outputs: bool, records, layout: RecordLayout, count: int, out_rows: int,
                targets: UnpackTargets, first_expert: int = 0, num_local_experts: int = 0,
-               in_rank_from: int = 0) -> None:
+               in_rank_from: int = 0, row_of: Optional[Any] = None, num_valid: Optional[Any] = None) -> None:
         """The parts of ``count`` records into ``targets`` (``out_rows`` rows: rows past ``count``
         get top-k ids -1); top-k ids made local to ``[first_expert, first_expert +
         num_local_experts)`` (-1 and weight 0 elsewhere); ``targets.in_rank`` takes the record's
-        entries from ``in_rank_from`` on. ``writes_outputs``: the call's outputs (DeepEP's
+        entries from ``in_rank_from`` on. ``row_of`` (int64 ``[count]``, -1: none): the row of each
+        record, else the record's index; ``num_valid`` (int32 device scalar): the rows written,
+        else ``count``. ``writes_outputs``: the call's outputs (DeepEP's
         ``dispatch`` stage) rather than the node stage's inputs."""
         rows, scales, topk, weights, in_rank = targets
         kernel = "deepep_cupy::internode::dispatch" if writes_outputs else "deepep_cupy::internode::forward"
@@ -136,7 +138,7 @@ class RecordKernels:
             stream, _ptr(records), layout.bytes, count, _ptr(rows), layout.row_bytes,
             _ptr(scales), layout.scale_bytes // 4, layout.scales_off, _ptr(topk), _ptr(weights), layout.num_topk,
             layout.topk_off, layout.weights_off, first_expert, num_local_experts, _ptr(in_rank), in_rank_from,
-            0 if in_rank is None else in_rank.shape[1], layout.in_rank_off, out_rows)
+            0 if in_rank is None else in_rank.shape[1], layout.in_rank_off, out_rows, _ptr(row_of), _ptr(num_valid))
 
     def sum_nodes(self, stream: int, writes_outputs: bool, dtype_name: str, out, out_weights, records,
                   layout: RecordLayout, slots, biases: Tuple[Any, Any]) -> None:

@@ -26,6 +26,7 @@ class RailTransport(abc.ABC):
 
     Attributes:
         name: ``"nccl"``, ``"mpi"``, ``"torch"`` or ``"local"``.
+        capturable: whether :meth:`exchange_blocks` can be captured in a CUDA graph.
         size: ranks in the rail (the number of nodes).
         rank: this rank's index in the rail (its node index).
         rail: the global ranks of the rail (in the Buffer's group), in rail order.
@@ -33,6 +34,9 @@ class RailTransport(abc.ABC):
     """
 
     name: str = ""
+    #: Whether :meth:`exchange_blocks` queues only device work (no host wait, no host callback), so
+    #: that a CUDA graph capture of the stream can hold it.
+    capturable: bool = False
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float):
         self.rail = [int(r) for r in rail]
@@ -68,6 +72,14 @@ class RailTransport(abc.ABC):
                 device memory) keeps them for good, since a late peer may still write there.
         """
 
+    def exchange_blocks(self, send_ptr: int, recv_ptr: int, block_bytes: int, stream: int,
+                        owners: Sequence[Any] = ()) -> None:
+        """:meth:`alltoallv` of ``block_bytes`` to and from every peer (block ``p`` of each buffer
+        is peer ``p``'s): sizes that every rank knows without asking, as a call with no host wait
+        sends them."""
+        blocks = [int(block_bytes)] * self.size
+        self.alltoallv(send_ptr, blocks, recv_ptr, blocks, stream, owners)
+
     @abc.abstractmethod
     def alltoall_ints(self, values: Sequence[int]) -> List[int]:
         """Host all-to-all of one int per peer.
@@ -78,6 +90,11 @@ class RailTransport(abc.ABC):
         Returns:
             ``size`` ints, entry ``p`` being what rail peer ``p`` passed for this rank.
         """
+
+    def check(self) -> None:
+        """Raise what a wait of the transport on the device left behind (a transport whose waits
+        are on the host has none)."""
+        return None
 
     def close(self) -> None:
         """Release the transport's resources (idempotent)."""

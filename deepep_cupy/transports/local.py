@@ -12,6 +12,10 @@ Peers share the address space, so a rail all-to-all is device-to-device copies. 
 
 An event is recorded again only in the next call, after every peer has passed the allgather that
 follows its last use, so two events per rank serve every call.
+
+Equal blocks (:meth:`LocalRailTransport.exchange_blocks`, the calls with no host wait) go through
+the mailboxes of :mod:`deepep_cupy.transports.mailboxes` instead: device work alone, which a CUDA
+graph can hold.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, List, Sequence
 
 from ..errors import DeepEPTimeoutError, RankMismatchError
 from .base import RailTransport, offsets
+from .mailboxes import make_mailboxes
 from .memory import CudaMemory
 
 
@@ -46,6 +51,27 @@ class LocalRailTransport(RailTransport):
         self._memory = CudaMemory(device_id) if memory is None else memory
         self._ready: int = self._memory.new_event()
         self._done: int = self._memory.new_event()
+        # Host memory standing in for the device (CPU tests) has no mailboxes.
+        self._mailboxes = make_mailboxes(rail_group, device_id, timeout_s) if memory is None else None
+        self.capturable = self._mailboxes is not None
+
+    def exchange_blocks(self, send_ptr: int, recv_ptr: int, block_bytes: int, stream: int,
+                        owners: Sequence[Any] = ()) -> None:
+        if self._mailboxes is None:
+            super().exchange_blocks(send_ptr, recv_ptr, block_bytes, stream, owners)
+            return
+        self._rail_group()
+        self._mailboxes.exchange(send_ptr, recv_ptr, int(block_bytes), stream)
+
+    def check(self) -> None:
+        """Raise what a timed-out wait of the block exchange left (waits for the device)."""
+        code = 0 if self._mailboxes is None else self._mailboxes.error()
+        if code:
+            me = self.rail[self.rank]
+            waited = f"rail rank {code - 1}'s post" if code <= self.size else "its peers to read its blocks"
+            raise DeepEPTimeoutError(f"rank {me}: the local rail's block exchange timed out waiting for {waited} "
+                                     f"(rail ranks 0..{self.size - 1} are global ranks {self.rail}); the Buffer "
+                                     "must be destroyed", rank=me, kernel="local rail exchange_blocks")
 
     def alltoallv(self, send_ptr: int, send_bytes: Sequence[int], recv_ptr: int, recv_bytes: Sequence[int],
                   stream: int, owners: Sequence[Any] = ()) -> None:

@@ -42,6 +42,7 @@ class NcclRailTransport(RailTransport):
     """
 
     name = "nccl"
+    capturable = True
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float, *,
                  nccl: Any = None, memory: Any = None):
@@ -108,6 +109,7 @@ class TorchNcclRailTransport(RailTransport):
     """
 
     name = "nccl"
+    capturable = True
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float, *,
                  torch: Any = None):

@@ -1,0 +1,28 @@
+"""Internode calls with num_worst_tokens captured in CUDA graphs: in-process ranks on simulated
+nodes over the "local" rail transport (sharing one GPU where there is one), a PyTorch graph of the
+whole step (layout, dispatch, combine) replayed with new routing, every replay bit for bit against
+deepep_cupy.reference.internode and against an eager step on the same inputs
+(tests/workers/internode_graph_worker.py)."""
+
+import pytest
+from _harness import WORKERS, describe, import_or_skip, records_by, run_python
+
+WORKER = WORKERS / "internode_graph_worker.py"
+SHAPES = [(2, 1), (2, 2), (4, 1)]
+REPLAYS = 5
+TIMEOUT_S = 600
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{lr}" for n, lr in SHAPES])
+def test_a_captured_internode_step_replays_new_routing_bit_exactly(shape, dtype):
+    import_or_skip("torch", "PyTorch's CUDA graphs")
+    num_nodes, ranks_per_node = shape
+    run = run_python([WORKER, num_nodes, ranks_per_node, "--replays", REPLAYS, "--dtype", dtype], TIMEOUT_S)
+    records = records_by(run.stdout, "shape").get(f"{num_nodes}x{ranks_per_node}", [])
+    assert sorted(r["rank"] for r in records) == list(range(num_nodes * ranks_per_node)), describe(run)
+    failed = [f"rank {r['rank']}: {r['error']}" for r in records if not r["ok"]]
+    assert not failed, "\n".join(failed)
+    assert all(r["replays"] == REPLAYS for r in records)
+    assert all(r["bytes_needed"] <= r["bytes_sent"] for r in records)
