@@ -266,6 +266,24 @@ def test_a_random_case_passes_on_the_internode_path_bit_exactly(monkeypatch, cas
         [sum(w["send_counts"]) - w["send_counts"][r // L] for r, w in enumerate(want)]
 
 
+#: Random cases with num_worst_tokens, which over a transport that a graph can hold go in
+#: fixed-size blocks: every shape.
+IN_BLOCKS = [small(lambda c, s=s: c["worst"] and (c["num_nodes"], c["ranks_per_node"]) == s)[0] for s in ic.SHAPES]
+
+
+@pytest.mark.parametrize("case", IN_BLOCKS, ids=lambda c: f"seed {c['seed']}")
+def test_a_random_case_with_num_worst_tokens_passes_in_fixed_size_blocks_bit_exactly(monkeypatch, case):
+    use_host_arrays(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
+    case = as_cupy_case(case)
+    paths = make_paths(case["num_nodes"], case["ranks_per_node"], in_blocks=True)
+    infos = run_ranks(paths, lambda rank, path: worker.run_case(FakeInternodeBuffer(path), case))
+    want = worker.reference_dispatch(case, worker.make_inputs(case))
+    assert [i["received"] for i in infos] == [len(w["recv_x"]) for w in want]
+    block = max(counts_of(case))
+    assert all(p.blocks is not None and p.last_internode_rows == block * (case["num_nodes"] - 1) for p in paths)
+
+
 def test_a_wrong_result_is_reported_as_a_mismatch(monkeypatch):
     use_host_arrays(monkeypatch)
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
