@@ -255,7 +255,7 @@ def test_local_alltoallv_delivers_every_chunk(size):
 def test_local_exchange_blocks_on_host_memory_delivers_block_p_to_peer_p_and_is_not_capturable():
     block = 8
 
-    def rank(g):
+    def exchange(g):
         t = LocalRailTransport(g, list(range(g.size)), device_id=g.rank, timeout_s=10.0, memory=HostMemory(g.rank))
         send = np.array([[16 * g.rank + p] * block for p in range(g.size)], np.uint8)
         recv = np.zeros((g.size, block), np.uint8)
@@ -264,7 +264,7 @@ def test_local_exchange_blocks_on_host_memory_delivers_block_p_to_peer_p_and_is_
         t.close()
         return recv, capturable
 
-    for rank, (recv, capturable) in enumerate(run(rank, 3)):
+    for rank, (recv, capturable) in enumerate(run(exchange, 3)):
         assert recv.tolist() == [[16 * p + rank] * block for p in range(3)]
         assert not capturable  # host memory has no mailboxes: the event-ordered copies stand in
 
