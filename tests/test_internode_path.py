@@ -447,6 +447,11 @@ def test_records_are_padded_to_16_bytes():
     assert RecordLayout(64, 0, 3, 3, 4).in_rank_off == 64 + 24 + 12
 
 
+def test_top_k_ids_in_a_record_are_8_byte_aligned_after_one_scale_per_token():
+    one_scale = RecordLayout(80, 4, 6, 6)  # FP8 rows of 80 bytes with a per-token scale
+    assert one_scale.topk_off == 88 and one_scale.weights_off == 88 + 48 and one_scale.bytes == 160
+
+
 def test_a_fresh_dispatch_reads_the_device_once(monkeypatch):
     # The counts per node, rank and expert (and the verdict on the ids) reach the host in one
     # copy; nothing else waits for the device: no nonzero, bincount or boolean mask, whose sizes

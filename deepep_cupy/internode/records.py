@@ -39,7 +39,8 @@ class RecordLayout(NamedTuple):
 
     @property
     def topk_off(self) -> int:
-        return self.scales_off + self.scale_bytes
+        # int64 ids: 8-byte aligned after an odd number of float32 scales (one per token)
+        return -(-(self.scales_off + self.scale_bytes) // 8) * 8
 
     @property
     def weights_off(self) -> int:
