@@ -13,7 +13,7 @@ REPLAYS = 5
 TIMEOUT_S = 600
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(1)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{lr}" for n, lr in SHAPES])
 def test_a_captured_internode_step_replays_new_routing_bit_exactly(shape, dtype):

@@ -55,6 +55,10 @@ class BlockKernels:
         from ``topk``, int64 ``[T, K]``), the counts per rank, node and expert (int32, zeroed
         here) and the combine's ``slots`` (int32 ``[N, T]``); None: not written."""
         _zero(stream, per_rank, per_node, per_expert)
+        if topk is not None and topk.shape[1] > 1 and topk.strides[1] != 8:  # the kernel steps over tokens only
+            import cupy
+
+            topk = cupy.ascontiguousarray(topk)
         topk_stride = 0 if topk is None else topk.strides[0] // 8
         num_topk = 0 if topk is None else topk.shape[1]
         strides = (0, 0) if in_rank_in is None else in_rank_in.strides
