@@ -110,6 +110,12 @@ def new_output(lib, shape: Tuple[int, ...], dtype_name: str, device_id: int):
     return out, device_view(out, info, device_id)
 
 
+def new_bytes(lib, rows: int, row_bytes: int, device_id: int):
+    """A byte buffer ``[rows, row_bytes]`` allocated by the caller's library (on the call's stream,
+    so that a capture's buffers belong to its graph), as a CuPy uint8 view."""
+    return new_output(lib, (rows, row_bytes), "bool", device_id)[1].view(cupy_module().uint8)
+
+
 def to_lib(lib, values, dtype_name: str, device_id: int):
     """``values`` (CuPy, storage dtype) as an array of the caller's library (a copy for PyTorch)."""
     if lib.name == "cupy":

@@ -15,8 +15,8 @@ receivers find on the device which records are theirs (kernels/internode_blocks.
 Combine mirrors it: every node sends each source node back a block of ``block_tokens`` rows (the
 node's partial sums, or the rows themselves with one rank per node), and the owner sums the rows
 of the nodes its tokens went to. The bytes sent are ``N * block_tokens`` records per call whatever
-the routing (:meth:`BlockCalls.bytes_sent`). Arrays are allocated by the caller's library, on the
-call's stream, so that a capture's allocations belong to its graph.
+the routing. Arrays are allocated by the caller's library, on the call's stream, so that a
+capture's allocations belong to its graph.
 """
 
 from __future__ import annotations
@@ -54,17 +54,8 @@ class BlockCalls:
     def _new(self, lib, shape: Tuple[int, ...], dtype_name: str):
         return device.new_output(lib, shape, dtype_name, self.device_id)
 
-    def _bytes(self, lib, rows: int, row_bytes: int):
-        """A byte buffer ``[rows, row_bytes]`` of the caller's library, as a CuPy uint8 view."""
-        return self._new(lib, (rows, row_bytes), "bool")[1].view(device.cupy_module().uint8)
-
     def _view(self, array, name: str):
         return device.device_view(array, describe(array, name, self.device_id), self.device_id)
-
-    @staticmethod
-    def bytes_sent(record_bytes: int, block_tokens: int, num_nodes: int) -> int:
-        """The bytes one call puts on the rail per rank (its own node's block included)."""
-        return record_bytes * block_tokens * num_nodes
 
     # -----------------------------------------------------------------------------------------
     # Dispatch
@@ -119,8 +110,8 @@ class BlockCalls:
         first ``each_block`` tokens of ``sources`` (the rest zeroed: no rank's); otherwise record
         ``i`` of the send buffer is source row ``token_ids[i]`` (-1: not written) or ``i``."""
         N, B = self.topology.num_nodes, block_tokens
-        send = self._bytes(lib, N * B, layout.bytes)
-        recv = self._bytes(lib, N * B, layout.bytes)
+        send = device.new_bytes(lib, N * B, layout.bytes, self.device_id)
+        recv = device.new_bytes(lib, N * B, layout.bytes, self.device_id)
         if each_block is not None:
             for n in range(N):
                 block = send[n * B:(n + 1) * B]

@@ -360,8 +360,8 @@ class InternodePath(Engine):
     def _rail_buffers(self, lib, layout: RecordLayout, send_counts: Sequence[int], recv_counts: Sequence[int]):
         """The send and receive buffers of a call's records (CuPy uint8 views of arrays of the
         caller's library, allocated on the call's stream)."""
-        return tuple(device.new_output(lib, (sum(counts), layout.bytes), "bool", self.device_id)[1]
-                     .view(device.cupy_module().uint8) for counts in (send_counts, recv_counts))
+        return tuple(device.new_bytes(lib, sum(counts), layout.bytes, self.device_id)
+                     for counts in (send_counts, recv_counts))
 
     def _exchange(self, send, recv, record_bytes: int, send_counts: Sequence[int], recv_counts: Sequence[int],
                   run_on: int) -> None:
