@@ -406,7 +406,8 @@ class FakeInternodeBuffer:
 
 def make_paths(num_nodes: int, ranks_per_node: int, in_blocks: bool = False):
     """Per rank, its InternodePath with thread collaborators (build and use them on one thread each);
-    ``in_blocks``: with the block kernels, so that the calls with num_worst_tokens go in fixed-size blocks."""
+    ``in_blocks``: a rail that a graph could hold, so that the calls with num_worst_tokens go in
+    fixed-size blocks (otherwise the host learns their counts, as over MPI)."""
     R = num_nodes * ranks_per_node
     rails = [Hub(num_nodes) for _ in range(ranks_per_node)]
     nodes = [Hub(ranks_per_node) for _ in range(num_nodes)]
@@ -415,10 +416,11 @@ def make_paths(num_nodes: int, ranks_per_node: int, in_blocks: bool = False):
     for rank in range(R):
         topo = NodeTopology(rank, R, ranks_per_node)
         engine = ModelEngine(nodes[topo.node], topo.local_rank) if ranks_per_node > 1 else None
-        path = internode.InternodePath(topo, ThreadRail(rails[topo.local_rank], topo.node), DEVICE, engine,
-                                       EventOrder(), records=NumpyRecords(),
+        rail = ThreadRail(rails[topo.local_rank], topo.node)
+        rail.capturable = in_blocks
+        path = internode.InternodePath(topo, rail, DEVICE, engine, EventOrder(), records=NumpyRecords(),
                                        vote=lambda obj, rank=rank: everyone.exchange(rank, obj),
-                                       block_kernels=NumpyBlockKernels() if in_blocks else None)
+                                       block_kernels=NumpyBlockKernels())
         path.everyone = everyone
         paths.append(path)
     return paths

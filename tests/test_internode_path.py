@@ -436,7 +436,8 @@ def test_a_path_needs_an_engine_exactly_with_several_ranks_per_node(monkeypatch)
     use_host_arrays(monkeypatch)
     path = make_paths(2, 1)[0]
     with pytest.raises(ValueError, match="intranode: expected an engine exactly when"):
-        internode.InternodePath(path.topology, path.transport, 0, object(), path.order, records=None, vote=None)
+        internode.InternodePath(path.topology, path.transport, 0, object(), path.order, records=None, vote=None,
+                                block_kernels=None)
 
 
 def test_records_are_padded_to_16_bytes():

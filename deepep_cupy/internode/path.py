@@ -80,15 +80,15 @@ class InternodePath(Engine):
         on_destroy: callables run by :meth:`destroy` after the engine and the transport are
             closed (the sub-groups' ``free``).
         group_barrier: the whole group's host barrier (:meth:`barrier`).
-        block_kernels: the kernels of the calls in fixed-size blocks and of the layout
-            (:class:`deepep_cupy.internode.block_kernels.BlockKernels`), or None (the CPU tests).
+        block_kernels: the kernels of the layout and of the calls in fixed-size blocks
+            (:class:`deepep_cupy.internode.block_kernels.BlockKernels`).
     """
 
     kind = "internode"
 
     def __init__(self, topology, transport, device_id: int, intranode, order, *, records, vote: Callable[[Any], list],
-                 on_destroy: Sequence[Callable[[], Any]] = (), group_barrier: Optional[Callable[[], Any]] = None,
-                 block_kernels: Any = None):
+                 block_kernels, on_destroy: Sequence[Callable[[], Any]] = (),
+                 group_barrier: Optional[Callable[[], Any]] = None):
         if topology.num_nodes < 2:
             raise ValueError(f"topology: the internode path needs at least 2 nodes, got {topology.num_nodes}")
         if (intranode is None) != (topology.ranks_per_node == 1):
@@ -106,7 +106,7 @@ class InternodePath(Engine):
         # The calls with num_worst_tokens go in fixed-size blocks, with no host wait, where the
         # transport queues device work alone (BlockCalls); elsewhere the host learns the counts.
         self.block_kernels = block_kernels
-        self.blocks = None if block_kernels is None or not transport.capturable else \
+        self.blocks = None if not transport.capturable else \
             BlockCalls(topology, transport, device_id, intranode, records=records, kernels=block_kernels)
         self._votes = CallVote(vote, topology.rank)
         self._on_destroy = list(on_destroy)
@@ -143,7 +143,7 @@ class InternodePath(Engine):
         int32 [N], num_tokens_per_expert int32 [E], is_token_in_rank bool [num_tokens, R], event)``;
         the per-node counts are the tokens with at least one expert on each node. Local: no rank
         waits for another."""
-        R, N = self.topology.num_ranks, self.topology.num_nodes
+        R = self.topology.num_ranks
         num_experts = check_int(num_experts, "num_experts")
         if num_experts % R:
             raise ValueError(f"num_experts: expected a multiple of the rank count ({R}), got {num_experts}")
@@ -154,17 +154,7 @@ class InternodePath(Engine):
                 span.current(lib):
             caller, run_on = span
             topk = device.device_view(topk_idx, info, self.device_id)
-            if self.block_kernels is not None:
-                outputs = self._layout_on_device(lib, run_on, topk, num_experts)
-                event = self._finish(lib, caller, run_on, async_finish, (topk_idx, *outputs), outputs)
-                return (*outputs, event)
-            in_rank = self._in_rank_of(topk, num_experts)
-            per_expert = device.counts(topk, num_experts)
-            per_rank = in_rank.sum(axis=0).astype(device.cupy_module().int32)
-            per_node = in_rank.reshape(topk.shape[0], N, R // N).any(axis=2).sum(axis=0)
-            per_node = per_node.astype(device.cupy_module().int32)
-            outputs = (self._to_lib(lib, per_rank, "int32"), self._to_lib(lib, per_node, "int32"),
-                       self._to_lib(lib, per_expert, "int32"), self._to_lib(lib, in_rank, "bool"))
+            outputs = self._layout_on_device(lib, run_on, topk, num_experts)
             event = self._finish(lib, caller, run_on, async_finish, (topk_idx, *outputs), outputs)
         return (*outputs, event)
 
