@@ -164,6 +164,10 @@ BLOCK_THREADS: Dict[str, int] = {
     "deepep_cupy::low_latency::dispatch": 512,
     "deepep_cupy::low_latency::combine": 512,
     "deepep_cupy::low_latency::barrier": 32,
+    "deepep_cupy::ll_nodes::relay_tokens": 256,
+    "deepep_cupy::ll_nodes::relay_routing": 256,
+    "deepep_cupy::ll_nodes::global_handle": 256,
+    "deepep_cupy::ll_nodes::sum_partials": 256,
 }
 
 

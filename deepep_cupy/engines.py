@@ -14,6 +14,7 @@ from .groups.nodes import discover_topology
 from .internode.factory import create_internode_path
 from .intranode.engine import IntranodeEngine
 from .low_latency.engine import LowLatencyEngine
+from .low_latency.factory import create_low_latency_across_nodes
 
 
 class Settings(NamedTuple):
@@ -50,6 +51,10 @@ def make_engine(group: Group, settings: Settings) -> Engine:
         engine = _internode_engine(group, s)
         if engine is not None:
             return engine
+    if s.low_latency_mode:
+        engine = _low_latency_across_nodes(group, s)
+        if engine is not None:
+            return engine
     intranode = IntranodeEngine.create(group, s.num_nvl_bytes, timeout_s=s.timeout_s, device_id=s.device_id,
                                        allocate_ahead=s.allocate_ahead, num_rdma_bytes=s.num_rdma_bytes)
     if not s.low_latency_mode:
@@ -78,3 +83,22 @@ def _internode_engine(group: Group, s: Settings) -> Optional[Engine]:
             make_intranode=lambda node_group: IntranodeEngine.create(
                 node_group, s.num_nvl_bytes, timeout_s=s.timeout_s, device_id=s.device_id,
                 allocate_ahead=s.allocate_ahead))
+
+
+def _low_latency_across_nodes(group: Group, s: Settings) -> Optional[Engine]:
+    """A low-latency engine whose decode calls cross nodes when the group spans several
+    (:mod:`deepep_cupy.low_latency.across_nodes`); None on one node."""
+    with DeviceScope(s.device_id):
+        topology = discover_topology(group, s.ranks_per_node)
+        if topology.num_nodes == 1:
+            return None
+        if s.enable_shrink:
+            raise ValueError("enable_shrink: DeepEP's shrink mode is not available across nodes (the group spans "
+                             f"{topology.num_nodes} nodes); create the Buffer without it")
+        return create_low_latency_across_nodes(
+            group, topology, s.num_rdma_bytes, device_id=s.device_id, timeout_s=s.timeout_s,
+            transport_kind=s.internode_transport,
+            # The normal calls are refused across nodes in low-latency mode: no NVLink buffer.
+            make_intranode=lambda node_group: IntranodeEngine.create(
+                node_group, 0, timeout_s=s.timeout_s, device_id=s.device_id, allocate_ahead=s.allocate_ahead,
+                num_rdma_bytes=s.num_rdma_bytes, min_ranks=1))

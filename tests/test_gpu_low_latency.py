@@ -8,6 +8,10 @@ hooks) replayed with new routing; and DeepEP's own low-latency test as its user 
 (tests/workers/deepep_style_low_latency.py). In one process with N rank threads (sharing GPUs
 when there are fewer), and under mpiexec (``DEEPEP_TEST_ONE_GPU_MPI=1``: processes sharing one GPU).
 
+Across simulated nodes (``--ranks-per-node``, against deepep_cupy/reference/low_latency_nodes.py):
+every case again with in-process ranks on the local rail (``DEEPEP_TEST_LL_NODES``, default
+``2x1,2x2,4x1,2x4``: nodes x ranks per node), and under mpiexec on the MPI rail (2 nodes of 1).
+
 Environment: ``DEEPEP_TEST_LOCAL_RANKS`` (default ``2,4,8``), ``DEEPEP_TEST_RANKS`` for mpiexec
 (default ``2``).
 """
@@ -21,6 +25,8 @@ WORKER = WORKERS / "low_latency_worker.py"
 CASES = script_constant(WORKER, "CASES")
 LOCAL_RANKS = [int(n) for n in os.environ.get("DEEPEP_TEST_LOCAL_RANKS", "2,4,8").split(",")]
 MPI_RANKS = [int(n) for n in os.environ.get("DEEPEP_TEST_RANKS", "2").split(",")]
+NODE_SHAPES = [tuple(int(v) for v in shape.split("x"))
+               for shape in os.environ.get("DEEPEP_TEST_LL_NODES", "2x1,2x2,4x1,2x4").split(",")]
 TIMEOUT_S = 900
 
 
@@ -83,3 +89,35 @@ def test_the_in_process_worker_exits_cleanly(local_runs, num_ranks):
 @pytest.mark.parametrize("case", CASES)
 def test_low_latency_under_mpi(mpi_runs, num_ranks, case):
     _every_rank_passed(mpi_runs(num_ranks), case, num_ranks)
+
+
+@pytest.fixture(scope="module")
+def across_nodes_runs():
+    cache = {}
+
+    def get(num_nodes, ranks_per_node, mpi=False):
+        key = (num_nodes, ranks_per_node, mpi)
+        if key not in cache:
+            num_ranks = num_nodes * ranks_per_node
+            if mpi:
+                skip_unless_gpus_for_mpiexec(num_ranks)
+                cache[key] = run_mpi(num_ranks, [str(WORKER), "--ranks-per-node", str(ranks_per_node)], TIMEOUT_S)
+            else:
+                cache[key] = run_python([WORKER, "--local", num_ranks, "--ranks-per-node", ranks_per_node], TIMEOUT_S)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("case", CASES)
+def test_low_latency_across_simulated_nodes_with_in_process_ranks(across_nodes_runs, shape, case):
+    _every_rank_passed(across_nodes_runs(*shape), case, shape[0] * shape[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", CASES)
+def test_low_latency_across_two_simulated_nodes_under_mpi(across_nodes_runs, case):
+    _every_rank_passed(across_nodes_runs(2, 1, mpi=True), case, 2)

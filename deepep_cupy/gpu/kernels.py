@@ -55,6 +55,9 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
     # Namespaced as DeepEP's are: its bench_kineto finds them by "::dispatch" / "::combine".
     "low_latency.cu": ("deepep_cupy::low_latency::dispatch", "deepep_cupy::low_latency::combine",
                        "deepep_cupy::low_latency::barrier"),
+    # Decode across nodes: around the node's decode kernels and the rail's blocks.
+    "low_latency_nodes.cu": tuple(f"deepep_cupy::ll_nodes::{k}" for k in ("relay_tokens", "relay_routing",
+                                                                         "global_handle", "sum_partials")),
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
 OPTIONAL_KERNELS = ("expand_kernel",)
@@ -62,7 +65,7 @@ OPTIONAL_KERNELS = ("expand_kernel",)
 #: is made with ``low_latency_mode``; the internode path, across nodes: :func:`load`), never
 #: :func:`warm_up`: the FP8 conversions of the decode kernels need sm_89, and no other Buffer
 #: should pay for either.
-OWN_WARM_UP = ("low_latency.cu", "internode.cu", "internode_blocks.cu", "rail.cu")
+OWN_WARM_UP = ("low_latency.cu", "low_latency_nodes.cu", "internode.cu", "internode_blocks.cu", "rail.cu")
 
 #: NVRTC options shared by the run-time build and the CPU compile check (the arch is added per device).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
@@ -357,6 +360,17 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "shrink:i32 logfmt_unroll:i32 slot_bytes:i64 combine_off:i64 half_bytes:i64 "
         "buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
     "deepep_cupy::low_latency::barrier": _signature("buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
+    "deepep_cupy::ll_nodes::relay_tokens": _signature(
+        "x:ptr topk:ptr num_tokens:i32 num_max:i32 num_topk:i32 hidden_int4:i32 num_experts:i32 num_nodes:i32 "
+        "own_node:i32 send:ptr block_bytes:i64 x_off:i64"),
+    "deepep_cupy::ll_nodes::relay_routing": _signature(
+        "topk:ptr weights:ptr num_tokens:i32 num_max:i32 num_topk:i32 num_experts:i32 num_nodes:i32 own_node:i32 "
+        "send:ptr block_bytes:i64 weights_off:i64"),
+    "deepep_cupy::ll_nodes::global_handle": _signature(
+        "node_src_info:ptr node_layout_range:ptr src_info:ptr layout_range:ptr num_local_experts:i32 "
+        "ranks_per_node:i32 num_nodes:i32 num_max:i32"),
+    "deepep_cupy::ll_nodes::sum_partials": _signature(
+        "out:ptr partials:ptr num_tokens:i32 num_max:i32 num_nodes:i32 hidden_int4:i32"),
 }
 
 def block_threads(kernel: str) -> int:

@@ -68,15 +68,16 @@ class IntranodeEngine(Engine):
 
     @classmethod
     def create(cls, group: Group, num_nvl_bytes: int, *, timeout_s: float, device_id: int, allocate_ahead: bool,
-               num_rdma_bytes: int = 0) -> "IntranodeEngine":
+               num_rdma_bytes: int = 0, min_ranks: int = 2) -> "IntranodeEngine":
         """An engine with its GPU resources, made by every rank of ``group`` together (the ranks'
         settings compared, the NVLink buffers mapped, the kernels loaded); ``num_rdma_bytes``: the
-        low-latency buffer's size, which every rank must share too."""
+        low-latency buffer's size, which every rank must share too; ``min_ranks``: 1 for a node of
+        one rank under the decode calls across nodes (the user's own groups need 2)."""
         import cupy
 
         engine = cls(group, num_nvl_bytes, timeout_s, device_id, allocate_ahead)
         with engine.on_device:
-            engine.check_group(cupy, num_rdma_bytes)
+            engine.check_group(cupy, num_rdma_bytes, min_ranks)
             shares_gpu = engine.ranks_on_gpu() > 1
             try:
                 engine.nvl = NvlBuffer(group, engine.num_nvl_bytes) if engine.num_nvl_bytes else None
@@ -102,10 +103,10 @@ class IntranodeEngine(Engine):
         """The group's ranks on this GPU in this process (their kernels must fit on it together)."""
         return max(1, self.group.ranks_on_device(self.device_id))
 
-    def check_group(self, cupy, num_rdma_bytes: int = 0) -> None:
+    def check_group(self, cupy, num_rdma_bytes: int = 0, min_ranks: int = 2) -> None:
         """Every rank on one host, one GPU each (unless in one process), with the same buffer sizes."""
-        if not 2 <= self.num_ranks <= MAX_RANKS:
-            raise ValueError(f"comm: expected 2..{MAX_RANKS} ranks, got {self.num_ranks}")
+        if not min_ranks <= self.num_ranks <= MAX_RANKS:
+            raise ValueError(f"comm: expected {min_ranks}..{MAX_RANKS} ranks, got {self.num_ranks}")
         me = {"host": self.group.host_name(), "bus": cupy.cuda.runtime.deviceGetPCIBusId(self.device_id),
               "nvl_bytes": self.num_nvl_bytes, "rdma_bytes": int(num_rdma_bytes)}
         everyone = self.group.allgather(me)

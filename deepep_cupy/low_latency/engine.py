@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..engine import Engine
-from ..errors import DeepEPError
+from ..errors import BufferKindError, DeepEPError
 from ..gpu.local_buffer import local_buffer_tensor
 from .path import LowLatencyPath, clean_arguments
 
@@ -19,14 +19,18 @@ class LowLatencyEngine(Engine):
             NVLink buffer may be absent, ``num_nvl_bytes=0``).
         path: the :class:`deepep_cupy.low_latency.path.LowLatencyPath` of the decode calls.
         group_barrier: the group's host barrier (a clean is collective).
+        across_nodes: the group spans nodes (``path`` is a
+            :class:`deepep_cupy.low_latency.across_nodes.LowLatencyAcrossNodes` and ``intranode`` the
+            node's): the normal operations, which would stay inside the node, are refused.
     """
 
     kind = "low-latency"
 
-    def __init__(self, intranode: Any, path: LowLatencyPath, group_barrier: Callable[[], None]):
+    def __init__(self, intranode: Any, path: Any, group_barrier: Callable[[], None], across_nodes: bool = False):
         self.intranode = intranode
-        self.path: Optional[LowLatencyPath] = path  # None once released
+        self.path: Optional[Any] = path  # None once released
         self._group_barrier = group_barrier
+        self.across_nodes = across_nodes
 
     @classmethod
     def create(cls, intranode: Any, group, num_rdma_bytes: int, *, enable_shrink: bool) -> "LowLatencyEngine":
@@ -38,20 +42,29 @@ class LowLatencyEngine(Engine):
         intranode.mapped_beside.append(path)
         return cls(intranode, path, group.barrier)
 
-    # The normal operations are the node's.
+    # The normal operations are the node's (on one node only).
+    def _normal(self, what: str) -> Any:
+        if self.across_nodes:
+            raise BufferKindError(f"{what}: a low-latency Buffer across nodes has the decode calls only; make a "
+                                  "Buffer with low_latency_mode=False for the normal calls across nodes")
+        return self.intranode
+
     def get_dispatch_layout(self, *args, **kwargs):
-        return self.intranode.get_dispatch_layout(*args, **kwargs)
+        return self._normal("get_dispatch_layout").get_dispatch_layout(*args, **kwargs)
 
     def dispatch(self, *args, **kwargs):
-        return self.intranode.dispatch(*args, **kwargs)
+        return self._normal("dispatch").dispatch(*args, **kwargs)
 
     def combine(self, *args, **kwargs):
-        return self.intranode.combine(*args, **kwargs)
+        return self._normal("combine").combine(*args, **kwargs)
 
     def barrier(self) -> None:
         self.intranode.barrier()
 
     def check_kernel_errors(self) -> None:
+        # The rail's first: a timed-out exchange across nodes is why the node's calls then failed.
+        if self.path is not None:
+            self.path.check()
         self.intranode.check_kernel_errors()
 
     # Decode

@@ -62,7 +62,7 @@ from .rank_mask import RankMask
 from .receive_hooks import OwedReceives, receive_hook
 
 # The Buffer imports the size hint, the clean's check and local_buffer_tensor from here.
-__all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "clean_arguments",
+__all__ = ["LowLatencyHandle", "LowLatencyLayout", "LowLatencyPath", "Relay", "clean_arguments",
            "get_low_latency_rdma_size_hint", "local_buffer_tensor"]
 
 #: The kernels (kernels/low_latency.cu), namespaced as DeepEP's: DeepEP's benchmark (bench_kineto)
@@ -76,6 +76,29 @@ BARRIER_KERNEL = "deepep_cupy::low_latency::barrier"
 #: within 1 us (docs/PERFORMANCE.md, "Decode on one GPU").
 DEFAULT_NUM_SMS = 66
 _PHASE_SEND, _PHASE_RECV, _PHASE_BOTH = 1, 2, 3
+
+
+class Relay(NamedTuple):
+    """The steps of a decode call across nodes around the node's kernels
+    (:mod:`deepep_cupy.low_latency.across_nodes`): ``before(stream)`` runs before the send,
+    ``after(stream, outputs)`` after the receive (in the hook with ``return_recv_hook``), on the
+    same stream; ``arrays`` are what they read or write, kept alive as the call's arrays are."""
+
+    before: Callable[[int], None]
+    after: Callable[[int, Tuple[Any, ...]], None]
+    arrays: Tuple[Any, ...] = ()
+
+
+class _ReceiveThen:
+    """A receive half followed by a relay's ``after`` step (what a hook launches)."""
+
+    def __init__(self, receive: KernelCall, after: Callable[[int, Tuple[Any, ...]], None],
+                 outputs: Tuple[Any, ...]):
+        self._receive, self._after, self._outputs = receive, after, outputs
+
+    def run(self, stream: int, *values) -> None:
+        self._receive.run(stream, *values)
+        self._after(stream, self._outputs)
 
 
 class _Plan(NamedTuple):
@@ -162,6 +185,10 @@ class LowLatencyPath:
                    rank=group.rank, num_ranks=group.size, device_id=device_id, order=order, slots=slots,
                    timeout_s=timeout_s, num_sms=num_sms, on_device=on_device, owner=nvl, enable_shrink=enable_shrink)
 
+    def check(self) -> None:
+        """Raise what a wait outside the Buffer's own kernels left behind: none on one node (the
+        kernels' errors are the slots')."""
+
     def close(self) -> None:
         """Unmap and free the buffer (the Buffer's destroy waits for the kernels first)."""
         if self._owner is not None and hasattr(self._owner, "close"):
@@ -190,8 +217,8 @@ class LowLatencyPath:
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                  use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                 async_finish: bool = False, return_recv_hook: bool = False):
-        """See :meth:`deepep_cupy.Buffer.low_latency_dispatch`."""
+                 async_finish: bool = False, return_recv_hook: bool = False, relay: Optional[Relay] = None):
+        """See :meth:`deepep_cupy.Buffer.low_latency_dispatch`; ``relay``: steps of a call across nodes."""
         self._slots.raise_if_failed()
         self._owed_dispatch.check_call(return_recv_hook)
         _, x_ptr, num_tokens, x_key = read(x)
@@ -234,7 +261,7 @@ class LowLatencyPath:
             arrays = tuple(a for a in arrays if a is not None)
             outputs = tuple(a for a in (recv_x, scales, recv_count, src_info, layout_range) if a is not None)
             event, hook = self._launch(plan, lib, values, arrays, outputs, async_finish, return_recv_hook,
-                                       self._owed_dispatch)
+                                       self._owed_dispatch, relay)
         if scales is not None:
             scales = scales.swapaxes(1, 2)  # [L, R * M, groups], column-major as DeepEP returns them
         handle = LowLatencyHandle(src_info, layout_range, layout.num_max_dispatch_tokens_per_rank, hidden,
@@ -280,18 +307,25 @@ class LowLatencyPath:
 
     def _launch(self, plan: _Plan, lib: ArrayLib, values: Tuple[int, ...], arrays: Tuple[Any, ...],
                 outputs: Tuple[Any, ...], async_finish: bool, return_recv_hook: bool,
-                owed: OwedReceives) -> Tuple[Any, Optional[Callable[[], None]]]:
+                owed: OwedReceives, relay: Optional[Relay] = None) -> Tuple[Any, Optional[Callable[[], None]]]:
         """Launch the call (both phases, or with ``return_recv_hook`` the send), ordered as every call
-        of the Buffer (deepep_cupy/gpu/streams.py); its event and its hook (the receive, then owed by the
-        op) or None."""
+        of the Buffer (deepep_cupy/gpu/streams.py), with ``relay``'s steps around it; its event and its
+        hook (the receive, then owed by the op) or None."""
+        if relay is not None:
+            arrays = arrays + relay.arrays
         with self._span.begin(lib, None, async_finish) as span:
             span.launched = True
+            if relay is not None:
+                relay.before(span.run_on)
             (plan.send if return_recv_hook else plan.both).run(span.run_on, *values)
+            if relay is not None and not return_recv_hook:
+                relay.after(span.run_on, outputs)
             span.settled = True
             event = span.finish(lib, async_finish, arrays, outputs)
         if not return_recv_hook:
             return event, None
-        return event, receive_hook(plan.receive, lib, values, arrays, owed, order=self._order, slots=self._slots,
+        receive = plan.receive if relay is None else _ReceiveThen(plan.receive, relay.after, outputs)
+        return event, receive_hook(receive, lib, values, arrays, owed, order=self._order, slots=self._slots,
                                    device_id=self.device_id, on_device=self._on_device)
 
     # -----------------------------------------------------------------------------------------
@@ -299,8 +333,8 @@ class LowLatencyPath:
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt: bool = False,
                 zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None,
-                combine_wait_recv_cost_stats=None):
-        """See :meth:`deepep_cupy.Buffer.low_latency_combine`."""
+                combine_wait_recv_cost_stats=None, relay: Optional[Relay] = None):
+        """See :meth:`deepep_cupy.Buffer.low_latency_combine`; ``relay``: steps of a call across nodes."""
         self._slots.raise_if_failed()
         self._owed_combine.check_call(return_recv_hook)
         low_latency_handle(handle)
@@ -344,7 +378,7 @@ class LowLatencyPath:
             if combine_wait_recv_cost_stats is not None:
                 arrays += (combine_wait_recv_cost_stats,)
             event, hook = self._launch(plan, lib, values, arrays, (out,), async_finish, return_recv_hook,
-                                       self._owed_combine)
+                                       self._owed_combine, relay)
         self._combine_calls += 1  # launched: the next combine's rows go to the other area
         return out, event, hook
 

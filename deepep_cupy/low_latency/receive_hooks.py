@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Tuple
 
-from ..gpu.launch import KernelCall
-
 __all__ = ["CALLS_IN_FLIGHT", "OwedReceives", "receive_hook"]
 
 #: Calls of an op whose receive may be owed at once (the buffer's two halves).
@@ -63,10 +61,11 @@ class OwedReceives:
         self._hooks.clear()
 
 
-def receive_hook(call: KernelCall, lib: Any, values: Tuple[int, ...], arrays: Tuple[Any, ...], owed: OwedReceives,
+def receive_hook(call: Any, lib: Any, values: Tuple[int, ...], arrays: Tuple[Any, ...], owed: OwedReceives,
                  *, order: Any, slots: Any, device_id: int, on_device: Any) -> Callable[[], None]:
-    """The receive half of a call, owed by its op until launched: launched on the caller's current
-    stream when called (once, in the order of the op's calls).
+    """The receive half of a call (``call``: a :class:`KernelCall`, or what runs like one), owed by
+    its op until launched: launched on the caller's current stream when called (once, in the order
+    of the op's calls).
 
     ``order``, ``slots``, ``on_device``: the path's stream order, host slots and device context."""
     pending = [arrays]  # the call's arrays, kept alive until the receive is issued; empty once the hook ran

@@ -5,6 +5,9 @@ Usage::
     python tests/workers/low_latency_worker.py --local N [CASE ...]   # N rank threads, GPUs shared
     mpiexec -n N python tests/workers/low_latency_worker.py [CASE ...]  # one process per rank
 
+``--ranks-per-node P`` splits the ranks into simulated nodes of ``P`` (every Buffer of the run:
+the decode calls across nodes, checked against deepep_cupy/reference/low_latency_nodes.py).
+
 (``DEEPEP_TEST_ONE_GPU_MPI=1`` makes the test harness run the second form through
 tests/workers/one_gpu_ranks.py on a one-GPU machine.) One ``RESULT {json}`` line per rank and case
 (``case``, ``rank``, ``ok``, ``error``); exit status 1 when a case failed on any rank. A case that
@@ -37,6 +40,8 @@ EXPERTS_PER_RANK = 4
 BIG_HIDDEN = 7168  # the decode shape of the anchors, in the cases that name it
 TIMEOUT_S = float(os.environ.get("DEEPEP_TEST_LL_TIMEOUT_S", "30"))
 GRAPH_REPLAYS = 3
+#: Ranks per simulated node (``--ranks-per-node``); None: one node.
+RANKS_PER_NODE = None
 FP8_MODES = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
              "fp8_round_scale": dict(use_fp8=True, round_scale=True), "fp8_ue8m0": dict(use_fp8=True, use_ue8m0=True)}
 CASES = ("bf16_eager", "bf16_hook", "fp8_eager", "fp8_hook", "fp8_round_scale_eager", "fp8_round_scale_hook",
@@ -177,11 +182,17 @@ def to_device(a, lib="cupy"):
 
 def reference(inputs, E, mode):
     from deepep_cupy.reference import low_latency as ll
+    from deepep_cupy.reference import low_latency_nodes as lln
 
+    xs, topks = [i["x"] for i in inputs], [i["topk"] for i in inputs]
+    if RANKS_PER_NODE is None:
+        def make():
+            return ll.dispatch(xs, topks, M, E, **FP8_MODES[mode])
+    else:
+        def make():
+            return lln.dispatch(xs, topks, M, E, RANKS_PER_NODE, **FP8_MODES[mode])
     # Keyed by what the inputs were drawn from (an id could be a freed list's, reused).
-    return _memoized(("reference", inputs.key, E, mode),
-                     lambda: ll.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], M, E,
-                                         **FP8_MODES[mode]))
+    return _memoized(("reference", inputs.key, E, mode, RANKS_PER_NODE), make)
 
 
 def check_dispatch(out, want, mode, what):
@@ -202,10 +213,15 @@ def check_dispatch(out, want, mode, what):
 
 def check_combine(combined, inputs, results, rank, what, ys=None, use_logfmt=False):
     from deepep_cupy.reference import low_latency as ll
+    from deepep_cupy.reference import low_latency_nodes as lln
 
     ys = [i["y"] for i in inputs] if ys is None else ys
-    want = ll.combine(ys, [i["topk"] for i in inputs], [i["weights"] for i in inputs], results, ranks=[rank],
-                      use_logfmt=use_logfmt)[rank]
+    topks, weights = [i["topk"] for i in inputs], [i["weights"] for i in inputs]
+    if RANKS_PER_NODE is None:
+        want = ll.combine(ys, topks, weights, results, ranks=[rank], use_logfmt=use_logfmt)[rank]
+    else:
+        ys = [y.full() if isinstance(y, ExpertRows) else y for y in ys]
+        want = lln.combine(ys, topks, weights, results, RANKS_PER_NODE, ranks=[rank], use_logfmt=use_logfmt)[rank]
     expect_equal(f"{what}: combined_x", to_numpy(combined), want)
 
 
@@ -370,6 +386,8 @@ def case_masked_rank(ctx):
     names it, a clean (device barrier) and more calls, with hooks, go on without waiting for it."""
     import deepep_cupy as ep
 
+    if RANKS_PER_NODE is not None:
+        raise Skip("shrink mode is not available across nodes (the Buffer refuses it)")
     stopped = ctx.R - 1
     num_bytes = ep.Buffer.get_low_latency_rdma_size_hint(M, H, ctx.R, ctx.E)
     shrink = ep.Buffer(ctx.group, 0, num_bytes, low_latency_mode=True, timeout_s=5.0, enable_shrink=True)
@@ -530,7 +548,9 @@ def case_lone_call_times_out(ctx):
                 ctx.synchronize()
                 short.check_kernel_errors()
             except ep.DeepEPTimeoutError as exc:
-                if "rank 0: low-latency dispatch receive timed out" not in str(exc) or time.time() - start > 30:
+                # Across nodes the rail's wait (for the other nodes) may be the one reported.
+                want = "rank 0: low-latency dispatch receive timed out" if RANKS_PER_NODE is None else "timed out"
+                if want not in str(exc) or time.time() - start > 30:
                     raise Mismatch(f"unexpected timeout report after {time.time() - start:.1f} s: {exc}") from exc
             else:
                 raise Mismatch("a dispatch that no other rank joined did not time out")
@@ -712,8 +732,15 @@ def rank_main(group, names):
 def main(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--local", type=int, default=0, help="rank threads in this process (0: under mpiexec)")
+    parser.add_argument("--ranks-per-node", type=int, default=0, help="ranks per simulated node (0: one node)")
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args(argv)
+    if args.ranks_per_node:
+        global RANKS_PER_NODE
+        from deepep_cupy.groups.nodes import RANKS_PER_NODE_ENV
+
+        RANKS_PER_NODE = args.ranks_per_node
+        os.environ[RANKS_PER_NODE_ENV] = str(args.ranks_per_node)  # every Buffer of the run, DeepEP-style too
     names = args.cases or list(CASES)
     unknown = sorted(set(names) - set(CASES))
     if unknown:

@@ -1,0 +1,26 @@
+"""The host side of the decode calls across nodes (deepep_cupy/low_latency/across_nodes.py): the
+handle it returns and how the rail's blocks are laid out. The calls themselves run on the GPU
+(tests/test_gpu_low_latency.py, across simulated nodes)."""
+
+import numpy as np
+
+from deepep_cupy.low_latency.across_nodes import NodesHandle, _Blocks
+from deepep_cupy.low_latency.handle import LowLatencyHandle, low_latency_handle
+
+
+def test_a_handle_across_nodes_is_deepep_s_five_tuple_carrying_the_node_call_s_handle():
+    node = LowLatencyHandle(np.zeros((2, 8), np.int32), np.zeros((2, 2), np.int64), 4, 128, 8)
+    handle = NodesHandle(np.zeros((2, 8), np.int32), np.zeros((2, 4), np.int64), 2, 128, 16)
+    handle.node = node
+    low_latency_handle(handle)  # accepted where a one-node handle is
+    assert len(handle) == 5 and handle[2:] == (2, 128, 16)
+    assert handle.node is node
+
+
+def test_each_part_of_a_rail_block_starts_on_16_bytes():
+    # 3 tokens of top-3 ids (72 bytes), then their rows of 24 BF16 channels (144 bytes)
+    blocks = _Blocks(4, (3 * 3 * 8, 3 * 24 * 2))
+    assert blocks.offsets == (0, 80)
+    assert blocks.block_bytes == 80 + 144
+    assert blocks.total_bytes == 4 * blocks.block_bytes
+    assert all(offset % 16 == 0 for offset in blocks.offsets) and blocks.block_bytes % 16 == 0
