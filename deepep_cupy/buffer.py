@@ -59,7 +59,8 @@ class Buffer:
             :func:`deepep_cupy.get_nvl_buffer_size_hint`. May be 0 with ``low_latency_mode``
             (a decode-only Buffer, as DeepEP's ``Buffer(group, 0, num_rdma_bytes, True)``).
         num_rdma_bytes: with ``low_latency_mode=True``, the bytes of the low-latency buffer (decode
-            calls over NVLink on one node; size it with :meth:`get_low_latency_rdma_size_hint`;
+            calls over NVLink, and across nodes over the rail, docs/DECODE.md; size it with
+            :meth:`get_low_latency_rdma_size_hint`;
             same on every rank).
             Otherwise 0, or > 0 for an internode Buffer (DeepEP's switch): when the group spans
             several nodes (``ranks_per_node``), every operation takes the hierarchical path of
@@ -69,7 +70,8 @@ class Buffer:
             as DeepEP's is. Its staging comes from CuPy's pool per call
             (:func:`deepep_cupy.config.get_rdma_buffer_size_hint` says how much).
         low_latency_mode: DeepEP's decode API (:meth:`low_latency_dispatch`,
-            :meth:`low_latency_combine`) on the ranks of one node.
+            :meth:`low_latency_combine`), on one node or across nodes (there the decode calls only;
+            the normal ones raise ``BufferKindError``).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
         explicitly_destroy, enable_shrink: DeepEP's arguments, accepted so that its scripts run
             unchanged (the first two are not used: NVLink carries everything). ``allow_mnnvl``,

@@ -2,7 +2,8 @@
 nodes over the "local" rail transport (sharing one GPU where there is one), a PyTorch graph of the
 whole step (layout, dispatch, combine) replayed with new routing, every replay bit for bit against
 deepep_cupy.reference.internode and against an eager step on the same inputs
-(tests/workers/internode_graph_worker.py)."""
+(tests/workers/internode_graph_worker.py); on two GPUs, the same over the "nccl" rail transport
+(its grouped send/receive captured)."""
 
 import pytest
 from _harness import WORKERS, describe, import_or_skip, records_by, run_python
@@ -18,8 +19,19 @@ TIMEOUT_S = 600
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{lr}" for n, lr in SHAPES])
 def test_a_captured_internode_step_replays_new_routing_bit_exactly(shape, dtype):
     import_or_skip("torch", "PyTorch's CUDA graphs")
-    num_nodes, ranks_per_node = shape
-    run = run_python([WORKER, num_nodes, ranks_per_node, "--replays", REPLAYS, "--dtype", dtype], TIMEOUT_S)
+    _every_replay_passed(*shape, dtype, "local")
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_captured_internode_step_over_nccl_replays_new_routing_bit_exactly(dtype):
+    import_or_skip("torch", "PyTorch's CUDA graphs")
+    _every_replay_passed(2, 1, dtype, "nccl")
+
+
+def _every_replay_passed(num_nodes, ranks_per_node, dtype, transport):
+    run = run_python([WORKER, num_nodes, ranks_per_node, "--replays", REPLAYS, "--dtype", dtype, "--transport",
+                      transport], TIMEOUT_S)
     records = records_by(run.stdout, "shape").get(f"{num_nodes}x{ranks_per_node}", [])
     assert sorted(r["rank"] for r in records) == list(range(num_nodes * ranks_per_node)), describe(run)
     failed = [f"rank {r['rank']}: {r['error']}" for r in records if not r["ok"]]

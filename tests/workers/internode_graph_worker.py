@@ -4,10 +4,12 @@ with new routing, bit for bit against deepep_cupy.reference.internode and agains
 Usage::
 
     python tests/workers/internode_graph_worker.py NODES RANKS_PER_NODE [--replays N] [--dtype D]
+        [--transport local|nccl]
 
 The ranks are threads of this process (``run_local_group``) on simulated nodes
 (``ranks_per_node``), sharing the machine's GPUs (all of them on one GPU where there is one), with
-the "local" rail transport. Each rank captures one step (layout, dispatch with num_worst_tokens,
+the "local" rail transport, or "nccl" (NCCL refuses two ranks on one GPU: one GPU per rank, e.g.
+``2 1 --transport nccl`` on two GPUs). Each rank captures one step (layout, dispatch with num_worst_tokens,
 combine) on PyTorch tensors in ``torch.cuda.CUDAGraph`` (thread-local capture, after one eager
 step), then, per replay, writes new inputs into the captured tensors, replays, and checks the
 dispatch and combine outputs against the reference and against an eager step on the same inputs.
@@ -139,7 +141,7 @@ def same_defined_rows(replayed, eager, n, what):
         expect_equal(f"{what} {key} (replay against eager)", value[:rows], eager[key][:rows])
 
 
-def rank_main(group, num_nodes, L, replays, dtype):
+def rank_main(group, num_nodes, L, replays, dtype, transport="local"):
     import cupy
     import torch
 
@@ -152,8 +154,9 @@ def rank_main(group, num_nodes, L, replays, dtype):
     E, worst = EXPERTS_PER_RANK * R, T * R
     fp8 = dtype == "float8_e4m3fn"
     nvl = ep.get_nvl_buffer_size_hint(H * 4, max(L, 2), num_max_tokens_per_rank=T * num_nodes)
-    buf = ep.Buffer(group, nvl, 1, ranks_per_node=L, internode_transport="local", timeout_s=60)
-    record = dict(rank=rank, shape=f"{num_nodes}x{L}", dtype=dtype, ok=False, error=None, replays=0)
+    buf = ep.Buffer(group, nvl, 1, ranks_per_node=L, internode_transport=transport, timeout_s=60)
+    record = dict(rank=rank, shape=f"{num_nodes}x{L}", dtype=dtype, transport=transport, ok=False, error=None,
+                  replays=0)
     stream = torch.cuda.Stream()
     try:
         with torch.cuda.stream(stream):
@@ -209,6 +212,7 @@ def main(argv):
     parser.add_argument("ranks_per_node", type=int)
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"))
+    parser.add_argument("--transport", default="local", choices=("local", "nccl"))
     args = parser.parse_args(argv)
     import cupy
 
@@ -216,8 +220,10 @@ def main(argv):
 
     R = args.num_nodes * args.ranks_per_node
     devices = [r % cupy.cuda.runtime.getDeviceCount() for r in range(R)]
+    if args.transport == "nccl" and len(set(devices)) < R:
+        raise SystemExit(f"--transport nccl: NCCL needs one GPU per rank ({R} ranks, {len(set(devices))} GPUs)")
     oks = ep.run_local_group(lambda group: rank_main(group, args.num_nodes, args.ranks_per_node, args.replays,
-                                                     args.dtype), R, devices=devices, timeout_s=120)
+                                                     args.dtype, args.transport), R, devices=devices, timeout_s=120)
     return 0 if all(oks) else 1
 
 
