@@ -84,7 +84,11 @@ __global__ void __launch_bounds__(LL_NODES_GLOBAL_HANDLE_THREADS) global_handle(
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x) {
         const int le = i / num_ranks, s = i % num_ranks, n = s / ranks_per_node, l = s % ranks_per_node;
         const int64_t_ range = node_layout_range[le * ranks_per_node + l];
-        const int begin = (int)(range >> 32), count = (int)(range & 0xFFFFFFFF);
+        const int begin = (int)(range >> 32);
+        int count = (int)(range & 0xFFFFFFFF);
+        // A receive that timed out left its range unwritten: read nothing outside the rows then.
+        if (begin < 0 || count < 0 || begin > rows - count)
+            count = 0;
         const int* row = node_src_info + (int64_t_)le * rows + begin;
         int bounds[2];
         for (int b = 0; b < 2; ++b) {

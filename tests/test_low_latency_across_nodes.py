@@ -24,3 +24,20 @@ def test_each_part_of_a_rail_block_starts_on_16_bytes():
     assert blocks.block_bytes == 80 + 144
     assert blocks.total_bytes == 4 * blocks.block_bytes
     assert all(offset % 16 == 0 for offset in blocks.offsets) and blocks.block_bytes % 16 == 0
+
+
+def test_a_combine_across_nodes_refuses_the_handle_of_a_one_node_dispatch():
+    import pytest
+
+    from deepep_cupy.groups.nodes import NodeTopology
+    from deepep_cupy.low_latency.across_nodes import LowLatencyAcrossNodes
+
+    class Node:  # what the path reads of its node's decode path when it is made
+        device_id = 0
+
+    path = LowLatencyAcrossNodes(Node(), transport=None, topology=NodeTopology(0, 4, 2), kernels=None)
+    one_node = LowLatencyHandle(np.zeros((2, 8), np.int32), np.zeros((2, 4), np.int64), 2, 128, 16)
+    with pytest.raises(ValueError, match="a dispatch across nodes"):
+        path.combine(None, None, None, one_node)
+    with pytest.raises(ValueError, match="this Buffer's low_latency_dispatch"):
+        path.next_combine_buffer(one_node)

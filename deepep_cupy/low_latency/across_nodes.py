@@ -37,6 +37,7 @@ import sys
 from typing import Any, Callable, Dict, Tuple
 
 from ..constants import MAX_TOPK
+from ..gpu.launch import fill_bytes
 from ..tensors import ArrayLib, check_array, describe
 from .arguments import checked_layout
 from .handle import LowLatencyHandle, low_latency_handle
@@ -92,11 +93,18 @@ class _Scratch:
         self.routing = _Blocks(num_nodes, (num_max * num_topk * 8, num_max * num_topk * 4))
         rows = num_nodes * num_max
         with cupy.cuda.Device(device_id):
-            def space(num_bytes):
-                # All bits set: the top-k ids of a block a failed exchange never filled are -1 (no
-                # expert), not garbage, until the rail's timeout is reported.
-                return cupy.full(max(num_bytes, _ALIGN), 0xFF, cupy.uint8)
+            stream = cupy.cuda.get_current_stream().ptr
 
+        def space(num_bytes):
+            # All bits set: the top-k ids of a block a failed exchange never filled are -1 (no
+            # expert), not garbage, until the rail's timeout is reported. A memset, not a CuPy
+            # kernel: a kernel's first launch loads its module, which waits for the kernels running
+            # on the GPU, among them those of the ranks sharing it that wait for this one.
+            array = cupy.empty(max(num_bytes, _ALIGN), cupy.uint8)
+            fill_bytes(array.data.ptr, 0xFF, array.nbytes, stream)
+            return array
+
+        with cupy.cuda.Device(device_id):
             self.tokens_send, self.tokens_recv = space(self.tokens.total_bytes), space(self.tokens.total_bytes)
             self.routing_send, self.routing_recv = space(self.routing.total_bytes), space(self.routing.total_bytes)
             # The combine's routing is read by its receive, which a second combine's send may
@@ -106,6 +114,8 @@ class _Scratch:
                 "combine_topk_0": space(rows * num_topk * 8), "combine_topk_1": space(rows * num_topk * 8),
                 "weights_0": space(rows * num_topk * 4), "weights_1": space(rows * num_topk * 4),
                 "partials": space(rows * hidden * 2), "partials_recv": space(rows * hidden * 2)}
+            # Once per shape: the fills are over before any stream of the calls reads the memory.
+            cupy.cuda.runtime.streamSynchronize(stream)
         self.shapes = {"x": ((hidden,), "bfloat16"), "topk": ((num_topk,), "int64"),
                        "combine_topk_0": ((num_topk,), "int64"), "combine_topk_1": ((num_topk,), "int64"),
                        "weights_0": ((num_topk,), "float32"), "weights_1": ((num_topk,), "float32"),
