@@ -59,7 +59,15 @@ class LowLatencyEngine(Engine):
         return self._normal("combine").combine(*args, **kwargs)
 
     def barrier(self) -> None:
-        self.intranode.barrier()
+        if not self.across_nodes:
+            self.intranode.barrier()
+            return
+        # Across nodes the device barrier would meet the node's ranks alone: this rank's calls are
+        # waited for, then the whole group meets on the host.
+        self.intranode.slots.raise_if_failed()
+        with self.intranode.on_device:
+            self.intranode.order.synchronize()
+        self._group_barrier()
 
     def check_kernel_errors(self) -> None:
         # The rail's first: a timed-out exchange across nodes is why the node's calls then failed.
