@@ -41,3 +41,21 @@ def test_a_combine_across_nodes_refuses_the_handle_of_a_one_node_dispatch():
         path.combine(None, None, None, one_node)
     with pytest.raises(ValueError, match="this Buffer's low_latency_dispatch"):
         path.next_combine_buffer(one_node)
+
+
+def test_a_low_latency_buffer_across_nodes_refuses_the_normal_calls_naming_the_way_out():
+    import pytest
+
+    from deepep_cupy.errors import BufferKindError
+    from deepep_cupy.low_latency.engine import LowLatencyEngine
+
+    class NodeEngine:  # the node's intranode engine: its normal calls would stay inside the node
+        def dispatch(self, *args, **kwargs):
+            raise AssertionError("a normal call reached the node's engine")
+
+        combine = get_dispatch_layout = dispatch
+
+    engine = LowLatencyEngine(NodeEngine(), path=None, group_barrier=lambda: None, across_nodes=True)
+    for call in (engine.get_dispatch_layout, engine.dispatch, engine.combine):
+        with pytest.raises(BufferKindError, match="low_latency_mode=False"):
+            call()
