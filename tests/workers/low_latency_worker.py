@@ -50,7 +50,7 @@ CASES = ("bf16_eager", "bf16_hook", "fp8_eager", "fp8_hook", "fp8_round_scale_ea
          "graph_torch", "graph_torch_hook_fp8", "deepep_style_torch", "lone_call_times_out",
          "two_zero_copy_combines_in_flight_async", "two_zero_copy_combines_in_flight_hook", "graph_torch_async",
          "graph_cupy_async", "logfmt_hidden_2048", "logfmt_hidden_1536_hook", "logfmt_hidden_7168_fp8",
-         "masked_rank_shrink", "combine_wait_stats")
+         "masked_rank_shrink", "combine_wait_stats", "random_calls")
 assert set(CASES) >= {f"{mode}_{hook}" for mode in FP8_MODES for hook in ("eager", "hook")}
 
 
@@ -456,6 +456,44 @@ def case_combine_wait_stats(ctx):
         raise Mismatch(f"combine_wait_recv_cost_stats: expected R non-negative cycle sums, got {w}")
 
 
+def case_random_calls(ctx):
+    """Calls of drawn settings, the same on every rank: 1 to M tokens per rank, hidden 1024 or 2048,
+    top-1 to top-8, each FP8 mode, with or without the receive hook, CuPy or PyTorch arrays."""
+    rng = np.random.default_rng(5000)
+    libs = ["cupy"] + (["torch"] if _has_torch() else [])
+    for i in range(6):
+        counts = [int(c) for c in rng.integers(1, M + 1, ctx.R)]
+        hidden = int(rng.choice([1024, 2048]))
+        num_topk = int(rng.integers(1, min(8, ctx.E) + 1))
+        mode = str(rng.choice(list(FP8_MODES)))
+        hook = bool(rng.integers(2))
+        lib = str(rng.choice(libs))
+        inputs = draw(5000 + i, ctx.R, ctx.E, counts, hidden=hidden, num_topk=num_topk)
+        x, topk, weights, y = (to_device(inputs[ctx.rank][k], lib) for k in ("x", "topk", "weights", "y"))
+        results = reference(inputs, ctx.E, mode)
+        what = f"call {i} ({lib}, {mode}, hook={hook}, hidden {hidden}, top-{num_topk}, tokens {counts})"
+        ctx.together()
+        out = ctx.buf.low_latency_dispatch(x, topk, M, ctx.E, return_recv_hook=hook, **FP8_MODES[mode])
+        if hook:
+            out[4]()
+        ctx.synchronize()
+        check_dispatch(out, results[ctx.rank], mode, f"{what} dispatch")
+        ctx.together()
+        combined, _, combine_hook = ctx.buf.low_latency_combine(y, topk, weights, out[2], return_recv_hook=hook)
+        if hook:
+            combine_hook()
+        ctx.synchronize()
+        check_combine(combined, inputs, results, ctx.rank, f"{what} combine")
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def case_stats(ctx):
     inputs = draw(400, ctx.R, ctx.E)
     mine = inputs[ctx.rank]
@@ -668,7 +706,8 @@ def run_case(ctx, name):
              "logfmt_hidden_2048": lambda c: case_logfmt(c, 2048, False, "bf16"),
              "logfmt_hidden_1536_hook": lambda c: case_logfmt(c, 1536, True, "bf16"),
              "logfmt_hidden_7168_fp8": lambda c: case_logfmt(c, BIG_HIDDEN, False, "fp8"),
-             "masked_rank_shrink": case_masked_rank, "combine_wait_stats": case_combine_wait_stats}
+             "masked_rank_shrink": case_masked_rank, "combine_wait_stats": case_combine_wait_stats,
+             "random_calls": case_random_calls}
     return cases[name](ctx)
 
 
