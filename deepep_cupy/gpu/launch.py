@@ -149,6 +149,12 @@ def shared_arguments(peer_table_ptr: int, num_ranks: int, rank: int, timeout_s: 
                 error_record=error_record_ptr)
 
 
+def every_argument_per_call(kernel: str, grid: int) -> KernelCall:
+    """``kernel`` (a non-template instance) with all of its parameters passed to :meth:`KernelCall.run`, in
+    declaration order: the small kernels whose launchers hold no fixed arguments."""
+    return KernelCall(kernel, grid=grid, per_call=[name for name, _ in kernels.SIGNATURES[kernel]])
+
+
 def bind(kernel: str, shared: Dict[str, int], template_args: Tuple[object, ...] = (), **call) -> KernelCall:
     """``KernelCall(kernel, template_args, **call)`` with the entries of ``shared``
     (:func:`shared_arguments`) that ``kernel`` names bound too."""

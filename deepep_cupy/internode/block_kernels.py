@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from ..gpu import kernels
-from ..gpu.launch import KernelCall, fill_bytes
+from ..gpu.launch import KernelCall, every_argument_per_call, fill_bytes
 
 #: Blocks of the kernels that loop over tokens or rows in steps of the grid.
 GRID_BLOCKS = 132
@@ -39,9 +39,7 @@ class BlockKernels:
     def _call(self, kernel: str, grid: int) -> KernelCall:
         call = self._calls.get(kernel)
         if call is None:
-            name = f"deepep_cupy::blocks::{kernel}"
-            call = self._calls[kernel] = KernelCall(name, grid=grid,
-                                                    per_call=[n for n, _ in kernels.SIGNATURES[name]])
+            call = self._calls[kernel] = every_argument_per_call(f"deepep_cupy::blocks::{kernel}", grid)
         return call
 
     def zero(self, stream: int, array) -> None:

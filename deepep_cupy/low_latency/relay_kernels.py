@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Dict
 
 from ..gpu import kernels
-from ..gpu.launch import KernelCall
+from ..gpu.launch import KernelCall, every_argument_per_call
 
 #: Blocks of the kernels that loop over tokens or rows in steps of the grid.
 GRID_BLOCKS = 132
@@ -26,9 +26,7 @@ class RelayKernels:
     def _run(self, kernel: str, stream: int, *values) -> None:
         call = self._calls.get(kernel)
         if call is None:
-            name = f"deepep_cupy::ll_nodes::{kernel}"
-            call = self._calls[kernel] = KernelCall(name, grid=GRID_BLOCKS,
-                                                    per_call=[n for n, _ in kernels.SIGNATURES[name]])
+            call = self._calls[kernel] = every_argument_per_call(f"deepep_cupy::ll_nodes::{kernel}", GRID_BLOCKS)
         call.run(stream, *values)
 
     def relay_tokens(self, stream: int, x: int, topk: int, num_tokens: int, num_max: int, num_topk: int, hidden: int,

@@ -9,15 +9,11 @@ are not made (:func:`make_mailboxes` returns None) and the transport keeps its e
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from ..constants import RAIL_ERROR, RAIL_MAILBOX_WORDS, RAIL_PULL_BLOCKS
 from ..gpu import kernels
-from ..gpu.launch import KernelCall
-
-
-def _names(kernel: str) -> List[str]:
-    return [name for name, _ in kernels.SIGNATURES[kernel]]
+from ..gpu.launch import every_argument_per_call
 
 
 class Mailboxes:
@@ -35,9 +31,8 @@ class Mailboxes:
         self.num_peers = int(table.shape[0])
         self.timeout_ns = int(timeout_s * 1e9) if timeout_s > 0 else 0
         kernels.load(kernels.SOURCES["rail.cu"])
-        self._post = KernelCall("deepep_cupy::rail::post", grid=1, per_call=_names("deepep_cupy::rail::post"))
-        self._pull = KernelCall("deepep_cupy::rail::pull", grid=RAIL_PULL_BLOCKS,
-                                per_call=_names("deepep_cupy::rail::pull"))
+        self._post = every_argument_per_call("deepep_cupy::rail::post", grid=1)
+        self._pull = every_argument_per_call("deepep_cupy::rail::pull", grid=RAIL_PULL_BLOCKS)
 
     def exchange(self, send_ptr: int, recv_ptr: int, block_bytes: int, stream: int) -> None:
         """Block ``p`` of the send buffer to peer ``p``, peer ``p``'s block for this rank into block
