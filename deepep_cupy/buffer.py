@@ -295,6 +295,8 @@ class Buffer:
                 it move nothing, and the next call of the Buffer, or
                 :meth:`check_kernel_errors` once the GPU got there, raises ``ValueError``
                 (``RankMismatchError`` for settings) on every rank; the Buffer stays usable.
+                (Across nodes with one rank per node, the rank that received more keeps the first
+                ``num_worst_tokens`` rows; the next call raises all the same.)
             config: :class:`Config` (default: :func:`get_dispatch_config`).
             previous_event: make the communication wait for this event instead of the caller's stream.
             async_finish: return an event instead of making the caller's stream wait.

@@ -78,10 +78,11 @@ __device__ __forceinline__ int block_exclusive_scan(int flag, int* total) {
 // is_token_in_rank entry says so, and becomes row row_of[i] (-1: not a row), rows numbered in
 // record order, which is DeepEP's (source rank, then token). counts[b] = the rows from blocks
 // 0..b (at most num_rows), counts[num_blocks] = the rows wanted, even past num_rows;
-// block_prefix[b] = the records in blocks 0..b. One block.
+// block_prefix[b] = the records in blocks 0..b. When more rows are wanted than num_rows, overflow
+// (host-mapped) gets [rows wanted, num_rows] for the host to raise at its next call. One block.
 __global__ void __launch_bounds__(BLOCKS_NUMBER_ROWS_THREADS) number_rows(
         const unsigned char* records, int record_bytes, int in_rank_off, int rank, int num_blocks,
-        int block_tokens, int num_rows, int64_t_* row_of, int* counts, int* block_prefix) {
+        int block_tokens, int num_rows, int64_t_* row_of, int* counts, int* block_prefix, int* overflow) {
     const int num_records = num_blocks * block_tokens;
     int running = 0;
     for (int base = 0; base < num_records; base += blockDim.x) {
@@ -97,8 +98,14 @@ __global__ void __launch_bounds__(BLOCKS_NUMBER_ROWS_THREADS) number_rows(
         }
         running += total;
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         counts[num_blocks] = running;
+        if (running > num_rows && overflow != nullptr) {
+            overflow[1] = num_rows;
+            __threadfence_system();  // the host reads [0] first
+            overflow[0] = running;
+        }
+    }
     for (int b = threadIdx.x; b < num_blocks; b += blockDim.x)
         block_prefix[b] = (b + 1) * block_tokens;
 }

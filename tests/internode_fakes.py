@@ -305,6 +305,8 @@ class NumpyBlockKernels:
 
     def __init__(self):
         self.launched = []
+        self.overflow = None
+        self.closed = False
 
     def zero(self, stream, array):
         np.asarray(array)[...] = 0
@@ -335,6 +337,15 @@ class NumpyBlockKernels:
         np.asarray(counts)[:num_blocks] = np.minimum(inclusive.reshape(num_blocks, block_tokens)[:, -1], num_rows)
         np.asarray(counts)[num_blocks] = inclusive[-1]
         np.asarray(block_prefix)[...] = block_tokens * np.arange(1, num_blocks + 1)
+        if inclusive[-1] > num_rows:
+            self.overflow = (int(inclusive[-1]), num_rows)
+
+    def take_overflow(self):
+        found, self.overflow = self.overflow, None
+        return found
+
+    def close(self):
+        self.closed = True
 
     def stage_counts(self, stream, in_rank, topk, num_rows, num_node_experts, per_rank, per_expert):
         in_rank = np.asarray(in_rank)[:num_rows]

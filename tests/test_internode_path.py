@@ -347,6 +347,51 @@ def test_too_few_worst_tokens_for_one_rank_raise_on_every_rank_after_the_count_e
     assert all(o[1] == [] and o[2] == [-r for r in range(R)] for o in outcomes)
 
 
+@pytest.mark.parametrize("num_nodes", [2, 4])
+def test_too_few_worst_tokens_in_blocks_with_one_rank_per_node_raise_on_every_rank_at_the_next_call(monkeypatch,
+                                                                                                     num_nodes):
+    use_host_arrays(monkeypatch)
+    R, E = num_nodes, 2 * num_nodes
+    inputs = make_inputs(17, R, E, 2, "float32", counts=[6] * R, only_node=1, num_nodes=num_nodes)
+    want = iref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], E, 1)
+    worst = 4  # node 1 receives every routed token, more than 4
+
+    def body(rank, path):
+        x, topk = on_device(inputs[rank]["x"]), on_device(inputs[rank]["topk"])
+        per_expert = path.get_dispatch_layout(topk, E)[2]
+        recv_x, _, _, _, handle, _ = path.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                   num_worst_tokens=worst)  # no host wait: nothing raised yet
+        kept = np.asarray(recv_x)[:min(worst, len(want[rank]["recv_x"]))]
+        expect_bits("the rows kept", kept, want[rank]["recv_x"][:len(kept)])
+        with pytest.raises((ValueError, PeerFailedError), match="num_worst_tokens") as raised:
+            path.combine(recv_x, handle)
+        again = path.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=topk, num_worst_tokens=6 * R)
+        path.check_kernel_errors()  # reported once
+        return type(raised.value).__name__, np.asarray(again[0]).shape
+
+    outcomes = run_ranks(make_paths(num_nodes, 1, in_blocks=True), body)
+    assert [o[0] for o in outcomes] == ["ValueError" if r == 1 else "PeerFailedError" for r in range(R)]
+    assert [o[1] for o in outcomes] == [(6 * R, H)] * R
+
+
+def test_check_kernel_errors_tells_of_rows_dropped_by_a_dispatch_in_blocks(monkeypatch):
+    use_host_arrays(monkeypatch)
+    inputs = make_inputs(18, 2, 4, 2, "float32", counts=[6, 6], only_node=0, num_nodes=2)
+    received = len(iref.dispatch([i["x"] for i in inputs], [i["topk"] for i in inputs], 4, 1)[0]["recv_x"])
+
+    def body(rank, path):
+        x, topk = on_device(inputs[rank]["x"]), on_device(inputs[rank]["topk"])
+        path.dispatch(x, num_tokens_per_expert=path.get_dispatch_layout(topk, 4)[2], topk_idx=topk,
+                      num_worst_tokens=2)
+        if rank == 0:
+            with pytest.raises(ValueError, match=f"rank 0 was sent {received} tokens .* num_worst_tokens=2"):
+                path.check_kernel_errors()
+        path.check_kernel_errors()  # once only
+        return True
+
+    assert all(run_ranks(make_paths(2, 1, in_blocks=True), body))
+
+
 @pytest.mark.parametrize("shape", [(2, 2), (4, 1)])
 def test_a_failure_after_the_count_exchange_raises_on_every_rank_and_the_next_call_works(monkeypatch, shape):
     use_host_arrays(monkeypatch)

@@ -338,7 +338,7 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "per_rank:ptr per_node:ptr per_expert:ptr slots:ptr"),
     "deepep_cupy::blocks::number_rows": _signature(
         "records:ptr record_bytes:i32 in_rank_off:i32 rank:i32 num_blocks:i32 block_tokens:i32 num_rows:i32 "
-        "row_of:ptr counts:ptr block_prefix:ptr"),
+        "row_of:ptr counts:ptr block_prefix:ptr overflow:ptr"),
     "deepep_cupy::blocks::stage_counts": _signature(
         "in_rank:ptr topk:ptr num_rows:i32 ranks_per_node:i32 num_topk:i32 num_node_experts:i32 per_rank:ptr "
         "per_expert:ptr"),

@@ -8,10 +8,11 @@ the same methods (tests/internode_fakes.py).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ..gpu import kernels
 from ..gpu.launch import KernelCall, every_argument_per_call, fill_bytes
+from ..gpu.slots import MappedInts
 
 #: Blocks of the kernels that loop over tokens or rows in steps of the grid.
 GRID_BLOCKS = 132
@@ -35,6 +36,9 @@ class BlockKernels:
     def __init__(self) -> None:
         kernels.load(kernels.SOURCES["internode_blocks.cu"])
         self._calls: Dict[str, KernelCall] = {}
+        # [rows wanted, rows there were] of a number_rows that had too few rows (host-mapped: read
+        # with no CUDA call, at the next call, since nothing waits for the kernel).
+        self._overflow = MappedInts(2)
 
     def _call(self, kernel: str, grid: int) -> KernelCall:
         call = self._calls.get(kernel)
@@ -69,9 +73,25 @@ class BlockKernels:
                     block_tokens: int, num_rows: int, row_of, counts, block_prefix) -> None:
         """``row_of`` (int64 ``[num_blocks * block_tokens]``) and ``counts`` (int32
         ``[num_blocks + 1]``) of the received records meant for ``rank`` (one rank per node);
-        ``block_prefix`` (int32 ``[num_blocks]``) the records received up to each block."""
+        ``block_prefix`` (int32 ``[num_blocks]``) the records received up to each block. More
+        rows wanted than ``num_rows`` are dropped, and :meth:`take_overflow` tells of them."""
         self._call("number_rows", 1).run(stream, _ptr(records), record_bytes, in_rank_off, rank, num_blocks,
-                                         block_tokens, num_rows, _ptr(row_of), _ptr(counts), _ptr(block_prefix))
+                                         block_tokens, num_rows, _ptr(row_of), _ptr(counts), _ptr(block_prefix),
+                                         self._overflow.device_ptr(0))
+
+    def take_overflow(self) -> Optional[Tuple[int, int]]:
+        """``(rows wanted, rows there were)`` of a :meth:`number_rows` the GPU has run since the
+        last time this was asked, that had too few rows; None when none had (or it has not run yet)."""
+        values = self._overflow.values
+        if values[0] <= 0:
+            return None
+        found = (int(values[0]), int(values[1]))
+        values[:] = 0
+        return found
+
+    def close(self) -> None:
+        """Free the host-mapped overflow record (idempotent; after the GPU finished the calls)."""
+        self._overflow.free()
 
     def stage_counts(self, stream: int, in_rank, topk: Optional[Any], num_rows: int, num_node_experts: int,
                      per_rank, per_expert) -> None:

@@ -212,6 +212,7 @@ class InternodePath(Engine):
     def _check_cached(self, x, handle, num_worst_tokens, expand, recv_x_in_buffer,
                       config) -> arguments.CachedDispatchArgs:
         """A cached dispatch's checks, then what it allocates (the rail buffers): one vote for both."""
+        self._raise_recorded_failures()
         info, scales_info, handle, x_rows, x_scales = arguments.check_cached(
             x, handle, num_worst_tokens, expand, recv_x_in_buffer, config, device_id=self.device_id, owner=id(self))
         self._refuse_capture("dispatch", in_blocks=bool(handle.block_tokens))
@@ -254,6 +255,21 @@ class InternodePath(Engine):
         return _Route(per_node, [int(c) for c in host[N:N + R]], [int(c) for c in host[N + R:-1]], in_rank,
                       picked[:total] % max(T, 1), slots)
 
+    def _raise_recorded_failures(self) -> None:
+        """Raise, once, what the node's intranode kernels recorded (a refused dispatch that the host
+        did not wait for, say) or what a dispatch in blocks left: more rows for this rank than
+        ``num_worst_tokens`` (one rank per node). Called inside a call's first vote, so that every
+        rank raises; reads host-mapped memory only, as a graph capture allows."""
+        if self.intranode is not None:
+            self.intranode.check_kernel_errors()
+        found = None if self.blocks is None else self.block_kernels.take_overflow()
+        if found is not None:
+            wanted, rows = found
+            raise ValueError(f"num_worst_tokens: rank {self.topology.rank} was sent {wanted} tokens by a dispatch "
+                             f"with num_worst_tokens={rows}, which never waits for the host: its outputs hold the "
+                             f"first {rows} (in DeepEP's order) and the rest were dropped. Pass a num_worst_tokens "
+                             "of at least the most tokens a rank can receive; the Buffer stays usable")
+
     def _refuse_capture(self, what: str, in_blocks: bool) -> None:
         arguments.refuse_capture(self.order.capturing and not (in_blocks and self.blocks is not None), what,
                                  self.transport.name, self.transport.capturable)
@@ -265,6 +281,7 @@ class InternodePath(Engine):
         failure = args = route = payload = None
         in_blocks = False
         try:
+            self._raise_recorded_failures()
             args = arguments.check_fresh(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                          expert_alignment, num_worst_tokens, expand, recv_x_in_buffer, config,
                                          device_id=self.device_id, num_ranks=R)
@@ -462,6 +479,7 @@ class InternodePath(Engine):
 
     def _check_and_allocate_combine(self, x, handle, topk_weights, bias, config) -> arguments.CombineArgs:
         """The combine's checks, then what it allocates (the rail buffers, the outputs): one vote for both."""
+        self._raise_recorded_failures()
         handle, info, w_info, bias_views = arguments.check_combine(x, handle, topk_weights, bias, config,
                                                                    device_id=self.device_id, owner=id(self))
         self._refuse_capture("combine", in_blocks=bool(handle.block_tokens))
@@ -520,10 +538,9 @@ class InternodePath(Engine):
     # -----------------------------------------------------------------------------------------
 
     def check_kernel_errors(self) -> None:
-        """Raise what the intranode engine's kernels or the rail transport's device waits reported,
-        if anything (the host-driven rail transfers raise at once)."""
-        if self.intranode is not None:
-            self.intranode.check_kernel_errors()
+        """Raise what the intranode engine's kernels, the rail transport's device waits or a
+        dispatch in blocks reported, if anything (the host-driven rail transfers raise at once)."""
+        self._raise_recorded_failures()
         self.transport.check()
 
     def barrier(self) -> None:
@@ -552,7 +569,8 @@ class InternodePath(Engine):
             self.intranode.release()
 
     def destroy(self) -> None:
-        """Destroy the intranode engine, close the transport, free the sub-groups (idempotent)."""
+        """Destroy the intranode engine, close the transport and the block kernels' record, free the
+        sub-groups (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -566,6 +584,7 @@ class InternodePath(Engine):
         finally:
             try:
                 self.transport.close()
+                self.block_kernels.close()
             finally:
                 for release in self._on_destroy:
                     try:

@@ -13,7 +13,9 @@ the "local" rail transport, or "nccl" (NCCL refuses two ranks on one GPU: one GP
 combine) on PyTorch tensors in ``torch.cuda.CUDAGraph`` (thread-local capture, after one eager
 step), then, per replay, writes new inputs into the captured tensors, replays, and checks the
 dispatch and combine outputs against the reference and against an eager step on the same inputs.
-One ``RESULT {json}`` line per rank: ``ok``, ``error``, ``replays`` and the rail's bytes of the
+Then a dispatch with too few rows (``num_worst_tokens=1``) must make itself or the next call raise
+on every rank, and the call after it work. One ``RESULT {json}`` line per rank: ``ok``, ``error``,
+``replays``, ``too_few_rows`` (what the rank raised) and the rail's bytes of the
 last replay's dispatch, sent (``N * block_tokens`` records) and needed (the records of the tokens
 routed to each node), all nodes and between nodes.
 
@@ -184,6 +186,11 @@ def rank_main(group, num_nodes, L, replays, dtype, transport="local"):
                 same_defined_rows(got, eager, len(want[rank]["recv_x"]), f"replay {replay}")
                 record["replays"] = replay + 1
             buf.check_kernel_errors()
+            record["too_few_rows"] = too_few_rows_raise_on_every_rank(step, group)
+            eager = as_numpy(step())
+            stream.synchronize()
+            group.barrier()
+            check(eager, want[rank], combined, rank, "the call after the one that raised")
             layout = RecordLayout(H * (1 if fp8 else 2), 4 * (H // 128) if fp8 else 0, K, K, R)
             sends = want[rank]["send_counts"]
             record.update(ok=True, record_bytes=layout.bytes, block_tokens=T,
@@ -198,6 +205,34 @@ def rank_main(group, num_nodes, L, replays, dtype, transport="local"):
         emit(record)
         buf.destroy()
     return record["ok"]
+
+
+def too_few_rows_raise_on_every_rank(step, group):
+    """A dispatch with num_worst_tokens=1 returns (it never waits for the host), or raises where
+    the node's host learns of it within the call (ranks sharing a GPU wait for their node's
+    kernels); the call, or else the next one, raises on every rank (ValueError where the rows did
+    not fit, PeerFailedError elsewhere). The name of what this rank raised."""
+    import torch
+
+    import deepep_cupy as ep
+
+    buf = step.buf
+    x = (step.x, step.scales) if step.fp8 else step.x
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(step.topk, step.E)
+    try:
+        for worst in (1, step.worst):
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                         topk_idx=step.topk, num_worst_tokens=worst)
+            torch.cuda.current_stream().synchronize()
+            group.barrier()
+    except (ValueError, ep.PeerFailedError) as exc:
+        if "num_worst_tokens" not in str(exc) and not isinstance(exc, ep.PeerFailedError):
+            raise
+        return type(exc).__name__
+    finally:
+        torch.cuda.current_stream().synchronize()
+        group.barrier()
+    raise Mismatch("a dispatch with num_worst_tokens=1 was not reported by the next call")
 
 
 def ref_bf16(values):
