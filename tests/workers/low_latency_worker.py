@@ -39,7 +39,8 @@ M, H, K = 128, 1024, 4
 EXPERTS_PER_RANK = 4
 BIG_HIDDEN = 7168  # the decode shape of the anchors, in the cases that name it
 TIMEOUT_S = float(os.environ.get("DEEPEP_TEST_LL_TIMEOUT_S", "30"))
-GRAPH_REPLAYS = 3
+#: Replays of each captured decode step, each with new routing (the graph issue asks for 5 at least).
+GRAPH_REPLAYS = 5
 #: Ranks per simulated node (``--ranks-per-node``); None: one node.
 RANKS_PER_NODE = None
 FP8_MODES = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
