@@ -39,7 +39,7 @@ M, H, K = 128, 1024, 4
 EXPERTS_PER_RANK = 4
 BIG_HIDDEN = 7168  # the decode shape of the anchors, in the cases that name it
 TIMEOUT_S = float(os.environ.get("DEEPEP_TEST_LL_TIMEOUT_S", "30"))
-#: Replays of each captured decode step, each with new routing (the graph issue asks for 5 at least).
+#: Replays of each captured decode step, each with new routing.
 GRAPH_REPLAYS = 5
 #: Ranks per simulated node (``--ranks-per-node``); None: one node.
 RANKS_PER_NODE = None
