@@ -159,14 +159,17 @@ __device__ __forceinline__ bool wait_released(void* const* buffer_ptrs, int num_
 }
 
 // The start of a grid of `op`: this rank's call numbers of `op` (sends, receives), and whether to
-// stop at once because a rank gave up (thread 0 of block 0 records it).
+// stop at once because a rank gave up (thread 0 of block 0 records it; every thread of a block
+// calls it and gets the same answer).
 __device__ __forceinline__ bool enter(void* const* buffer_ptrs, int rank, int op, int kernel, int* error_record,
                                       int& send_call, int& recv_call) {
     const int* words = ll_words(buffer_ptrs, rank);
     send_call = ld_volatile(words + LL_CALLS_INT + op * 2);
     recv_call = ld_volatile(words + LL_CALLS_INT + op * 2 + 1);
-    return stop_if_a_rank_gave_up(buffer_ptrs, blockIdx.x == 0 && threadIdx.x == 0 ? error_record : nullptr,
-                                  kernel, rank, -1, send_call);
+    const bool stop = stop_if_a_rank_gave_up(buffer_ptrs, blockIdx.x == 0 && threadIdx.x == 0 ? error_record : nullptr,
+                                             kernel, rank, -1, send_call);
+    // Block-wide: a mark set between two threads' reads must not split the block at its barriers.
+    return __syncthreads_or(stop) != 0;
 }
 
 // The end of a grid: the last block to leave advances this rank's call counters of `op` for the
@@ -582,6 +585,8 @@ __global__ void __launch_bounds__(LL_THREADS) dispatch(
             }
             failed = __shfl_sync(kFullMask, failed, 0);
         }
+        // Block-wide: a warp whose wait failed must not skip the receive's block barriers alone.
+        failed = __syncthreads_or(failed) != 0;
         LL_STAMP(0, send_call, 2);
     }
 
