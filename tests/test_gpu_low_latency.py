@@ -120,14 +120,15 @@ def across_nodes_runs():
 
 #: Shapes whose ranks, threads of one process sharing one GPU, are known to fail in the decode
 #: across nodes (docs/DECODE.md "Across nodes": 2x4, 8 ranks, failed in the first dispatch on
-#: every run so far; the cause is not found). They run, and an unexpected pass shows.
+#: every run so far; the cause is not found). Not run there: each of its cases would wait out the
+#: kernels' timeout (up to the job's 900 s); run the worker itself to work on it.
 SHARED_GPU_FAILURES = {(2, 4)}
 
 
 def _node_shape(shape):
-    if shape in SHARED_GPU_FAILURES and gpu_count() < shape[0] * shape[1]:
+    if shape in SHARED_GPU_FAILURES and 0 < gpu_count() < shape[0] * shape[1]:
         return pytest.param(shape, marks=pytest.mark.xfail(
-            reason=f"{shape[0]}x{shape[1]} in-process ranks sharing a GPU: known failure (docs/DECODE.md)"))
+            run=False, reason=f"{shape[0]}x{shape[1]} in-process ranks sharing a GPU: known failure (docs/DECODE.md)"))
     return shape
 
 
