@@ -92,8 +92,6 @@ class _Scratch:
         self.tokens = _Blocks(num_nodes, (num_max * num_topk * 8, num_max * hidden * 2))
         self.routing = _Blocks(num_nodes, (num_max * num_topk * 8, num_max * num_topk * 4))
         rows = num_nodes * num_max
-        with cupy.cuda.Device(device_id):
-            stream = cupy.cuda.get_current_stream().ptr
 
         def space(num_bytes):
             # All bits set: the top-k ids of a block a failed exchange never filled are -1 (no
@@ -105,6 +103,7 @@ class _Scratch:
             return array
 
         with cupy.cuda.Device(device_id):
+            stream = cupy.cuda.get_current_stream().ptr
             self.tokens_send, self.tokens_recv = space(self.tokens.total_bytes), space(self.tokens.total_bytes)
             self.routing_send, self.routing_recv = space(self.routing.total_bytes), space(self.routing.total_bytes)
             # The combine's routing is read by its receive, which a second combine's send may
