@@ -127,7 +127,7 @@ KERNEL_STAGES: Dict[int, str] = {
     1: "barrier", 2: "notify_dispatch", 3: "cached dispatch check", 4: "dispatch sender",
     5: "dispatch receiver", 6: "combine check", 7: "combine sender", 8: "combine receiver",
     9: "low-latency dispatch send", 10: "low-latency dispatch receive", 11: "low-latency combine send",
-    12: "low-latency combine receive",
+    12: "low-latency combine receive", 13: "rail block exchange",
 }
 
 #: The local rail transport's mailbox (kernels/rail.cu): int64 words per rank, and what each holds
@@ -168,6 +168,7 @@ BLOCK_THREADS: Dict[str, int] = {
     "deepep_cupy::ll_nodes::relay_routing": 256,
     "deepep_cupy::ll_nodes::global_handle": 256,
     "deepep_cupy::ll_nodes::sum_partials": 256,
+    "deepep_cupy::ll_nodes::rail_failed": 32,
 }
 
 

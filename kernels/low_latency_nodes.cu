@@ -8,7 +8,9 @@
 //   relay_routing:  the combine's top-k ids and weights into one block per node;
 //   global_handle:  the node's receive layout (source = node rank l, token n * M + t of its rail's
 //                   node n) as DeepEP's (source = rank n * L + l, token t);
-//   sum_partials:   a token's partial sums from every node, added in node order.
+//   sum_partials:   a token's partial sums from every node, added in node order;
+//   rail_failed:    a timed-out wait of the rail's block exchange made this rank's giving up on the
+//                   node's decode buffer, so that no node call moves the blocks it never got.
 // deepep_cupy/low_latency/across_nodes.py lays out the blocks; deepep_cupy/reference/
 // low_latency_nodes.py states the results.
 #include "common.cuh"
@@ -129,6 +131,25 @@ __global__ void __launch_bounds__(LL_NODES_SUM_PARTIALS_THREADS) sum_partials(
             w[j] = (unsigned)float_to_bf16(acc[2 * j]) | ((unsigned)float_to_bf16(acc[2 * j + 1]) << 16);
         out[i] = make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
     }
+}
+
+// The local rail's error word (kernels/rail.cu: 0, or the code of the wait that timed out) after an
+// exchange: when set, this rank gives up on the node's decode buffer (as a timed-out wait of its own
+// decode kernels would), so that the node call reading the blocks stops at its entry instead of moving
+// stale ones, the node's other ranks stop too, and the host raises the rail's timeout. The peer named
+// is the global rank of the rail rank waited for (code 1 + p), or -1 when this rank waited for its
+// peers to finish reading its blocks.
+__global__ void __launch_bounds__(LL_NODES_RAIL_FAILED_THREADS) rail_failed(
+        const int64_t_* rail_error, int rail_size, int ranks_per_node, void* const* buffer_ptrs, int num_ranks,
+        int rank, int64_t_ timeout_ns, int* error_record) {
+    (void)timeout_ns;
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    const int64_t_ code = ld_volatile(rail_error);
+    if (code == 0 || rank_that_gave_up(buffer_ptrs, rank) >= 0)
+        return;
+    const int peer = code <= rail_size ? (int)(code - 1) * ranks_per_node + rank : -1;
+    give_up(buffer_ptrs, num_ranks, error_record, KERNEL_RAIL_BLOCK_EXCHANGE, rank, -1, peer, (int)code);
 }
 
 }  // namespace ll_nodes

@@ -59,3 +59,46 @@ def test_a_low_latency_buffer_across_nodes_refuses_the_normal_calls_naming_the_w
     for call in (engine.get_dispatch_layout, engine.dispatch, engine.combine):
         with pytest.raises(BufferKindError, match="low_latency_mode=False"):
             call()
+
+
+def _path_with_recorded_exchanges(device_error_ptr):
+    """A path across 2 nodes of 4 ranks (global rank 6) whose transport and relay kernels record what
+    an exchange queues."""
+    from deepep_cupy.groups.nodes import NodeTopology
+    from deepep_cupy.low_latency.across_nodes import LowLatencyAcrossNodes
+
+    queued = []
+
+    class Node:
+        device_id = 0
+        shared_arguments = {"buffer_ptrs": 1, "num_ranks": 4, "rank": 2, "timeout_ns": 5, "error_record": 7}
+
+    class Transport:
+        size = 2
+
+        def exchange_blocks(self, send_ptr, recv_ptr, block_bytes, stream, owners=()):
+            queued.append(("exchange", stream))
+
+    Transport.device_error_ptr = device_error_ptr
+
+    class Kernels:
+        def rail_failed(self, stream, rail_error, rail_size, ranks_per_node, node_arguments):
+            queued.append(("rail_failed", stream, rail_error, rail_size, ranks_per_node, node_arguments["rank"]))
+
+    class Memory:
+        class data:
+            ptr = 0
+
+    path = LowLatencyAcrossNodes(Node(), transport=Transport(), topology=NodeTopology(6, 8, 4), kernels=Kernels())
+    path._exchange(Memory(), Memory(), 64, stream=9)
+    return queued
+
+
+def test_an_exchange_whose_device_wait_can_time_out_is_followed_by_the_check_that_stops_the_node_call():
+    # the local rail's mailboxes wait on the device: a timeout there must stop the node's decode call
+    assert _path_with_recorded_exchanges(device_error_ptr=4096) == [
+        ("exchange", 9), ("rail_failed", 9, 4096, 2, 4, 2)]
+
+
+def test_an_exchange_with_no_device_wait_queues_nothing_after_it():
+    assert _path_with_recorded_exchanges(device_error_ptr=0) == [("exchange", 9)]

@@ -57,7 +57,8 @@ SOURCES: Dict[str, Tuple[str, ...]] = {
                        "deepep_cupy::low_latency::barrier"),
     # Decode across nodes: around the node's decode kernels and the rail's blocks.
     "low_latency_nodes.cu": tuple(f"deepep_cupy::ll_nodes::{k}" for k in ("relay_tokens", "relay_routing",
-                                                                         "global_handle", "sum_partials")),
+                                                                         "global_handle", "sum_partials",
+                                                                         "rail_failed")),
 }
 #: Kernels only an option uses (``dispatch(..., expand=True)``): compiled on first use.
 OPTIONAL_KERNELS = ("expand_kernel",)
@@ -371,6 +372,8 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         "ranks_per_node:i32 num_nodes:i32 num_max:i32"),
     "deepep_cupy::ll_nodes::sum_partials": _signature(
         "out:ptr partials:ptr num_tokens:i32 num_max:i32 num_nodes:i32 hidden_int4:i32"),
+    "deepep_cupy::ll_nodes::rail_failed": _signature(
+        "rail_error:ptr rail_size:i32 ranks_per_node:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
 }
 
 def block_threads(kernel: str) -> int:

@@ -218,6 +218,10 @@ class LowLatencyAcrossNodes:
 
     def _exchange(self, send, recv, block_bytes: int, stream: int) -> None:
         self.transport.exchange_blocks(send.data.ptr, recv.data.ptr, block_bytes, stream, owners=(send, recv))
+        # A device wait of the exchange that timed out must stop the node calls that read its blocks.
+        if self.transport.device_error_ptr:
+            self.kernels.rail_failed(stream, self.transport.device_error_ptr, self.transport.size,
+                                     self.ranks_per_node, self.node.shared_arguments)
 
     # -----------------------------------------------------------------------------------------
     # Dispatch

@@ -185,6 +185,11 @@ class LowLatencyPath:
                    rank=group.rank, num_ranks=group.size, device_id=device_id, order=order, slots=slots,
                    timeout_s=timeout_s, num_sms=num_sms, on_device=on_device, owner=nvl, enable_shrink=enable_shrink)
 
+    @property
+    def shared_arguments(self) -> Dict[str, int]:
+        """The arguments this buffer's kernels share (:func:`deepep_cupy.gpu.launch.shared_arguments`)."""
+        return dict(self._shared)
+
     def check(self) -> None:
         """Raise what a wait outside the Buffer's own kernels left behind: none on one node (the
         kernels' errors are the slots')."""

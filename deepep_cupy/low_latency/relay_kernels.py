@@ -6,10 +6,10 @@ strided copies that take the node calls' inputs out of the rail's blocks.
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Mapping
 
 from ..gpu import kernels
-from ..gpu.launch import KernelCall, every_argument_per_call
+from ..gpu.launch import KernelCall, bind, every_argument_per_call
 
 #: Blocks of the kernels that loop over tokens or rows in steps of the grid.
 GRID_BLOCKS = 132
@@ -55,6 +55,19 @@ class RelayKernels:
         """``out`` (BF16 ``[num_tokens, hidden]``): the sum of every node's partial rows."""
         if num_tokens:
             self._run("sum_partials", stream, out, partials, num_tokens, num_max, num_nodes, hidden // 8)
+
+    def rail_failed(self, stream: int, rail_error: int, rail_size: int, ranks_per_node: int,
+                    node_arguments: Mapping[str, int]) -> None:
+        """After a block exchange of the rail: give up on the node's decode buffer when the exchange's
+        device wait timed out (its error word ``rail_error`` set), so that the node call that reads the
+        blocks stops instead of moving stale ones. ``node_arguments``: the node path's
+        :attr:`~deepep_cupy.low_latency.path.LowLatencyPath.shared_arguments` (bound at the first call:
+        an instance serves one path)."""
+        call = self._calls.get("rail_failed")
+        if call is None:
+            call = self._calls["rail_failed"] = bind("deepep_cupy::ll_nodes::rail_failed", dict(node_arguments),
+                                                     grid=1, per_call=("rail_error", "rail_size", "ranks_per_node"))
+        call.run(stream, rail_error, rail_size, ranks_per_node)
 
     @staticmethod
     def gather_blocks(stream: int, dst: int, src: int, part_bytes: int, block_bytes: int, num_blocks: int) -> None:

@@ -37,6 +37,9 @@ class RailTransport(abc.ABC):
     #: Whether :meth:`exchange_blocks` queues only device work (no host wait, no host callback), so
     #: that a CUDA graph capture of the stream can hold it.
     capturable: bool = False
+    #: Device address of an int64 word that a timed-out device wait of :meth:`exchange_blocks` sets (to
+    #: a code that is not 0), or 0 where the transport has no such waits.
+    device_error_ptr: int = 0
 
     def __init__(self, rail_group: Any, rail: Sequence[int], device_id: int, timeout_s: float):
         self.rail = [int(r) for r in rail]

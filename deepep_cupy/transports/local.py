@@ -54,6 +54,8 @@ class LocalRailTransport(RailTransport):
         # Host memory standing in for the device (CPU tests) has no mailboxes.
         self._mailboxes = make_mailboxes(rail_group, device_id, timeout_s) if memory is None else None
         self.capturable = self._mailboxes is not None
+        if self._mailboxes is not None:
+            self.device_error_ptr = self._mailboxes.error_ptr
 
     def exchange_blocks(self, send_ptr: int, recv_ptr: int, block_bytes: int, stream: int,
                         owners: Sequence[Any] = ()) -> None:

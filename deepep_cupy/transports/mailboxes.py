@@ -40,6 +40,11 @@ class Mailboxes:
         self._post.run(stream, self.own.data.ptr, send_ptr)
         self._pull.run(stream, self.table.data.ptr, self.rank, self.num_peers, recv_ptr, block_bytes, self.timeout_ns)
 
+    @property
+    def error_ptr(self) -> int:
+        """Device address of this rank's error word (what :meth:`error` reads)."""
+        return self.own.data.ptr + RAIL_ERROR * self.own.itemsize
+
     def error(self) -> int:
         """What a timed-out wait left (0: none; ``1 + p``: peer ``p`` did not post its call;
         ``1 + size + rank``: the peers did not all finish reading this rank's blocks). Waits for the device."""
