@@ -102,3 +102,47 @@ def test_an_exchange_whose_device_wait_can_time_out_is_followed_by_the_check_tha
 
 def test_an_exchange_with_no_device_wait_queues_nothing_after_it():
     assert _path_with_recorded_exchanges(device_error_ptr=0) == [("exchange", 9)]
+
+
+def _path_agreeing_through(allgather, monkeypatch):
+    """A path across 2 nodes of 2 ranks (global rank 0) whose call memory is a stand-in."""
+    import deepep_cupy.low_latency.across_nodes as across_nodes
+    from deepep_cupy.groups.nodes import NodeTopology
+
+    class Node:
+        device_id = 0
+
+    monkeypatch.setattr(across_nodes, "_Scratch", lambda *shape: object())
+    return across_nodes.LowLatencyAcrossNodes(Node(), transport=None, topology=NodeTopology(0, 4, 2), kernels=None,
+                                              allgather=allgather)
+
+
+def test_the_ranks_agree_on_a_new_call_shape_once_and_then_reuse_its_memory(monkeypatch):
+    gathered = []
+
+    def allgather(key):
+        gathered.append(key)
+        return [key] * 4
+
+    path = _path_agreeing_through(allgather, monkeypatch)
+    first = path._shape(128, 7168, 8)
+    assert path._shape(128, 7168, 8) is first
+    assert gathered == [(128, 7168, 8)]
+
+
+def test_ranks_whose_decode_calls_disagree_on_sizes_raise_and_the_next_call_asks_again(monkeypatch):
+    import pytest
+
+    from deepep_cupy.errors import RankMismatchError
+
+    gathered = []
+
+    def allgather(key):
+        gathered.append(key)
+        return [key, key, (key[0], 2 * key[1], key[2]), key]
+
+    path = _path_agreeing_through(allgather, monkeypatch)
+    for _ in range(2):
+        with pytest.raises(RankMismatchError, match=r"rank 2 has .*'hidden': 14336"):
+            path._shape(128, 7168, 8)
+    assert len(gathered) == 2

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..constants import MAX_TOPK
+from ..errors import RankMismatchError
 from ..gpu.launch import fill_bytes
 from ..tensors import ArrayLib, check_array, describe
 from .arguments import checked_layout
@@ -147,14 +148,18 @@ class LowLatencyAcrossNodes:
         topology: this rank's :class:`deepep_cupy.groups.nodes.NodeTopology`.
         kernels: a :class:`RelayKernels` (or the CPU tests' stand-in).
         on_close: called by :meth:`close` (the node sub-group's release).
+        allgather: the Buffer group's allgather with the Buffer's deadline, through which the ranks
+            agree on each new call shape before its memory is used (None: not consulted).
     """
 
     def __init__(self, node: LowLatencyPath, transport, topology, kernels: RelayKernels,
-                 on_close: Tuple[Callable[[], Any], ...] = ()):
+                 on_close: Tuple[Callable[[], Any], ...] = (),
+                 allgather: Optional[Callable[[Any], List[Any]]] = None):
         self.node = node
         self.transport = transport
         self.topology = topology
         self.kernels = kernels
+        self._allgather = allgather
         self._on_close = on_close
         self.rank, self.num_ranks = topology.rank, topology.num_ranks
         self.num_nodes, self.ranks_per_node = topology.num_nodes, topology.ranks_per_node
@@ -183,8 +188,23 @@ class LowLatencyAcrossNodes:
         key = (num_max, hidden, num_topk)
         scratch = self._scratch.get(key)
         if scratch is None:
-            scratch = self._scratch[key] = _Scratch(self.num_nodes, num_max, hidden, num_topk, self.device_id)
+            scratch = _Scratch(self.num_nodes, num_max, hidden, num_topk, self.device_id)
+            # Every rank makes its memory before any launches the call: making it may wait for the
+            # GPU, where the kernels of ranks sharing it would spin for this one. And the rail's
+            # blocks are laid out alike on every rank, or not at all.
+            if self._allgather is not None:
+                self._check_same_shape(key, self._allgather(key))
+            self._scratch[key] = scratch
         return scratch
+
+    def _check_same_shape(self, key: Tuple[int, int, int], keys: List[Any]) -> None:
+        for rank, other in enumerate(keys):
+            if tuple(other) != key:
+                names = ("num_max_dispatch_tokens_per_rank", "hidden", "num_topk")
+                raise RankMismatchError(
+                    f"rank {self.rank}: the ranks' decode calls across nodes disagree: rank {rank} has "
+                    f"{dict(zip(names, other))}, rank {self.rank} {dict(zip(names, key))}; every rank must call with "
+                    "the same sizes. Nothing was moved; the Buffer stays usable")
 
     def _refuse_capture(self, lib: ArrayLib, what: str) -> None:
         if self.transport.capturable:

@@ -40,7 +40,8 @@ def create_low_latency_across_nodes(group, topology, num_bytes: int, *, device_i
                                               on_device=intranode.on_device,
                                               ranks_on_gpu=2 * sharing if sharing > 1 else 1)
             path = LowLatencyAcrossNodes(node_path, transport, topology, RelayKernels(),
-                                         on_close=(node_group.free,))
+                                         on_close=(node_group.free,),
+                                         allgather=lambda key: group.allgather_within(key, timeout_s))
         intranode.mapped_beside.append(path)
         engine = LowLatencyEngine(intranode, path, group.barrier, across_nodes=True)
     except BaseException:
