@@ -141,8 +141,7 @@ __global__ void __launch_bounds__(LL_NODES_SUM_PARTIALS_THREADS) sum_partials(
 // peers to finish reading its blocks.
 __global__ void __launch_bounds__(LL_NODES_RAIL_FAILED_THREADS) rail_failed(
         const int64_t_* rail_error, int rail_size, int ranks_per_node, void* const* buffer_ptrs, int num_ranks,
-        int rank, int64_t_ timeout_ns, int* error_record) {
-    (void)timeout_ns;
+        int rank, int* error_record) {
     if (threadIdx.x != 0 || blockIdx.x != 0)
         return;
     const int64_t_ code = ld_volatile(rail_error);

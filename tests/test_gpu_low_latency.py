@@ -119,8 +119,8 @@ def across_nodes_runs():
 
 
 #: Shapes whose ranks, threads of one process sharing one GPU, are known to fail in the decode
-#: across nodes (docs/DECODE.md "Across nodes": 2x4, 8 ranks, failed in the first dispatch on
-#: every run so far; the cause is not found). Not run there: each of its cases would wait out the
+#: across nodes (docs/DECODE.md "Across nodes": 2x4, 8 ranks, failed in the first dispatch in 7
+#: of 9 runs; what the traces showed is there). Not run there: each of its cases would wait out the
 #: kernels' timeout (up to the job's 900 s); run the worker itself to work on it.
 SHARED_GPU_FAILURES = {(2, 4)}
 

@@ -373,7 +373,7 @@ SIGNATURES: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "deepep_cupy::ll_nodes::sum_partials": _signature(
         "out:ptr partials:ptr num_tokens:i32 num_max:i32 num_nodes:i32 hidden_int4:i32"),
     "deepep_cupy::ll_nodes::rail_failed": _signature(
-        "rail_error:ptr rail_size:i32 ranks_per_node:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 " + _DEADLINE),
+        "rail_error:ptr rail_size:i32 ranks_per_node:i32 buffer_ptrs:ptr num_ranks:i32 rank:i32 error_record:ptr"),
 }
 
 def block_threads(kernel: str) -> int:

@@ -37,7 +37,7 @@ the ones the Buffer imports from it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 from .. import tensors
 from ..constants import (
@@ -186,9 +186,9 @@ class LowLatencyPath:
                    timeout_s=timeout_s, num_sms=num_sms, on_device=on_device, owner=nvl, enable_shrink=enable_shrink)
 
     @property
-    def shared_arguments(self) -> Dict[str, int]:
-        """The arguments this buffer's kernels share (:func:`deepep_cupy.gpu.launch.shared_arguments`)."""
-        return dict(self._shared)
+    def shared_arguments(self) -> Mapping[str, int]:
+        """The arguments this buffer's kernels share (:func:`deepep_cupy.gpu.launch.shared_arguments`; read only)."""
+        return self._shared
 
     def check(self) -> None:
         """Raise what a wait outside the Buffer's own kernels left behind: none on one node (the
