@@ -58,6 +58,18 @@ def test_a_part_numbers_its_ranks_in_the_order_given():
     assert run(body, 4) == [(0, [0, 2]), (1, [3, 1]), (1, [0, 2]), (0, [3, 1])]
 
 
+def test_a_sub_group_names_its_ranks_by_the_ranks_of_the_group_it_was_split_from():
+    def body(group):
+        rail = group.split(RAILS_OF_3x2)
+        halves = rail.split([[0], [1, 2]])
+        return group.buffer_ranks, rail.buffer_ranks, halves.buffer_ranks
+
+    results = run(body, 6)
+    assert results[0][0] == tuple(range(6))
+    assert [r[1] for r in results] == [tuple(RAILS_OF_3x2[r % 2]) for r in range(6)]
+    assert results[5][2] == (3, 5) and results[1][2] == (1,)
+
+
 def test_sub_groups_of_a_thread_group_run_collectives_independently():
     def body(group):
         node = group.split(NODES_OF_3x2)

@@ -186,3 +186,36 @@ def test_verdicts_become_errors_that_name_the_rank():
     assert isinstance(error, ValueError) and "rank 1 passed expert ids outside [-1, 16)" in str(error)
     error = slots.verdict_error(2, 0, 16, np.arange(7))
     assert isinstance(error, ep.RankMismatchError) and "rank 0 and rank 1" in str(error)
+
+
+# ---------------------------------------------------------------------------------------------
+# A node's group under a Buffer across nodes names its ranks by their Buffer ranks
+
+NODE_1_OF_2x2 = (2, 3)
+
+
+def test_a_node_groups_timeout_names_the_buffer_ranks_of_rank_and_peer():
+    host_slots = HostSlots(1, 5.0, False, mapped=FakeMapped(), names=NODE_1_OF_2x2)
+    host_slots.values[:6] = (1, STAGE_IDS["low-latency dispatch receive"], 1, -1, 0, 4)
+    with pytest.raises(ep.DeepEPTimeoutError, match="rank 3: low-latency dispatch receive timed out after 5 s "
+                                                    "waiting for rank 2 ") as info:
+        host_slots.raise_if_failed()
+    assert (info.value.rank, info.value.peer) == (3, 2)
+    with pytest.raises(ep.DeepEPError, match="^rank 3: Buffer unusable"):
+        host_slots.raise_if_failed()
+
+
+def test_a_rail_exchange_record_names_its_peer_on_another_node_as_recorded():
+    host_slots = HostSlots(0, 5.0, False, mapped=FakeMapped(), names=NODE_1_OF_2x2)
+    host_slots.values[:6] = (1, STAGE_IDS["rail block exchange"], 0, -1, 0, 1)
+    with pytest.raises(ep.DeepEPTimeoutError, match="rank 2: rail block exchange timed out .* waiting for rank 0 "):
+        host_slots.raise_if_failed()
+
+
+def test_a_node_groups_verdicts_name_the_buffer_ranks():
+    error = slots.verdict_error(-2, 0, 16, (), None, names=NODE_1_OF_2x2)
+    assert "topk_idx: rank 3 passed expert ids" in str(error)
+    error = slots.verdict_error(2, 0, 16, np.arange(7), names=NODE_1_OF_2x2)
+    assert str(error).startswith("rank 2: dispatch settings differ between rank 2 and rank 3")
+    error = slots.refused_dispatch_error(2, 3, names=NODE_1_OF_2x2)
+    assert "between rank 2 and rank 3" in str(error)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -145,14 +145,28 @@ def host_failure(verdict: int):
     return failed // HOST_FAILURE_FLAG, HOST_FAILURES.get(code, f"host failure {code}")
 
 
+#: Stages whose records name the peer by its Buffer rank already: the rail peer lives on another
+#: node, outside the node's group that the recording kernel runs in.
+PEER_NAMED_BY_BUFFER_RANK = frozenset(k for k, stage in KERNEL_STAGES.items() if stage == "rail block exchange")
+
+
+def buffer_rank(names: Sequence[int], rank: int) -> int:
+    """The Buffer's rank of rank ``rank`` of the slots' group (``names``: see :class:`HostSlots`);
+    a rank outside it (a peer already named by its Buffer rank, or -1) is returned as it is."""
+    return names[rank] if 0 <= rank < len(names) else rank
+
+
 def peer_failed_error(rank: int, peer: int, what: str, operation: str, after: str) -> PeerFailedError:
     """What a rank raises for a call that rank ``peer``'s host refused (``what`` failed there)."""
     return PeerFailedError(f"rank {rank}: {operation} was refused on every rank because the host of rank {peer} "
                            f"failed before it could take part ({what}){after}", peer=peer, failure=what)
 
 
-def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
+def kernel_error(record, rank: int, timeout_s: float, names: Sequence[int] = ()) -> Optional[Exception]:
     """The exception an error record stands for, or None when it records nothing.
+
+    ``names``: the Buffer's rank of each rank of the group whose kernels wrote the record (a node's
+    group under a Buffer across nodes), so that messages name the ranks the user knows.
 
     A settings disagreement (every rank stopped before moving anything and the queues were reset)
     gives a :class:`RankMismatchError`, a refused dispatch that the host did not wait for what
@@ -166,7 +180,10 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
     stage = KERNEL_STAGES.get(int(record[1]), f"kernel {int(record[1])}")
     where_rank, channel, peer, detail = (int(v) for v in record[2:6])
     if code == ERROR_DISPATCH_REFUSED:
-        return refused_dispatch_error(detail, where_rank)
+        return refused_dispatch_error(detail, buffer_rank(names, where_rank), names)
+    where_rank = buffer_rank(names, where_rank)
+    if int(record[1]) not in PEER_NAMED_BY_BUFFER_RANK:
+        peer = buffer_rank(names, peer)
     if code == ERROR_HOST_FAILED:
         operation = "the last combine" if "combine" in stage else "the last cached dispatch"
         return peer_failed_error(where_rank, peer, HOST_FAILURES.get(detail, f"host failure {detail}"), operation,
@@ -203,9 +220,9 @@ def kernel_error(record, rank: int, timeout_s: float) -> Optional[Exception]:
         channel=channel_or_none, peer=peer)
 
 
-def refused_dispatch_error(verdict: int, rank: int) -> Exception:
+def refused_dispatch_error(verdict: int, rank: int, names: Sequence[int] = ()) -> Exception:
     """What a dispatch with ``num_worst_tokens`` raises, at the host's next check, when every rank
-    refused it (``verdict``: notify_dispatch's)."""
+    refused it (``verdict``: notify_dispatch's; ``names``: as :func:`kernel_error` takes them)."""
     after = ("; no tokens were moved, and the cached dispatches and combines that used its handle moved "
              "nothing (their outputs are not valid). The Buffer stays usable")
     if verdict == VERDICT_OVER_CAPACITY:
@@ -213,40 +230,46 @@ def refused_dispatch_error(verdict: int, rank: int) -> Exception:
                           f"received more tokens than num_worst_tokens{after}")
     failed = host_failure(verdict)
     if failed is not None:
-        return peer_failed_error(rank, failed[0], failed[1], "an earlier dispatch that the host did not wait for",
-                                 after)
+        return peer_failed_error(rank, buffer_rank(names, failed[0]), failed[1],
+                                 "an earlier dispatch that the host did not wait for", after)
     if verdict == VERDICT_BUFFER_TOO_SMALL:
         return ValueError(f"num_nvl_bytes: in an earlier dispatch that the host did not wait for, a rank sent "
                           f"another more tokens than a transfer region of this Buffer holds ({BUFFER_ADVICE}){after}")
     if verdict < 0:
         return ValueError(f"topk_idx: in an earlier dispatch with num_worst_tokens (the host did not wait for "
-                          f"it), rank {-verdict - 1} passed expert ids outside [-1, num_experts){after}")
+                          f"it), rank {buffer_rank(names, -verdict - 1)} passed expert ids outside "
+                          f"[-1, num_experts){after}")
     return RankMismatchError(
         f"rank {rank}: in an earlier dispatch with num_worst_tokens (the host did not wait for it), the "
-        f"settings differ between rank 0 and rank {verdict - 1} (compared: {', '.join(SIGNATURE_FIELDS)}){after}")
+        f"settings differ between rank {buffer_rank(names, 0)} and rank {buffer_rank(names, verdict - 1)} "
+        f"(compared: {', '.join(SIGNATURE_FIELDS)}){after}")
 
 
-def verdict_error(verdict: int, rank: int, num_experts: int, signature, bad_ids=None) -> Optional[Exception]:
+def verdict_error(verdict: int, rank: int, num_experts: int, signature, bad_ids=None,
+                  names: Sequence[int] = ()) -> Optional[Exception]:
     """The exception a fresh dispatch raises for notify_dispatch's ``verdict`` (None for 0).
 
-    ``bad_ids``: a few of this rank's out-of-range expert ids, when it is the rank at fault.
+    ``rank``: this rank of the dispatching group; ``bad_ids``: a few of this rank's out-of-range
+    expert ids, when it is the rank at fault; ``names``: as :func:`kernel_error` takes them.
     """
+    rank = buffer_rank(names, rank)
     if verdict == 0 or verdict == VERDICT_OVER_CAPACITY:
         return None
     failed = host_failure(verdict)
     if failed is not None:
-        return peer_failed_error(rank, failed[0], failed[1], "this dispatch",
+        return peer_failed_error(rank, buffer_rank(names, failed[0]), failed[1], "this dispatch",
                                  "; no tokens were moved, and the Buffer stays usable")
     if verdict == VERDICT_BUFFER_TOO_SMALL:
         return ValueError(f"num_nvl_bytes: a rank sends another more tokens than a transfer region of this Buffer "
                           f"holds for these rows; {BUFFER_ADVICE}. No tokens were moved")
     if verdict < 0:
-        bad_rank = -verdict - 1
+        bad_rank = buffer_rank(names, -verdict - 1)
         detail = f": values such as {bad_ids}" if bad_ids else ""
         return ValueError(f"topk_idx: rank {bad_rank} passed expert ids outside [-1, {num_experts}){detail}; "
                           "no tokens were moved")
     return RankMismatchError(
-        f"rank {rank}: dispatch settings differ between rank 0 and rank {verdict - 1} (compared: "
+        f"rank {rank}: dispatch settings differ between rank {buffer_rank(names, 0)} and rank "
+        f"{buffer_rank(names, verdict - 1)} (compared: "
         f"{', '.join(SIGNATURE_FIELDS)}); mine are {list(signature)}; no tokens were moved")
 
 
@@ -254,14 +277,18 @@ class HostSlots:
     """A Buffer's mapped slots and the protocol around them.
 
     Args:
-        rank: the Buffer's rank (named in messages).
+        rank: this rank of the group whose kernels write the slots.
         timeout_s: how long a host wait lasts before it gives up (the kernels' own deadline
             comes first; see :meth:`wait_for_count`).
         in_process: ranks are threads of this process (waits then go through an event).
+        names: the Buffer's rank of each rank of that group, by which messages name them (a
+            node's group under a Buffer across nodes); empty: the group is the Buffer's.
     """
 
-    def __init__(self, rank: int, timeout_s: float, in_process: bool, mapped=None):
-        self.rank = rank
+    def __init__(self, rank: int, timeout_s: float, in_process: bool, mapped=None, names: Sequence[int] = ()):
+        self.names = tuple(names)
+        #: This rank as messages name it: its Buffer rank.
+        self.rank = buffer_rank(self.names, rank)
         self.timeout_s = timeout_s
         self.in_process = in_process
         self.mapped = mapped if mapped is not None else MappedInts(SLOT_INTS)
@@ -286,7 +313,7 @@ class HostSlots:
 
     def _raise_record(self) -> None:
         record = self.values[ERROR_RECORD:ERROR_RECORD + ERROR_RECORD_INTS]
-        error = kernel_error(record, self.rank, self.timeout_s)
+        error = kernel_error(record, self.rank, self.timeout_s, self.names)
         if error is None:   # the record holds no error (callers look at its code first)
             return
         if not isinstance(error, DeepEPTimeoutError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import socket
 import sys
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import DeepEPError, RankMismatchError
 
@@ -26,6 +26,7 @@ class Group(abc.ABC):
 
     #: True when every rank lives in this process, so device pointers can be shared as they are.
     in_process: bool = False
+    _buffer_ranks: Optional[Tuple[int, ...]] = None
 
     @property
     @abc.abstractmethod
@@ -48,6 +49,12 @@ class Group(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Block until every rank of the group has called ``barrier``."""
+
+    @property
+    def buffer_ranks(self) -> Tuple[int, ...]:
+        """The rank of each rank of this group in the group the Buffer was made on: a sub-group
+        from :meth:`split` names its ranks as the group it was split from does."""
+        return self._buffer_ranks if self._buffer_ranks is not None else tuple(range(self.size))
 
     def allgather_within(self, obj: Any, timeout_s: float) -> List[Any]:
         """:meth:`allgather`, raising :class:`deepep_cupy.DeepEPTimeoutError` when some rank has not
@@ -86,7 +93,9 @@ class Group(abc.ABC):
         if any(g != parts for g in gathered):
             raise RankMismatchError(f"partition: ranks disagree, got {gathered} (rank order)")
         index = next(i for i, part in enumerate(parts) if self.rank in part)
-        return self._split(parts, index)
+        sub = self._split(parts, index)
+        sub._buffer_ranks = tuple(self.buffer_ranks[r] for r in parts[index])
+        return sub
 
     def _split(self, parts: List[List[int]], index: int) -> "Group":
         """The sub-group of ``parts[index]`` (this rank's part); every rank calls it with the same ``parts``."""

@@ -531,7 +531,7 @@ class DispatchPath:
         if verdict == -(self._ctx.rank + 1) and call.topk_array is not None:
             topk = call.topk_array
             bad_ids = topk[(topk < -1) | (topk >= spec.num_experts)][:4].tolist()
-        error = verdict_error(verdict, self._ctx.rank, spec.num_experts, spec.signature, bad_ids)
+        error = verdict_error(verdict, self._ctx.rank, spec.num_experts, spec.signature, bad_ids, self._ctx.slots.names)
         if error is None:  # callers handle 0 (no error) and VERDICT_OVER_CAPACITY (a retry) first
             raise DeepEPError(f"rank {self._ctx.rank}: verdict {verdict} names no error")
         return error

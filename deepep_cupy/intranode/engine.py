@@ -81,7 +81,7 @@ class IntranodeEngine(Engine):
             shares_gpu = engine.ranks_on_gpu() > 1
             try:
                 engine.nvl = NvlBuffer(group, engine.num_nvl_bytes) if engine.num_nvl_bytes else None
-                engine.attach(HostSlots(engine.rank, engine.timeout_s, group.in_process),
+                engine.attach(HostSlots(engine.rank, engine.timeout_s, group.in_process, names=group.buffer_ranks),
                               StreamOrder.create(device_id, shares_gpu),
                               engine.nvl.peer_ptrs.data.ptr if engine.nvl is not None else 0)
                 if engine.nvl is not None:
