@@ -86,7 +86,7 @@ def test_after_a_peer_gave_up_the_buffer_stays_unusable():
 
 
 def test_each_error_code_has_its_own_exception():
-    errors = {code: slots.kernel_error(np.array([code, 2, 0, -1, 1, 0, 0, 0]), 0, 5.0)
+    errors = {code: slots.kernel_error(np.array([code, 2, 0, -1, 1, 0, 0, 0]), 5.0)
               for code in (ERROR_TIMEOUT, ERROR_MISMATCH, ERROR_PEER_ABORTED)}
     assert [type(e) for e in errors.values()] == [ep.DeepEPTimeoutError, ep.RankMismatchError, ep.PeerAbortedError]
     assert "timed out after 5 s" in str(errors[ERROR_TIMEOUT])
@@ -209,6 +209,13 @@ def test_a_rail_exchange_record_names_its_peer_on_another_node_as_recorded():
     host_slots = HostSlots(0, 5.0, False, mapped=FakeMapped(), names=NODE_1_OF_2x2)
     host_slots.values[:6] = (1, STAGE_IDS["rail block exchange"], 0, -1, 0, 1)
     with pytest.raises(ep.DeepEPTimeoutError, match="rank 2: rail block exchange timed out .* waiting for rank 0 "):
+        host_slots.raise_if_failed()
+
+
+def test_a_node_groups_settings_disagreement_names_the_buffer_ranks():
+    host_slots = HostSlots(1, 5.0, False, mapped=FakeMapped(), names=NODE_1_OF_2x2)
+    host_slots.values[:6] = (2, STAGE_IDS["combine check"], 1, -1, 1, 2)
+    with pytest.raises(ep.RankMismatchError, match="rank 3: the last combine .* between rank 2 and rank 3"):
         host_slots.raise_if_failed()
 
 

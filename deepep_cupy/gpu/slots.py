@@ -162,7 +162,7 @@ def peer_failed_error(rank: int, peer: int, what: str, operation: str, after: st
                            f"failed before it could take part ({what}){after}", peer=peer, failure=what)
 
 
-def kernel_error(record, rank: int, timeout_s: float, names: Sequence[int] = ()) -> Optional[Exception]:
+def kernel_error(record, timeout_s: float, names: Sequence[int] = ()) -> Optional[Exception]:
     """The exception an error record stands for, or None when it records nothing.
 
     ``names``: the Buffer's rank of each rank of the group whose kernels wrote the record (a node's
@@ -201,9 +201,10 @@ def kernel_error(record, rank: int, timeout_s: float, names: Sequence[int] = ())
     if code == ERROR_MISMATCH:
         operation = "combine" if "combine" in stage else "cached dispatch"
         return RankMismatchError(
-            f"rank {where_rank}: the last {operation} was called with settings that differ between rank 0 and "
-            f"rank {peer} (compared: operation, row bytes, scales per token or element type and top-k, "
-            "num_sms, chunk sizes, recv_x_in_buffer); no tokens were moved and its outputs are unwritten")
+            f"rank {where_rank}: the last {operation} was called with settings that differ between rank "
+            f"{buffer_rank(names, 0)} and rank {peer} (compared: operation, row bytes, scales per token or "
+            "element type and top-k, num_sms, chunk sizes, recv_x_in_buffer); no tokens were moved and its outputs "
+            "are unwritten")
     where = f"channel {channel}" if channel >= 0 else "whole rank"
     channel_or_none = None if channel < 0 else channel
     if code == ERROR_PEER_ABORTED:
@@ -313,7 +314,7 @@ class HostSlots:
 
     def _raise_record(self) -> None:
         record = self.values[ERROR_RECORD:ERROR_RECORD + ERROR_RECORD_INTS]
-        error = kernel_error(record, self.rank, self.timeout_s, self.names)
+        error = kernel_error(record, self.timeout_s, self.names)
         if error is None:   # the record holds no error (callers look at its code first)
             return
         if not isinstance(error, DeepEPTimeoutError):
